@@ -1,0 +1,1 @@
+"""Wire protocol of the edge FL runtime (work in progress)."""
