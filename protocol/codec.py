@@ -1,0 +1,286 @@
+"""Codec: :class:`~protocol.messages.Message` <-> frame bytes (msgpack envelope + zstd).
+
+A *frame* is what travels as one MQTT payload. Two frame types share a 4-byte header::
+
+    offset  size  field
+    0       2     magic b"FL" (0x46 0x4C)
+    2       1     version (PROTOCOL_VERSION, 1)
+    3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking)
+
+A message frame continues with exactly one zstd frame (content size and checksum
+present) whose content is one msgpack map, the envelope::
+
+    {"v": 1, "kind": str, "fleet": str, "round": int, "sender": str,
+     "id": bin(16), "ts": int (unix ms), "body": map}
+
+``docs/protocol.md`` describes every body and tensor layout. Decoding is bounded by
+:class:`~protocol.limits.DecodeLimits` and raises only :class:`~protocol.errors.DecodeError`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zstandard
+from pydantic import ValidationError
+
+from protocol.errors import DecodeError, EncodeError
+from protocol.limits import DecodeLimits
+from protocol.messages import BODY_KINDS, PROTOCOL_VERSION, Message
+
+__all__ = [
+    "FRAME_CHUNK",
+    "FRAME_HEADER_SIZE",
+    "FRAME_MAGIC",
+    "FRAME_MESSAGE",
+    "Codec",
+    "FrameHeader",
+    "read_frame_header",
+]
+
+FRAME_MAGIC = b"FL"
+FRAME_MESSAGE = 0x01
+FRAME_CHUNK = 0x02
+FRAME_HEADER_SIZE = 4
+_ENVELOPE_KEYS = frozenset({"v", "kind", "fleet", "round", "sender", "id", "ts", "body"})
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """The 4-byte header every frame starts with."""
+
+    version: int
+    frame_type: int
+
+
+def read_frame_header(frame: bytes) -> FrameHeader:
+    """Parse and check a frame's header.
+
+    Raises:
+        DecodeError: too short, wrong magic, unsupported version or unknown type.
+    """
+    if len(frame) < FRAME_HEADER_SIZE:
+        raise DecodeError(f"frame too short ({len(frame)} bytes)")
+    if frame[:2] != FRAME_MAGIC:
+        raise DecodeError("not a frame of this protocol (bad magic)")
+    version, frame_type = frame[2], frame[3]
+    if version != PROTOCOL_VERSION:
+        raise DecodeError(
+            f"unsupported protocol version {version} (this build speaks {PROTOCOL_VERSION})"
+        )
+    if frame_type not in (FRAME_MESSAGE, FRAME_CHUNK):
+        raise DecodeError(f"unknown frame type 0x{frame_type:02x}")
+    return FrameHeader(version, frame_type)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise DecodeError(f"msgpack extension types are not allowed (type {code})")
+
+
+class Codec:
+    """Encodes messages to frames and decodes frames back, within limits.
+
+    Args:
+        level: zstd compression level, 1 to 3 (3 by default; higher levels are too slow
+            for the training loop and are refused).
+        limits: decoder bounds; the defaults suit trusted peers and model sizes up to
+            tens of MB. Also applied to :meth:`encode` so nothing is sent that a peer
+            with the same limits would refuse.
+
+    A codec is safe to share between threads.
+    """
+
+    def __init__(self, *, level: int = 3, limits: DecodeLimits | None = None) -> None:
+        if not 1 <= level <= 3:
+            raise ValueError(f"zstd level must be 1, 2 or 3, not {level}")
+        self.level = level
+        self.limits = limits or DecodeLimits()
+        self._local = threading.local()
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        comp = getattr(self._local, "comp", None)
+        if comp is None:
+            comp = zstandard.ZstdCompressor(
+                level=self.level, write_checksum=True, write_content_size=True
+            )
+            self._local.comp = comp
+        return comp
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        dec = getattr(self._local, "dec", None)
+        if dec is None:
+            dec = zstandard.ZstdDecompressor()
+            self._local.dec = dec
+        return dec
+
+    # -- encode ------------------------------------------------------------------------
+
+    def envelope(self, message: Message) -> dict[str, Any]:
+        """The envelope map of ``message`` before packing (for tools and tests)."""
+        body = message.body.model_dump(mode="python", exclude={"kind"})
+        return {
+            "v": PROTOCOL_VERSION,
+            "kind": message.kind,
+            "fleet": message.fleet,
+            "round": message.round,
+            "sender": message.sender,
+            "id": bytes.fromhex(message.message_id),
+            "ts": message.sent_at_ms,
+            "body": body,
+        }
+
+    def pack(self, message: Message) -> bytes:
+        """The uncompressed msgpack envelope of ``message``."""
+        try:
+            return msgpack.packb(self.envelope(message), use_bin_type=True)  # type: ignore[no-any-return]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EncodeError(f"cannot pack {message.kind} message: {exc}") from exc
+
+    def encode(self, message: Message) -> bytes:
+        """Encode one message as a message frame.
+
+        Raises:
+            EncodeError: the message is larger than ``limits.max_message_bytes`` (or
+                its frame than ``limits.max_frame_bytes``) or holds unpackable values.
+        """
+        packed = self.pack(message)
+        if len(packed) > self.limits.max_message_bytes:
+            raise EncodeError(
+                f"{message.kind} message is {len(packed)} bytes, "
+                f"limit {self.limits.max_message_bytes}"
+            )
+        header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE))
+        frame = header + self._compressor().compress(packed)
+        if len(frame) > self.limits.max_frame_bytes:
+            raise EncodeError(f"frame is {len(frame)} bytes, limit {self.limits.max_frame_bytes}")
+        return frame
+
+    # -- decode ------------------------------------------------------------------------
+
+    def decompress(self, frame: bytes) -> bytes:
+        """Check a message frame's header and size and return its msgpack envelope.
+
+        Raises:
+            DecodeError: a bad header, a chunk frame, more than ``max_frame_bytes``,
+                a zstd frame without content size, larger than ``max_message_bytes``,
+                corrupt, failing its checksum, or followed by trailing bytes.
+        """
+        limits = self.limits
+        if len(frame) > limits.max_frame_bytes:
+            raise DecodeError(f"frame is {len(frame)} bytes, limit {limits.max_frame_bytes}")
+        header = read_frame_header(frame)
+        if header.frame_type != FRAME_MESSAGE:
+            raise DecodeError("a chunk frame must be reassembled before decoding")
+        body = frame[FRAME_HEADER_SIZE:]
+        try:
+            size = zstandard.frame_content_size(body)
+        except zstandard.ZstdError as exc:
+            raise DecodeError(f"bad zstd frame: {exc}") from None
+        if size < 0:
+            raise DecodeError("zstd frame must declare its content size")
+        if size > limits.max_message_bytes:
+            raise DecodeError(
+                f"message would decompress to {size} bytes, limit {limits.max_message_bytes}"
+            )
+        try:
+            raw = self._decompressor().decompress(
+                body, max_output_size=size, allow_extra_data=False
+            )
+        except zstandard.ZstdError as exc:
+            raise DecodeError(f"bad zstd frame: {exc}") from None
+        if len(raw) != size:
+            raise DecodeError("zstd frame content size does not match its data")
+        return raw
+
+    def unpack(self, raw: bytes) -> dict[str, Any]:
+        """Unpack a msgpack envelope within limits and check its top-level shape."""
+        limits = self.limits
+        try:
+            env = msgpack.unpackb(
+                raw,
+                raw=False,
+                use_list=True,
+                strict_map_key=True,
+                max_str_len=limits.max_message_bytes,
+                max_bin_len=limits.max_message_bytes,
+                max_array_len=limits.max_array_len,
+                max_map_len=limits.max_map_len,
+                max_ext_len=0,
+                ext_hook=_reject_ext,
+            )
+        except DecodeError:
+            raise
+        except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, ...)
+            raise DecodeError(f"bad msgpack envelope: {type(exc).__name__}: {exc}") from None
+        if not isinstance(env, dict) or set(env) != _ENVELOPE_KEYS:
+            raise DecodeError(f"envelope must be a map with keys {sorted(_ENVELOPE_KEYS)}")
+        if env["v"] != PROTOCOL_VERSION or isinstance(env["v"], bool):
+            raise DecodeError(
+                f"unsupported protocol version {env['v']!r} (this build speaks {PROTOCOL_VERSION})"
+            )
+        if env["kind"] not in BODY_KINDS:
+            raise DecodeError(f"unknown message kind {env['kind']!r}")
+        if not isinstance(env["body"], dict) or "kind" in env["body"]:
+            raise DecodeError("body must be a map without a 'kind' key")
+        if not isinstance(env["id"], bytes) or len(env["id"]) != 16:
+            raise DecodeError("message id must be 16 bytes")
+        return env
+
+    def decode(self, frame: bytes) -> Message:
+        """Decode one message frame.
+
+        Raises:
+            DecodeError: anything wrong with the frame, the envelope, the body or its
+                tensors, or a bound of ``limits`` exceeded. Nothing partial is returned.
+        """
+        env = self.unpack(self.decompress(frame))
+        self._precheck_counts(env["body"])
+        kind = env["kind"]
+        candidate = {
+            "fleet": env["fleet"],
+            "sender": env["sender"],
+            "round": env["round"],
+            "message_id": env["id"].hex(),
+            "sent_at_ms": env["ts"],
+            "body": {"kind": kind, **env["body"]},
+        }
+        try:
+            message = Message.model_validate(
+                candidate, strict=False, context={"limits": self.limits}
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise DecodeError(f"invalid {kind} message: {where}: {first['msg']}") from None
+        self._check_totals(message)
+        return message
+
+    def _precheck_counts(self, body: dict[str, Any]) -> None:
+        """Refuse too many sets or tensors before any of them is validated."""
+        sets = body.get("sets")
+        if not isinstance(sets, dict):
+            return
+        if len(sets) > self.limits.max_tensor_sets:
+            raise DecodeError(f"{len(sets)} tensor sets, limit {self.limits.max_tensor_sets}")
+        count = sum(
+            len(s["tensors"])
+            for s in sets.values()
+            if isinstance(s, dict) and isinstance(s.get("tensors"), list)
+        )
+        if count > self.limits.max_tensors:
+            raise DecodeError(f"{count} tensors, limit {self.limits.max_tensors}")
+
+    def _check_totals(self, message: Message) -> None:
+        sets = message.tensor_sets()
+        limits = self.limits
+        if len(sets) > limits.max_tensor_sets:
+            raise DecodeError(f"{len(sets)} tensor sets, limit {limits.max_tensor_sets}")
+        tensors = sum(len(s) for s in sets.values())
+        if tensors > limits.max_tensors:
+            raise DecodeError(f"{tensors} tensors, limit {limits.max_tensors}")
+        elements = sum(s.numel for s in sets.values())
+        if elements > limits.max_total_elements:
+            raise DecodeError(f"{elements} elements in total, limit {limits.max_total_elements}")
