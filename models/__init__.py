@@ -1,1 +1,83 @@
-"""models package."""
+"""Models of the edge FL runtime: classifiers, generators and state conversion.
+
+Classifiers split into ``features`` and ``head`` (see :class:`Classifier`) and are built
+by name with :func:`build_classifier`; generators with :func:`build_generator`.
+:func:`state_arrays` and :func:`load_state_arrays` convert a module's state to and from
+the ``dict[str, numpy.ndarray]`` that :mod:`protocol` puts on the wire. Modules take a
+device as a parameter; nothing here does I/O or keeps global state.
+"""
+
+from __future__ import annotations
+
+from models.classifiers import (
+    DEFAULT_IMAGE_SIZE,
+    DEFAULT_IN_CHANNELS,
+    DEFAULT_NUM_CLASSES,
+    Classifier,
+    ClassifierConfig,
+)
+from models.errors import (
+    ModelConfigError,
+    ModelError,
+    ModelInputError,
+    StateMismatchError,
+    UnknownModelError,
+)
+from models.generators import (
+    ImageGenerator,
+    ImageGeneratorConfig,
+    LatentGenerator,
+    LatentGeneratorConfig,
+)
+from models.lenet import LeNet5, LeNet5Config
+from models.registry import build_classifier, build_generator, classifier_names, generator_kinds
+from models.resnet import FEDDF_RESNET8_WIDTHS, FEDKF_RESNET8_WIDTHS, ResNet8, ResNet8Config
+from models.small import MLP, FedGenCNN, FedGenCNNConfig, MLPConfig
+from models.state import (
+    StateSubset,
+    load_state_arrays,
+    state_arrays,
+    state_shapes,
+    subset_names,
+)
+
+__all__ = [
+    # classifiers
+    "Classifier",
+    "ClassifierConfig",
+    "DEFAULT_IMAGE_SIZE",
+    "DEFAULT_IN_CHANNELS",
+    "DEFAULT_NUM_CLASSES",
+    "FEDDF_RESNET8_WIDTHS",
+    "FEDKF_RESNET8_WIDTHS",
+    "FedGenCNN",
+    "FedGenCNNConfig",
+    "LeNet5",
+    "LeNet5Config",
+    "MLP",
+    "MLPConfig",
+    "ResNet8",
+    "ResNet8Config",
+    # generators
+    "ImageGenerator",
+    "ImageGeneratorConfig",
+    "LatentGenerator",
+    "LatentGeneratorConfig",
+    # registry
+    "build_classifier",
+    "build_generator",
+    "classifier_names",
+    "generator_kinds",
+    # state
+    "StateSubset",
+    "load_state_arrays",
+    "state_arrays",
+    "state_shapes",
+    "subset_names",
+    # errors
+    "ModelConfigError",
+    "ModelError",
+    "ModelInputError",
+    "StateMismatchError",
+    "UnknownModelError",
+]

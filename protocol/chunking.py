@@ -153,7 +153,8 @@ class Reassembler:
     def feed(self, source: str, frame: bytes) -> bytes | None:
         """Take one frame; return a complete frame when one is ready, else None.
 
-        A message frame is returned as it is. A chunk frame is stored; the call that
+        A message frame is returned as it is, every time (duplicate whole messages are
+        recognised by their message id, a level up). A chunk frame is stored; the call that
         completes its transfer returns the reassembled frame, once. Duplicates and
         redeliveries of chunks (even of a completed transfer) return None.
 

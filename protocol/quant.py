@@ -72,7 +72,8 @@ def fp32_to_fp16(x: F32) -> npt.NDArray[np.float16]:
         EncodeError: a finite input lies outside the fp16 range (``|x| > 65504``), which
             would silently become infinity. NaN and infinities are carried as they are.
     """
-    half = x.astype("<f2")
+    with np.errstate(over="ignore"):
+        half = x.astype("<f2")
     if not np.isfinite(half).all():
         overflow = ~np.isfinite(half) & np.isfinite(x)
         if overflow.any():

@@ -14,7 +14,8 @@ Error bounds, per element, for a finite float32 input ``x`` (see docs/protocol.m
 fp32      exact
 fp16      round to nearest: relative error <= 2**-11 for 6.1e-5 <= |x| <= 65504,
           absolute error <= 2**-25 below; |x| > 65504 raises EncodeError
-bf16      round to nearest: relative error <= 2**-8, full float32 range
+bf16      round to nearest: relative error <= 2**-8 for |x| >= 1.2e-38 (float32
+          normal range), absolute error <= 2**-134 below
 int8      per tensor, 256 codes: |x - x_hat| <= scale / 2, scale = (max - min) / 255
 int8_ch   the same per channel (rows along axis 0)
 int4_ch   per channel, 16 codes: |x - x_hat| <= scale / 2, scale = (max - min) / 15
@@ -94,7 +95,7 @@ _FLAG_SHUFFLED = 1
 _WIRE_FIELDS = 7
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True)
 class EncodedTensor:
     """One named tensor in one encoding, as it travels.
 

@@ -1,0 +1,203 @@
+"""Generators: FedGen's conditional latent generator and a DCGAN-style image generator.
+
+:class:`LatentGenerator` produces classifier *latents* ``G(eps, y)`` that the coordinator
+trains against the ensemble of uploaded heads (FedGen). :class:`ImageGenerator`
+produces pseudo-images from noise for FedKF's local generator and for DENSE.
+:mod:`models.registry` builds both by kind name ("latent", "image").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+
+from models.errors import ModelInputError
+
+__all__ = ["ImageGenerator", "ImageGeneratorConfig", "LatentGenerator", "LatentGeneratorConfig"]
+
+
+class LatentGeneratorConfig(BaseModel):
+    """Options of FedGen's latent generator (defaults: FedGen's MNIST setting)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    noise_dim: int = Field(default=32, ge=1, description="Width of the Gaussian noise eps.")
+    hidden_dim: int = Field(default=256, ge=1, description="Width of the hidden layer.")
+    num_classes: int = Field(default=10, ge=2, description="Number of labels y (one-hot width).")
+    latent_dim: int = Field(
+        default=32, ge=1, description="Output width; must equal the classifiers' latent_dim."
+    )
+
+
+class LatentGenerator(nn.Module):
+    """FedGen's conditional generator ``G(eps, y)`` over a classifier's latent space.
+
+    ``concat(eps, one_hot(y)) -> Linear(noise + classes, hidden) -> BatchNorm1d -> ReLU
+    -> Linear(hidden, latent)``. With the defaults it has 19,744 parameters and 513
+    BatchNorm buffer elements (running mean and variance, 256 each, and the batch count).
+    In training mode BatchNorm1d needs batches of at least two samples.
+    """
+
+    def __init__(self, config: LatentGeneratorConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else LatentGeneratorConfig()
+        cfg = self.config
+        self.fc1 = nn.Linear(cfg.noise_dim + cfg.num_classes, cfg.hidden_dim)
+        self.norm1 = nn.BatchNorm1d(cfg.hidden_dim)
+        self.out = nn.Linear(cfg.hidden_dim, cfg.latent_dim)
+
+    @property
+    def noise_dim(self) -> int:
+        """Width of the noise input eps."""
+        return self.config.noise_dim
+
+    @property
+    def num_classes(self) -> int:
+        """Number of labels the generator is conditioned on."""
+        return self.config.num_classes
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of the generated latents."""
+        return self.config.latent_dim
+
+    def forward(self, eps: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, latent_dim)`` for noise ``eps (B, noise_dim)`` and labels ``y (B,)``.
+
+        ``y`` holds int64 labels in ``[0, num_classes)``.
+
+        Raises:
+            ModelInputError: ``eps`` does not end in ``noise_dim`` or ``y`` is not ``(B,)``.
+        """
+        if eps.shape[-1] != self.noise_dim or y.shape != eps.shape[:-1]:
+            raise ModelInputError(
+                f"expected eps (B, {self.noise_dim}) and y (B,), "
+                f"got eps {tuple(eps.shape)} and y {tuple(y.shape)}"
+            )
+        onehot = F.one_hot(y, self.num_classes).to(eps.dtype)  # (B, classes)
+        h = torch.relu(self.norm1(self.fc1(torch.cat([eps, onehot], dim=-1))))  # (B, hidden)
+        return self.out(h)  # type: ignore[no-any-return]
+
+    def sample(self, y: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Latents for labels ``y (B,)`` with fresh noise eps ~ N(0, 1).
+
+        The noise is drawn on the module's device and dtype, from ``generator`` when
+        given (it must live on that device). Gradients flow as in :meth:`forward`.
+
+        Raises:
+            ModelInputError: ``y`` is not one-dimensional.
+        """
+        if y.dim() != 1:
+            raise ModelInputError(f"expected labels y of shape (B,), got {tuple(y.shape)}")
+        weight = self.fc1.weight
+        eps = torch.randn(
+            y.shape[0],
+            self.noise_dim,
+            generator=generator,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        return self(eps, y.to(weight.device))  # type: ignore[no-any-return]
+
+
+class ImageGeneratorConfig(BaseModel):
+    """Options of the DCGAN-style image generator (defaults: MNIST-family images)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    noise_dim: int = Field(default=100, ge=1, description="Width of the noise vector z.")
+    image_size: int = Field(
+        default=28, ge=4, description="Side of the square output images, pixels; a multiple of 4."
+    )
+    channels: int = Field(
+        default=1, ge=1, description="Output image channels C (1 grey, 3 colour)."
+    )
+    base_channels: int = Field(
+        default=64, ge=1, description="Width of the last stage; earlier stages use twice as many."
+    )
+
+    @field_validator("image_size")
+    @classmethod
+    def _check_image_size(cls, value: int) -> int:
+        if value % 4 != 0:
+            raise ValueError(f"image_size must be a multiple of 4 (28, 32), got {value}")
+        return value
+
+
+class ImageGenerator(nn.Module):
+    """DCGAN-style generator: noise ``z (B, noise_dim)`` -> images ``(B, C, S, S)`` in [0, 1].
+
+    ``Linear(noise, 128 * s * s)`` with ``s = S // 4`` -> reshape -> BatchNorm2d(128) ->
+    [Upsample x2 -> Conv3x3(128, 128) -> BatchNorm2d -> LeakyReLU(0.2)] ->
+    [Upsample x2 -> Conv3x3(128, 64) -> BatchNorm2d -> LeakyReLU(0.2)] ->
+    Conv3x3(64, C) -> sigmoid (128 and 64 are ``2 * base_channels`` and ``base_channels``).
+
+    Parameters with noise_dim 100: 856,065 for 1x28x28; 1,051,139 for 3x32x32. BatchNorm
+    buffers add 643 elements (running mean and variance of 128 + 128 + 64 channels and
+    three batch counts).
+    """
+
+    def __init__(self, config: ImageGeneratorConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else ImageGeneratorConfig()
+        cfg = self.config
+        wide, narrow = 2 * cfg.base_channels, cfg.base_channels
+        self._init_side = cfg.image_size // 4
+        self.project = nn.Linear(cfg.noise_dim, wide * self._init_side**2)
+        self.norm0 = nn.BatchNorm2d(wide)
+        self.block1 = nn.Sequential(
+            nn.Upsample(scale_factor=2),
+            nn.Conv2d(wide, wide, 3, padding=1),
+            nn.BatchNorm2d(wide),
+            nn.LeakyReLU(0.2),
+        )
+        self.block2 = nn.Sequential(
+            nn.Upsample(scale_factor=2),
+            nn.Conv2d(wide, narrow, 3, padding=1),
+            nn.BatchNorm2d(narrow),
+            nn.LeakyReLU(0.2),
+        )
+        self.to_image = nn.Conv2d(narrow, cfg.channels, 3, padding=1)
+
+    @property
+    def noise_dim(self) -> int:
+        """Width of the noise input z."""
+        return self.config.noise_dim
+
+    @property
+    def output_shape(self) -> tuple[int, int, int]:
+        """Shape of one generated image, ``(C, H, W)``."""
+        side = self.config.image_size
+        return (self.config.channels, side, side)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, C, S, S)`` with values in [0, 1] for noise ``z (B, noise_dim)``.
+
+        Raises:
+            ModelInputError: ``z`` is not ``(B, noise_dim)``.
+        """
+        if z.dim() != 2 or z.shape[1] != self.noise_dim:
+            raise ModelInputError(f"expected z (B, {self.noise_dim}), got {tuple(z.shape)}")
+        s = self._init_side
+        x = self.project(z).reshape(z.shape[0], -1, s, s)  # (B, 2 * base, S/4, S/4)
+        x = self.block1(self.norm0(x))  # (B, 2 * base, S/2, S/2)
+        x = self.block2(x)  # (B, base, S, S)
+        return torch.sigmoid(self.to_image(x))
+
+    def sample(self, batch_size: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images for ``batch_size`` fresh noise vectors z ~ N(0, 1).
+
+        The noise is drawn on the module's device and dtype, from ``generator`` when
+        given (it must live on that device).
+        """
+        weight = self.project.weight
+        z = torch.randn(
+            batch_size,
+            self.noise_dim,
+            generator=generator,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        return self(z)  # type: ignore[no-any-return]

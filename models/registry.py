@@ -1,0 +1,149 @@
+"""Build classifiers and generators by registered name.
+
+Names are the only way other packages pick an architecture (never string matching in
+their own code). Options are validated into the model's pydantic configuration; a bad
+option raises :class:`~models.errors.ModelConfigError`, an unknown name
+:class:`~models.errors.UnknownModelError`. Seeding is the caller's business: call
+``torch.manual_seed`` before a build to get reproducible weights. Modules are built on
+the CPU and then moved to ``device``, so a seed gives the same weights on every device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Literal, TypeVar, overload
+
+import torch
+from pydantic import BaseModel, ValidationError
+from torch import nn
+
+from models.classifiers import (
+    DEFAULT_IMAGE_SIZE,
+    DEFAULT_IN_CHANNELS,
+    DEFAULT_NUM_CLASSES,
+    Classifier,
+)
+from models.errors import ModelConfigError, UnknownModelError
+from models.generators import (
+    ImageGenerator,
+    ImageGeneratorConfig,
+    LatentGenerator,
+    LatentGeneratorConfig,
+)
+from models.lenet import LeNet5
+from models.resnet import ResNet8
+from models.small import MLP, FedGenCNN
+
+__all__ = ["build_classifier", "build_generator", "classifier_names", "generator_kinds"]
+
+logger = logging.getLogger(__name__)
+
+_CLASSIFIERS: Mapping[str, type[Classifier]] = MappingProxyType(
+    {cls.architecture: cls for cls in (LeNet5, ResNet8, FedGenCNN, MLP)}
+)
+_GENERATOR_KINDS = ("image", "latent")
+
+_ConfigT = TypeVar("_ConfigT", bound=BaseModel)
+
+
+def classifier_names() -> tuple[str, ...]:
+    """Registered classifier names, sorted (``"fedgen_cnn"``, ``"lenet5"``, ...)."""
+    return tuple(sorted(_CLASSIFIERS))
+
+
+def generator_kinds() -> tuple[str, ...]:
+    """Registered generator kinds, sorted: ``("image", "latent")``."""
+    return _GENERATOR_KINDS
+
+
+def _validate(config_type: type[_ConfigT], what: str, options: Mapping[str, object]) -> _ConfigT:
+    try:
+        return config_type.model_validate(dict(options))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in err['loc']) or '(config)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ModelConfigError(f"invalid options for {what}: {problems}") from None
+
+
+def build_classifier(
+    name: str,
+    *,
+    num_classes: int = DEFAULT_NUM_CLASSES,
+    in_channels: int = DEFAULT_IN_CHANNELS,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    device: torch.device | str | None = None,
+    **options: object,
+) -> Classifier:
+    """Build the classifier registered as ``name``.
+
+    Args:
+        name: one of :func:`classifier_names`.
+        num_classes: number of output classes (logits).
+        in_channels: input channels C.
+        image_size: side of the square input images, pixels.
+        device: where to place the module (CPU when None); built on the CPU first.
+        **options: architecture-specific fields of its config, e.g. ``widths=(64, 128,
+            256)`` for ``"resnet8"`` or ``hidden=(100,)`` for ``"mlp"``.
+
+    Raises:
+        UnknownModelError: ``name`` is not registered (the message lists known names).
+        ModelConfigError: an option is unknown, of the wrong type or out of range.
+    """
+    try:
+        cls = _CLASSIFIERS[name]
+    except KeyError:
+        known = ", ".join(classifier_names())
+        raise UnknownModelError(f"unknown classifier {name!r}; known: {known}") from None
+    fields = {
+        "num_classes": num_classes,
+        "in_channels": in_channels,
+        "image_size": image_size,
+        **options,
+    }
+    config = _validate(cls.config_type, f"classifier {name!r}", fields)
+    model = cls(config)
+    logger.debug("built classifier %s (%s)", name, config)
+    return model.to(device) if device is not None else model
+
+
+@overload
+def build_generator(
+    kind: Literal["latent"], *, device: torch.device | str | None = None, **options: object
+) -> LatentGenerator: ...
+@overload
+def build_generator(
+    kind: Literal["image"], *, device: torch.device | str | None = None, **options: object
+) -> ImageGenerator: ...
+@overload
+def build_generator(
+    kind: str, *, device: torch.device | str | None = None, **options: object
+) -> nn.Module: ...
+def build_generator(
+    kind: str, *, device: torch.device | str | None = None, **options: object
+) -> nn.Module:
+    """Build a generator of ``kind`` ``"latent"`` (FedGen) or ``"image"`` (FedKF, DENSE).
+
+    Args:
+        kind: one of :func:`generator_kinds`.
+        device: where to place the module (CPU when None); built on the CPU first.
+        **options: fields of :class:`~models.generators.LatentGeneratorConfig` or
+            :class:`~models.generators.ImageGeneratorConfig`.
+
+    Raises:
+        UnknownModelError: ``kind`` is not registered.
+        ModelConfigError: an option is unknown, of the wrong type or out of range.
+    """
+    module: nn.Module
+    if kind == "latent":
+        module = LatentGenerator(_validate(LatentGeneratorConfig, "latent generator", options))
+    elif kind == "image":
+        module = ImageGenerator(_validate(ImageGeneratorConfig, "image generator", options))
+    else:
+        known = ", ".join(_GENERATOR_KINDS)
+        raise UnknownModelError(f"unknown generator kind {kind!r}; known: {known}")
+    logger.debug("built %s generator", kind)
+    return module.to(device) if device is not None else module

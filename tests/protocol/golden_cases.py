@@ -1,0 +1,125 @@
+"""The fixed messages frozen under tests/protocol/golden/ (shared by test and generator).
+
+Regenerate with ``python -m tests.protocol.golden_cases`` only together with a protocol
+version bump: these bytes are the wire format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from protocol.codec import Codec
+from protocol.messages import (
+    Ack,
+    CoordinatorStatus,
+    DeviceStatus,
+    Hello,
+    Message,
+    ModelPayload,
+    ReasonCode,
+    RoundTask,
+    UploadSpec,
+    Update,
+)
+from protocol.tensors import TensorSet, encode_array
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+TRANSFER_ID = bytes(range(16))
+
+
+def _weights() -> dict[str, np.ndarray]:
+    w = np.array([[-1.0, -0.5, 0.0, 0.25], [0.5, 1.0, 1.5, 3.0], [2.0, 2.0, 2.0, 2.0]], np.float32)
+    return {"w": w, "b": np.array([0.1, -0.2, 0.3], np.float32)}
+
+
+def _all_encodings_set() -> TensorSet:
+    w = _weights()["w"]
+    return TensorSet(
+        tensors=(
+            encode_array("fp32", w, "fp32"),
+            encode_array("fp32s", w, "fp32", shuffle=True),
+            encode_array("fp16", w, "fp16"),
+            encode_array("bf16", w, "bf16"),
+            encode_array("int8", w, "int8"),
+            encode_array("int8_ch", w, "int8_ch"),
+            encode_array("int4_ch", w[:, :3], "int4_ch"),
+            encode_array("steps", np.array(7, np.int64), "raw"),
+            encode_array("mask", np.array([True, False]), "raw"),
+        )
+    )
+
+
+def cases() -> dict[str, Message]:
+    """Name -> message, with fixed ids and timestamps."""
+    common = {"fleet": "lab", "sent_at_ms": 1_700_000_000_000}
+
+    def mid(i: int) -> str:
+        return f"{i:032x}"
+
+    w = _weights()
+    return {
+        "hello": Message(
+            sender="dev-001", message_id=mid(1), **common,
+            body=Hello(
+                device_id="dev-001", architecture="lenet5", fingerprint="0123456789abcdef",
+                precisions=("fp32", "int8"), memory_bytes=4 << 30, threads=4,
+                software_version="0.1.0", num_samples=600, share_label_counts=True,
+                platform="linux_aarch64",
+            ),
+        ),
+        "task": Message(
+            sender="coordinator", round=3, message_id=mid(2), **common,
+            body=RoundTask(
+                strategy="fedkf", hyperparameters={"lr": 0.01, "epochs": 2, "dual": True},
+                deadline=1_700_000_060.5, downlink_precision="int8",
+                uplink=UploadSpec(precision="int8", mode="delta"),
+                payloads=("student", "teacher"), model_message=mid(3),
+            ),
+        ),
+        "model": Message(
+            sender="coordinator", round=3, message_id=mid(3), **common,
+            body=ModelPayload(sets={"student": _all_encodings_set()}),
+        ),
+        "update": Message(
+            sender="dev-001", round=3, message_id=mid(4), **common,
+            body=Update(
+                task_message=mid(2), num_samples=600,
+                sets={"model": TensorSet(mode="delta", base="r3:student", tensors=(
+                    encode_array("w", w["w"], "int8_ch"), encode_array("b", w["b"], "fp16"),
+                ))},
+                label_counts=(10, 0, 590), metrics={"loss": 0.25}, timings={"train": 1.5},
+            ),
+        ),
+        "ack": Message(
+            sender="coordinator", round=3, message_id=mid(5), **common,
+            body=Ack(accepted=False, reason=ReasonCode.LATE, ref=mid(4), detail="after deadline"),
+        ),
+        "device_status": Message(
+            sender="dev-001", message_id=mid(6), **common,
+            body=DeviceStatus(state="offline"),
+        ),
+        "coord_status": Message(
+            sender="coordinator", round=3, message_id=mid(7), **common,
+            body=CoordinatorStatus(state="running", strategy="fedavg", rounds_total=10,
+                                   devices_registered=20, devices_online=18),
+        ),
+    }
+
+
+def write_all() -> None:  # pragma: no cover - run by hand with a version bump
+    codec = Codec()
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    for name, message in cases().items():
+        (GOLDEN_DIR / f"{name}.msgpack").write_bytes(codec.pack(message))
+        (GOLDEN_DIR / f"{name}.frame").write_bytes(codec.encode(message))
+    from protocol.chunking import split_frame
+
+    frame = codec.encode(cases()["model"])
+    for i, chunk in enumerate(split_frame(frame, 200, transfer_id=TRANSFER_ID)):
+        (GOLDEN_DIR / f"model.chunk{i}").write_bytes(chunk)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    write_all()

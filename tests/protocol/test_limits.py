@@ -1,0 +1,242 @@
+"""Each decoder bound, proven: DecodeLimits (codec) and ReassemblyLimits (chunks)."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import zstandard
+
+from protocol.chunking import Reassembler, split_frame
+from protocol.codec import Codec
+from protocol.errors import DecodeError
+from protocol.limits import DecodeLimits, ReassemblyLimits
+from protocol.messages import Message, ModelPayload
+from protocol.tensors import TensorSet, encode_array, encode_tensors
+
+HEADER = b"FL\x01\x01"
+
+
+def model_frame(arrays: dict[str, np.ndarray], sets: int = 1, precision: str = "fp32") -> bytes:
+    payload = {f"s{i}": encode_tensors(arrays, precision) for i in range(sets)}
+    message = Message(fleet="lab", sender="coordinator", body=ModelPayload(sets=payload))
+    return Codec().encode(message)
+
+
+def raw_tensor_frame(tensor: list[object]) -> bytes:
+    """A model message with one hand-made tensor, bypassing the encoder's checks."""
+    env = Codec().envelope(
+        Message(fleet="lab", sender="c", body=ModelPayload(sets={"m": TensorSet()}))
+    )
+    env["body"]["sets"]["m"]["tensors"] = [tensor]  # type: ignore[index]
+    return HEADER + zstandard.ZstdCompressor().compress(msgpack.packb(env, use_bin_type=True))
+
+
+def decode_with(frame: bytes, **limits: object) -> Message:
+    return Codec(limits=DecodeLimits(**limits)).decode(frame)  # type: ignore[arg-type]
+
+
+# -- DecodeLimits ---------------------------------------------------------------------
+
+
+def test_max_frame_bytes() -> None:
+    frame = model_frame({"w": np.ones(1000, np.float32)})
+    decode_with(frame, max_frame_bytes=len(frame))
+    with pytest.raises(DecodeError, match="frame is"):
+        decode_with(frame, max_frame_bytes=len(frame) - 1)
+
+
+def test_max_message_bytes_stops_a_zstd_bomb_before_allocating() -> None:
+    bomb = HEADER + zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))
+    assert len(bomb) < 2000
+    with pytest.raises(DecodeError, match="would decompress to 8388608 bytes"):
+        decode_with(bomb, max_message_bytes=1 << 20)
+
+
+def test_frames_without_declared_content_size_are_refused() -> None:
+    stream = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    body = stream.compress(msgpack.packb({"a": 1})) + stream.flush()
+    with pytest.raises(DecodeError, match="declare its content size"):
+        Codec().decode(HEADER + body)
+
+
+def test_truncated_and_trailing_bytes() -> None:
+    frame = model_frame({"w": np.arange(100, dtype=np.float32)})
+    for cut in (5, 1, len(frame) // 2):
+        with pytest.raises(DecodeError):
+            Codec().decode(frame[:-cut])
+    with pytest.raises(DecodeError, match="unused data"):
+        Codec().decode(frame + b"\0")
+    packed = Codec().pack(Codec().decode(frame)) + b"\xc0"
+    with pytest.raises(DecodeError, match="ExtraData"):
+        Codec().decode(HEADER + zstandard.ZstdCompressor().compress(packed))
+
+
+def test_max_tensors() -> None:
+    frame = model_frame({f"t{i}": np.ones(2, np.float32) for i in range(10)}, sets=2)
+    decode_with(frame, max_tensors=20)
+    with pytest.raises(DecodeError, match="20 tensors, limit 19"):
+        decode_with(frame, max_tensors=19)
+
+
+def test_max_tensor_sets() -> None:
+    frame = model_frame({"w": np.ones(2, np.float32)}, sets=3)
+    decode_with(frame, max_tensor_sets=3)
+    with pytest.raises(DecodeError, match="3 tensor sets, limit 2"):
+        decode_with(frame, max_tensor_sets=2)
+
+
+def test_max_dims() -> None:
+    frame = model_frame({"w": np.ones((1,) * 6, np.float32)})
+    decode_with(frame, max_dims=6)
+    with pytest.raises(DecodeError, match="6 dims, limit 5"):
+        decode_with(frame, max_dims=5)
+
+
+def test_max_elements_checked_before_any_allocation() -> None:
+    frame = model_frame({"w": np.ones((10, 10), np.float32)})
+    decode_with(frame, max_elements=100)
+    with pytest.raises(DecodeError, match="100 elements, limit 99"):
+        decode_with(frame, max_elements=99)
+    huge = raw_tensor_frame(["w", [1 << 30, 1 << 30], "float32", "fp32", 0, b"", None])
+    with pytest.raises(DecodeError, match="elements, limit"):
+        Codec().decode(huge)
+
+
+def test_max_total_elements() -> None:
+    frame = model_frame({"a": np.ones(60, np.float32), "b": np.ones(40, np.float32)})
+    decode_with(frame, max_total_elements=100)
+    with pytest.raises(DecodeError, match="100 elements in total, limit 99"):
+        decode_with(frame, max_total_elements=99)
+
+
+def test_max_name_bytes() -> None:
+    frame = model_frame({"é" * 10: np.ones(1, np.float32)})
+    decode_with(frame, max_name_bytes=20)
+    with pytest.raises(DecodeError, match="longer than 19 bytes"):
+        decode_with(frame, max_name_bytes=19)
+
+
+def test_max_array_len() -> None:
+    frame = model_frame({f"t{i}": np.ones(1, np.float32) for i in range(40)})
+    decode_with(frame, max_array_len=40)
+    with pytest.raises(DecodeError, match="bad msgpack"):
+        decode_with(frame, max_array_len=39)
+
+
+def test_max_map_len() -> None:
+    frame = model_frame({"w": np.ones(1, np.float32)}, sets=12)
+    decode_with(frame, max_map_len=12)
+    with pytest.raises(DecodeError, match="bad msgpack"):
+        decode_with(frame, max_map_len=11)
+
+
+def test_allowed_dtypes() -> None:
+    frame = model_frame({"steps": np.array(3, np.int64), "w": np.ones(2, np.float32)})
+    decode_with(frame, allowed_dtypes=frozenset({"int64", "float32"}))
+    with pytest.raises(DecodeError, match="dtype 'int64' is not allowed"):
+        decode_with(frame, allowed_dtypes=frozenset({"float32"}))
+    for dtype in ("object", "complex64", "<f4", "float16", 3):
+        with pytest.raises(DecodeError, match="not allowed"):
+            Codec().decode(raw_tensor_frame(["x", [1], dtype, "raw", 0, b"\0" * 4, None]))
+
+
+@pytest.mark.parametrize(
+    ("tensor", "message"),
+    [
+        (["w", [3], "float32", "fp32", 0, b"\0" * 11, None], "11 data bytes, expected 12"),
+        (["w", [3], "float32", "fp16", 0, b"\0" * 8, None], "8 data bytes, expected 6"),
+        (["w", [3], "float32", "fp8", 0, b"\0" * 3, None], "unknown encoding"),
+        (["w", [3], "float32", "fp32", 4, b"\0" * 12, None], "bad flags"),
+        (["w", [3], "float32", "fp32", 0, b"\0" * 12, [b"", b""]], "no parameters"),
+        (["w", [3], "int64", "fp32", 0, b"\0" * 12, None], "decodes to float32"),
+        (["w", [2, 3], "float32", "int8_ch", 0, b"\0" * 6, None], "needs \\[scale, offset\\]"),
+        (["w", [2, 3], "float32", "int8_ch", 0, b"\0" * 6, [b"\0" * 4, b"\0" * 4]], "expected 2"),
+        (["w", [3], "float32", "int4_ch", 0, b"\0\xf0", [b"\0" * 4, b"\0" * 4]], "padding"),
+        (["w", [1], "float32", "int8", 0, b"\0", [np.float32(-1).tobytes(), b"\0" * 4]], ">= 0"),
+        (["w", [1], "float32", "int8", 1, b"\0", [b"\0" * 4, b"\0" * 4]], "float encodings only"),
+        (["w", [-1], "float32", "fp32", 0, b"", None], "non-negative"),
+        (["w", [True], "float32", "fp32", 0, b"\0" * 4, None], "non-negative"),
+        (["", [1], "float32", "fp32", 0, b"\0" * 4, None], "non-empty"),
+        (["w", [1], "float32", "fp32", 0, "text", None], "binary"),
+        (["w", [1], "float32", "fp32", 0], "array of 7"),
+    ],
+)
+def test_inconsistent_tensors_are_rejected(tensor: list[object], message: str) -> None:
+    with pytest.raises(DecodeError, match=message):
+        Codec().decode(raw_tensor_frame(tensor))
+
+
+def test_duplicate_names_and_delta_without_base_are_rejected() -> None:
+    t = encode_array("w", np.ones(2, np.float32), "fp32").to_wire()
+    with pytest.raises(DecodeError, match="unique"):
+        env_frame = raw_tensor_frame(t)
+        env = Codec().unpack(Codec().decompress(env_frame))
+        env["body"]["sets"]["m"]["tensors"] = [t, t]
+        Codec().decode(HEADER + zstandard.ZstdCompressor().compress(msgpack.packb(env)))
+
+
+# -- ReassemblyLimits -----------------------------------------------------------------
+
+
+def chunks_of(size: int, max_payload: int = 1000, seed: int = 0) -> tuple[bytes, list[bytes]]:
+    frame = HEADER + np.random.default_rng(seed).bytes(size)
+    return frame, split_frame(frame, max_payload)
+
+
+def test_max_transfer_bytes() -> None:
+    frame, chunks = chunks_of(5000)
+    Reassembler(ReassemblyLimits(max_transfer_bytes=len(frame))).feed("a", chunks[0])
+    with pytest.raises(DecodeError, match="limit 5003"):
+        Reassembler(ReassemblyLimits(max_transfer_bytes=len(frame) - 1)).feed("a", chunks[0])
+
+
+def test_max_chunks() -> None:
+    _, chunks = chunks_of(5000)
+    Reassembler(ReassemblyLimits(max_chunks=len(chunks))).feed("a", chunks[0])
+    with pytest.raises(DecodeError, match="chunks, limit"):
+        Reassembler(ReassemblyLimits(max_chunks=len(chunks) - 1)).feed("a", chunks[0])
+
+
+def test_max_pending_transfers_leaves_state_unchanged() -> None:
+    r = Reassembler(ReassemblyLimits(max_pending_transfers=2))
+    transfers = [chunks_of(3000, seed=i)[1] for i in range(3)]
+    r.feed("a", transfers[0][0])
+    r.feed("a", transfers[1][0])
+    with pytest.raises(DecodeError, match="2 transfers pending, limit 2"):
+        r.feed("a", transfers[2][0])
+    assert r.pending_transfers == 2
+    for chunk in transfers[0][1:]:
+        out = r.feed("a", chunk)
+    assert out is not None and r.pending_transfers == 1
+
+
+def test_max_pending_bytes() -> None:
+    r = Reassembler(ReassemblyLimits(max_pending_bytes=1500))
+    _, chunks = chunks_of(5000)
+    r.feed("a", chunks[0])
+    before = r.pending_bytes
+    with pytest.raises(DecodeError, match="buffer full"):
+        r.feed("a", chunks[1])
+    assert r.pending_bytes == before
+
+
+def test_timeout_drops_stalled_transfers() -> None:
+    now = [0.0]
+    r = Reassembler(ReassemblyLimits(timeout_s=10), clock=lambda: now[0])
+    frame, chunks = chunks_of(3000)
+    r.feed("a", chunks[0])
+    now[0] = 10.5
+    assert r.expire() == 1 and r.pending_transfers == 0 and r.pending_bytes == 0
+    outs = [r.feed("a", c) for c in chunks]  # a fresh start after expiry completes
+    assert outs[-1] == frame
+
+
+def test_remember_completed_bounds_the_redelivery_memory() -> None:
+    r = Reassembler(ReassemblyLimits(remember_completed=1))
+    first = chunks_of(2500, seed=1)[1]
+    second = chunks_of(2500, seed=2)[1]
+    assert [r.feed("a", c) for c in first][-1] is not None
+    assert r.feed("a", first[0]) is None and r.pending_transfers == 0  # remembered
+    assert [r.feed("a", c) for c in second][-1] is not None
+    assert r.feed("a", first[0]) is None and r.pending_transfers == 1  # forgotten: restarts
