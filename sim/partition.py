@@ -1,0 +1,279 @@
+"""Split a dataset across emulated devices: Dirichlet(alpha) label skew, then a
+per-device train/test split (the FedKF protocol: 80/20), and per-device ``.npz`` files.
+
+Small ``alpha`` gives each device few classes; ``alpha = math.inf`` gives an IID split.
+Everything is reproducible from ``seed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import uuid
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sim.datasets import ArrayDataset, DatasetSplits
+from sim.errors import DatasetError, PartitionError
+
+__all__ = [
+    "DeviceSplit",
+    "Federation",
+    "LabelCounts",
+    "device_id",
+    "dirichlet_partition",
+    "label_counts",
+    "load_device_file",
+    "mean_label_entropy",
+    "partition_dataset",
+    "save_device_file",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceSplit:
+    """One emulated device's local data: a train set and a held-out local test set."""
+
+    device_id: str
+    train: ArrayDataset
+    test: ArrayDataset
+
+
+@dataclass(frozen=True)
+class Federation:
+    """A partitioned dataset: one :class:`DeviceSplit` per device, in device-id order,
+    plus the dataset's global test set (None if it has none) and its class count."""
+
+    devices: tuple[DeviceSplit, ...]
+    test: ArrayDataset | None
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class LabelCounts:
+    """Samples per class (index = class) on one device, train and test."""
+
+    device_id: str
+    train: list[int]
+    test: list[int]
+
+
+def device_id(index: int) -> str:
+    """The id of the device at ``index``: ``"dev-000"``, ``"dev-001"``, ..."""
+    return f"dev-{index:03d}"
+
+
+def dirichlet_partition(
+    labels: np.ndarray,
+    num_devices: int,
+    alpha: float,
+    *,
+    seed: int,
+    min_samples: int = 10,
+    max_attempts: int = 10_000,
+) -> list[np.ndarray]:
+    """Assign sample indices to devices with Dirichlet(alpha) label skew.
+
+    For each class, its (shuffled) indices are cut across devices in proportions drawn
+    from Dirichlet(alpha, ..., alpha). Draws are repeated until every device has at
+    least ``min_samples`` samples. ``alpha = math.inf`` gives an IID split: a random
+    permutation cut into near-equal parts.
+
+    Args:
+        labels: integer class labels, shape (N,).
+        num_devices: number of devices K >= 1.
+        alpha: Dirichlet concentration > 0, or ``math.inf``.
+        seed: seed of the shuffles and draws; same seed, same result.
+        min_samples: minimum samples per device.
+        max_attempts: Dirichlet draws tried before giving up.
+
+    Returns:
+        K sorted int64 index arrays, disjoint, together covering ``range(N)``.
+
+    Raises:
+        PartitionError: bad arguments, fewer than ``K * min_samples`` samples, or no
+            draw meeting ``min_samples`` within ``max_attempts``.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or (labels.size and labels.dtype.kind not in "iu"):
+        raise PartitionError(f"labels must be a 1-D integer array, got shape {labels.shape}")
+    if labels.size and int(labels.min()) < 0:
+        raise PartitionError("labels must be >= 0")
+    if num_devices < 1 or min_samples < 0 or max_attempts < 1:
+        raise PartitionError("need num_devices >= 1, min_samples >= 0 and max_attempts >= 1")
+    if not alpha > 0:  # also rejects NaN
+        raise PartitionError(f"alpha must be > 0 (or math.inf), got {alpha}")
+    n = len(labels)
+    if n < num_devices * min_samples:
+        raise PartitionError(
+            f"{n} samples cannot give {num_devices} devices {min_samples} samples each"
+        )
+    rng = np.random.default_rng(seed)
+    if math.isinf(alpha):
+        parts = np.array_split(rng.permutation(n), num_devices)
+        return [np.sort(p).astype(np.int64) for p in parts]
+
+    # Shuffle each class once; each attempt only redraws the cut proportions.
+    by_class = [rng.permutation(np.flatnonzero(labels == k)) for k in np.unique(labels)]
+    sizes = np.array([len(idx) for idx in by_class])
+    for attempt in range(1, max_attempts + 1):
+        props = rng.dirichlet(np.full(num_devices, alpha), size=len(by_class))  # (C, K)
+        cuts = np.floor(np.cumsum(props, axis=1) * sizes[:, None]).astype(np.int64)
+        cuts[:, -1] = sizes  # guard against float round-off at the end
+        counts = np.diff(cuts, axis=1, prepend=0)  # (C, K) samples of class c on device k
+        if counts.sum(axis=0).min() >= min_samples:
+            logger.debug("Dirichlet partition met min_samples after %d draw(s)", attempt)
+            shards = [[np.empty(0, np.int64)] for _ in range(num_devices)]
+            for idx, row in zip(by_class, cuts, strict=True):
+                for k, part in enumerate(np.split(idx, row[:-1])):
+                    shards[k].append(part)
+            return [np.sort(np.concatenate(s)).astype(np.int64) for s in shards]
+    raise PartitionError(
+        f"no Dirichlet(alpha={alpha}) draw in {max_attempts} gave all {num_devices} devices "
+        f">= {min_samples} samples; raise alpha, or lower min_samples or the device count"
+    )
+
+
+def partition_dataset(
+    splits: DatasetSplits,
+    num_devices: int,
+    alpha: float,
+    *,
+    seed: int,
+    min_samples: int = 10,
+    test_fraction: float = 0.2,
+) -> Federation:
+    """Partition ``splits.train`` across devices and split each device's share.
+
+    Each device's samples are shuffled (seeded) and ``round(test_fraction * n)`` of them
+    become its local test set, the rest its train set (not stratified).
+
+    Raises:
+        PartitionError: as :func:`dirichlet_partition`, or ``test_fraction`` outside
+            [0, 1).
+    """
+    if not 0.0 <= test_fraction < 1.0:
+        raise PartitionError(f"test_fraction must lie in [0, 1), got {test_fraction}")
+    part_seq, split_seq = np.random.SeedSequence(seed).spawn(2)
+    part_seed = int(part_seq.generate_state(1)[0])
+    shards = dirichlet_partition(
+        splits.train.y, num_devices, alpha, seed=part_seed, min_samples=min_samples
+    )
+    devices = []
+    for k, (indices, seq) in enumerate(zip(shards, split_seq.spawn(num_devices), strict=True)):
+        shuffled = np.random.default_rng(seq).permutation(indices)
+        n_test = min(round(test_fraction * len(shuffled)), max(len(shuffled) - 1, 0))
+        dev = device_id(k)
+        test_idx, train_idx = np.sort(shuffled[:n_test]), np.sort(shuffled[n_test:])
+        devices.append(
+            DeviceSplit(
+                dev,
+                splits.train.subset(train_idx, f"{dev}/train"),
+                splits.train.subset(test_idx, f"{dev}/test"),
+            )
+        )
+    return Federation(tuple(devices), splits.test, splits.train.num_classes)
+
+
+def label_counts(federation: Federation) -> list[LabelCounts]:
+    """Per-device class counts of the train and local test sets, in device order."""
+    return [
+        LabelCounts(d.device_id, d.train.label_counts().tolist(), d.test.label_counts().tolist())
+        for d in federation.devices
+    ]
+
+
+def mean_label_entropy(federation: Federation) -> float:
+    """Mean over devices of the entropy (nats) of each device's train label distribution.
+
+    0 when every device holds one class; ``ln(num_classes)`` at most (uniform labels).
+    Devices with no train samples count as entropy 0.
+    """
+    entropies = []
+    for d in federation.devices:
+        counts = d.train.label_counts().astype(np.float64)
+        total = counts.sum()
+        p = counts[counts > 0] / total if total else counts[:0]
+        entropies.append(float(-(p * np.log(p)).sum()))
+    return float(np.mean(entropies)) if entropies else 0.0
+
+
+def save_device_file(path: str | os.PathLike[str], split: DeviceSplit) -> None:
+    """Write one device's data as an uncompressed ``.npz`` file, atomically.
+
+    Format (every array readable with ``np.load(path, allow_pickle=False)``):
+    ``x`` float32 (N, C, H, W) train images in [0, 1]; ``y`` int64 (N,) train labels;
+    ``x_test`` float32 (M, C, H, W) and ``y_test`` int64 (M,), the local test set;
+    ``num_classes`` int64 scalar (0-d); ``device_id`` unicode scalar (0-d).
+    The file is written to a temporary file in the same folder, then renamed over
+    ``path``, so readers never see a partial file.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    target = Path(path)
+    # Same folder, so os.replace is an atomic rename; default permissions (umask).
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with tmp.open("xb") as f:
+            np.savez(
+                f,
+                x=split.train.x,
+                y=split.train.y,
+                x_test=split.test.x,
+                y_test=split.test.y,
+                num_classes=np.int64(split.train.num_classes),
+                device_id=np.str_(split.device_id),
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_REQUIRED = {"x": np.float32, "y": np.int64, "x_test": np.float32, "y_test": np.int64}
+
+
+def load_device_file(path: str | os.PathLike[str]) -> DeviceSplit:
+    """Read a file written by :func:`save_device_file` (format in its docstring).
+
+    ``device_id`` falls back to the file name's stem when the key is absent.
+
+    Raises:
+        DatasetError: missing or unreadable file, pickled objects, a missing key, or
+            arrays of the wrong dtype or shape (the message names the file and key).
+    """
+    p = Path(path)
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            arrays = {key: z[key] for key in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DatasetError(f"{p}: not a readable device .npz file: {exc}") from exc
+    for key, dtype in {**_REQUIRED, "num_classes": np.int64}.items():
+        if key not in arrays:
+            raise DatasetError(f"{p}: missing key {key!r}; expected {sorted(_REQUIRED)}")
+        if arrays[key].dtype != dtype:
+            raise DatasetError(f"{p}: {key!r} must be {np.dtype(dtype)}, got {arrays[key].dtype}")
+    if arrays["num_classes"].shape != ():
+        raise DatasetError(f"{p}: 'num_classes' must be a scalar")
+    if arrays["x"].shape[1:] != arrays["x_test"].shape[1:]:
+        raise DatasetError(f"{p}: 'x' and 'x_test' images differ in shape")
+    dev_arr = arrays.get("device_id", np.str_(p.stem))
+    if dev_arr.shape != () or dev_arr.dtype.kind != "U":
+        raise DatasetError(f"{p}: 'device_id' must be a unicode scalar")
+    dev = str(dev_arr)
+    num_classes = int(arrays["num_classes"])
+    try:
+        train = ArrayDataset(arrays["x"], arrays["y"], num_classes, f"{dev}/train")
+        test = ArrayDataset(arrays["x_test"], arrays["y_test"], num_classes, f"{dev}/test")
+    except DatasetError as exc:
+        raise DatasetError(f"{p}: {exc}") from exc
+    return DeviceSplit(dev, train, test)
