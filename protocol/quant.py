@@ -152,7 +152,8 @@ def quantize_affine(
 
 def dequantize_affine(codes: U8, offset: F32, scale: F32) -> F32:
     """Inverse of :func:`quantize_affine`: ``offset + scale * q`` per row, float32."""
-    out = np.multiply(codes, scale[:, None], dtype=np.float32)
+    out = codes.astype(np.float32)
+    out *= scale[:, None]
     out += offset[:, None]
     return out
 

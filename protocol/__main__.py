@@ -1,0 +1,104 @@
+"""``python -m protocol``: inspect captured payloads, or run the wire demo.
+
+Commands:
+    inspect FILE|- [FILE ...]   decode a captured payload (e.g. from
+                                ``mosquitto_sub -C 1 -N``) and print a JSON summary;
+                                several files: the chunks of one transfer.
+    demo                        send a model at every precision through an embedded
+                                MQTT broker and print what each costs on the wire.
+
+Exit codes: 0 success, 2 bad input or usage (one line on stderr), 3 broker failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from protocol.errors import DecodeError, TransportError
+
+EXIT_BAD_INPUT = 2
+EXIT_BROKER = 3
+
+
+def _read(name: str) -> bytes:
+    if name == "-":
+        return sys.stdin.buffer.read()
+    return Path(name).read_bytes()
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from protocol.inspect import summarize
+
+    try:
+        payloads = [_read(name) for name in args.files]
+        summary = summarize(payloads)
+    except OSError as exc:
+        print(f"error: cannot read input: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except DecodeError as exc:
+        print(f"error: not a valid payload: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    json.dump(summary, sys.stdout, indent=None if args.compact else 2)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from protocol.demo import run_demo
+
+    try:
+        rows = run_demo(model=args.model, level=args.level, max_payload=args.max_payload)
+    except TransportError as exc:
+        print(f"error: broker: {exc}", file=sys.stderr)
+        return EXIT_BROKER
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    header = f"{'precision':<10}{'payload B':>11}{'wire B':>9}{'chunks':>8}{'vs fp32':>9}{'max |err|':>11}{'ms':>7}"
+    print(f"model {args.model}: one model message through an embedded MQTT broker")
+    print(header)
+    for r in rows:
+        print(
+            f"{r['precision']:<10}{r['payload_bytes']:>11}{r['wire_bytes']:>9}{r['chunks']:>8}"
+            f"{r['ratio_vs_fp32']:>8.2f}x{r['max_abs_error']:>11.2e}{r['round_trip_ms']:>7.1f}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m protocol", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    p = sub.add_parser("inspect", help="decode a captured payload and print a JSON summary")
+    p.add_argument("files", nargs="+", metavar="FILE|-", help="payload file(s), - for stdin")
+    p.add_argument("--compact", action="store_true", help="one-line JSON")
+    p.set_defaults(run=_inspect)
+    d = sub.add_parser("demo", help="send a model at each precision via an embedded broker")
+    d.add_argument("--model", default="lenet5", choices=["lenet5", "resnet8", "resnet8_small"])
+    d.add_argument("--level", type=int, default=3, choices=[1, 2, 3], help="zstd level")
+    d.add_argument("--max-payload", type=int, default=128 * 1024, help="chunk size in bytes")
+    d.add_argument("--json", action="store_true", help="print one JSON array")
+    d.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args))
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

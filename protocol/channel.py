@@ -1,0 +1,128 @@
+"""Messages over a transport: encode, chunk, publish; reassemble, decode, dispatch.
+
+:class:`Channel` is what the runtimes use: they think in :class:`~protocol.messages.Message`
+objects and topics, never in frames or chunks. The chunk size is the smaller of the
+configured maximum payload (default 128 KiB) and what the broker's MQTT 5 Maximum
+Packet Size leaves after the PUBLISH header.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.chunking import CHUNK_HEADER_SIZE, DEFAULT_MAX_PAYLOAD, Reassembler, split_frame
+from protocol.codec import Codec
+from protocol.errors import DecodeError, EncodeError
+from protocol.limits import ReassemblyLimits
+from protocol.messages import Message
+from protocol.transport.base import Inbound, Transport
+from protocol.transport.wire import publish_packet_size
+
+__all__ = ["Channel", "Sent"]
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[[str, Message], None]
+ErrorHandler = Callable[[str, DecodeError], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """What one :meth:`Channel.send` put on the wire."""
+
+    frames: int
+    """MQTT publishes (1, or the number of chunks)."""
+    payload_bytes: int
+    """Sum of the MQTT payloads, in bytes."""
+    message_bytes: int
+    """Size of the unchunked message frame, in bytes."""
+
+
+class Channel:
+    """Sends and receives :class:`Message` objects over one :class:`Transport`.
+
+    Args:
+        transport: a connected (or soon connected) transport.
+        codec: encoder/decoder with its limits; a default :class:`Codec` if None.
+        max_payload: largest MQTT payload to publish, in bytes; larger frames are chunked.
+        reassembly: limits of the chunk reassembler.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        codec: Codec | None = None,
+        *,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        reassembly: ReassemblyLimits | None = None,
+    ) -> None:
+        if max_payload <= CHUNK_HEADER_SIZE:
+            raise ValueError(f"max_payload must exceed the {CHUNK_HEADER_SIZE}-byte chunk header")
+        self.transport = transport
+        self.codec = codec or Codec()
+        self.max_payload = max_payload
+        self._reassembler = Reassembler(reassembly)
+        self._lock = threading.Lock()
+
+    def max_payload_for(self, topic: str, qos: int = 1) -> int:
+        """Largest payload to publish on ``topic``, honouring the broker's MQTT 5 limit."""
+        limit = self.transport.max_packet_size
+        if limit is None:
+            return self.max_payload
+        overhead = publish_packet_size(topic, 0, qos, self.transport.protocol_version)
+        # the remaining-length field may grow by up to 3 bytes with the payload
+        return max(CHUNK_HEADER_SIZE + 1, min(self.max_payload, limit - overhead - 3))
+
+    def send(self, topic: str, message: Message, *, qos: int = 1, retain: bool = False) -> Sent:
+        """Encode ``message``, chunk it if needed and publish it on ``topic``.
+
+        Raises:
+            EncodeError: the message cannot be encoded, or a retained message would need
+                chunks (a broker keeps only the last retained publish of a topic).
+            TransportError: publishing failed.
+        """
+        frame = self.codec.encode(message)
+        frames = split_frame(frame, self.max_payload_for(topic, qos))
+        if retain and len(frames) > 1:
+            raise EncodeError("a retained message must fit in one frame")
+        for part in frames:
+            self.transport.publish(topic, part, qos=qos, retain=retain)
+        return Sent(len(frames), sum(len(f) for f in frames), len(frame))
+
+    def subscribe(
+        self,
+        topic_filter: str,
+        handler: MessageHandler,
+        *,
+        on_error: ErrorHandler | None = None,
+        qos: int = 1,
+    ) -> None:
+        """Call ``handler(topic, message)`` for every complete message on ``topic_filter``.
+
+        Bad input (malformed frames, failed checks, limits) never reaches ``handler``:
+        it goes to ``on_error(topic, error)`` if given, else it is logged as a warning.
+        """
+
+        def receive(inbound: Inbound) -> None:
+            try:
+                with self._lock:
+                    frame = self._reassembler.feed(inbound.topic, inbound.payload)
+                if frame is None:
+                    return
+                message = self.codec.decode(frame)
+            except DecodeError as exc:
+                if on_error is not None:
+                    on_error(inbound.topic, exc)
+                else:
+                    log.warning("dropped bad payload on %s: %s", inbound.topic, exc)
+                return
+            handler(inbound.topic, message)
+
+        self.transport.subscribe(topic_filter, receive, qos=qos)
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        """Stop receiving on ``topic_filter``."""
+        self.transport.unsubscribe(topic_filter)

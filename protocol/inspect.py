@@ -1,0 +1,86 @@
+"""Summaries of captured payloads, for ``python -m protocol inspect``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from protocol.chunking import CHUNK_HEADER_SIZE, Reassembler, read_chunk_header
+from protocol.codec import FRAME_CHUNK, Codec, read_frame_header
+from protocol.errors import DecodeError
+from protocol.limits import DecodeLimits
+from protocol.messages import Message
+
+__all__ = ["summarize", "summarize_message"]
+
+
+def summarize_message(message: Message, frame_bytes: int, envelope_bytes: int) -> dict[str, Any]:
+    """A JSON-ready summary of a decoded message (tensor values left out)."""
+    body = message.body.model_dump(mode="json", exclude={"kind", "sets"})
+    sets = {
+        name: {
+            "mode": s.mode,
+            "base": s.base,
+            "bytes": s.nbytes,
+            "tensors": [
+                {
+                    "name": t.name,
+                    "shape": list(t.shape),
+                    "dtype": t.dtype,
+                    "encoding": t.encoding.value,
+                    "shuffled": t.shuffled,
+                    "bytes": t.nbytes,
+                }
+                for t in s
+            ],
+        }
+        for name, s in message.tensor_sets().items()
+    }
+    summary: dict[str, Any] = {
+        "frame": "message",
+        "kind": message.kind,
+        "fleet": message.fleet,
+        "round": message.round,
+        "sender": message.sender,
+        "message_id": message.message_id,
+        "sent_at_ms": message.sent_at_ms,
+        "frame_bytes": frame_bytes,
+        "envelope_bytes": envelope_bytes,
+        "body": body,
+    }
+    if sets:
+        summary["tensor_sets"] = sets
+    return summary
+
+
+def summarize(payloads: Sequence[bytes], limits: DecodeLimits | None = None) -> dict[str, Any]:
+    """Summarize one captured payload, or the chunks of one transfer.
+
+    One chunk on its own is summarized as a chunk (its header); the complete set of
+    chunks of a transfer (any order) is reassembled and decoded.
+
+    Raises:
+        DecodeError: anything malformed, incomplete sets of chunks with more than one
+            payload, or payloads of different transfers.
+    """
+    if not payloads:
+        raise DecodeError("nothing to inspect")
+    codec = Codec(limits=limits)
+    if len(payloads) == 1 and read_frame_header(payloads[0]).frame_type == FRAME_CHUNK:
+        head = read_chunk_header(payloads[0])
+        return {
+            "frame": "chunk",
+            "transfer_id": head.transfer_id.hex(),
+            "index": head.index,
+            "count": head.count,
+            "total_size": head.total_size,
+            "sha256": head.sha256.hex(),
+            "data_bytes": len(payloads[0]) - CHUNK_HEADER_SIZE,
+        }
+    reassembler = Reassembler()
+    frames = [f for p in payloads if (f := reassembler.feed("inspect", p)) is not None]
+    if len(frames) != 1 or reassembler.pending_transfers:
+        raise DecodeError("give one message frame, or all chunks of one transfer")
+    frame = frames[0]
+    raw = codec.decompress(frame)
+    return summarize_message(codec.decode(frame), len(frame), len(raw))
