@@ -25,12 +25,12 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from protocol.codec import Codec  # noqa: E402
-from protocol.messages import Message, ModelPayload  # noqa: E402
-from protocol.samples import sample_weights  # noqa: E402
-from protocol.tensors import Encoding, encode_tensors  # noqa: E402
+from protocol.codec import Codec
+from protocol.messages import Message, ModelPayload
+from protocol.samples import sample_weights
+from protocol.tensors import Encoding, encode_tensors
 
 SETS = {"lenet5": "lenet5", "resnet8": "resnet8"}
 ENCODINGS: dict[str, dict[str, Any]] = {
@@ -63,10 +63,14 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(weights: dict[str, np.ndarray], spec: dict[str, Any], codec: Codec, repeats: int) -> dict[str, float]:
+def measure(
+    weights: dict[str, np.ndarray], spec: dict[str, Any], codec: Codec, repeats: int
+) -> dict[str, float]:
     fp32_bytes = 4 * sum(v.size for v in weights.values())
     encodings = (
-        {k: Encoding.INT8 for k, v in weights.items() if v.ndim >= 2} if spec.get("per_tensor") else None
+        {k: Encoding.INT8 for k, v in weights.items() if v.ndim >= 2}
+        if spec.get("per_tensor")
+        else None
     )
 
     def encode() -> bytes:
@@ -75,7 +79,9 @@ def measure(weights: dict[str, np.ndarray], spec: dict[str, Any], codec: Codec, 
                 weights, spec["precision"], shuffle=spec.get("shuffle", False), encodings=encodings
             )
         }
-        return codec.encode(Message(fleet="bench", sender="coordinator", body=ModelPayload(sets=sets)))
+        return codec.encode(
+            Message(fleet="bench", sender="coordinator", body=ModelPayload(sets=sets))
+        )
 
     frame = encode()
 
@@ -109,7 +115,9 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"zstd level {results['zstd_level']}, one thread; MB/s are fp32-equivalent (10^6 B/s)")
     for set_name, data in results["sets"].items():
         print(f"\n{set_name} ({data['parameters']:,} parameters)")
-        print(f"{'encoding':<14}{'ratio':>7}{'encode MB/s':>13}{'decode MB/s':>13}{'frame B':>11}{'overhead %':>12}")
+        print(
+            f"{'encoding':<14}{'ratio':>7}{'encode MB/s':>13}{'decode MB/s':>13}{'frame B':>11}{'overhead %':>12}"
+        )
         for name, r in data["encodings"].items():
             print(
                 f"{name:<14}{r['ratio']:>7.2f}{r['encode_MBps']:>13.0f}{r['decode_MBps']:>13.0f}"

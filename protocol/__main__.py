@@ -59,7 +59,10 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    header = f"{'precision':<10}{'payload B':>11}{'wire B':>9}{'chunks':>8}{'vs fp32':>9}{'max |err|':>11}{'ms':>7}"
+    header = (
+        f"{'precision':<10}{'payload B':>11}{'wire B':>9}{'chunks':>8}"
+        f"{'vs fp32':>9}{'max |err|':>11}{'ms':>7}"
+    )
     print(f"model {args.model}: one model message through an embedded MQTT broker")
     print(header)
     for r in rows:

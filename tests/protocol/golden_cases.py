@@ -20,8 +20,8 @@ from protocol.messages import (
     ModelPayload,
     ReasonCode,
     RoundTask,
-    UploadSpec,
     Update,
+    UploadSpec,
 )
 from protocol.tensors import TensorSet, encode_array
 
@@ -61,49 +61,92 @@ def cases() -> dict[str, Message]:
     w = _weights()
     return {
         "hello": Message(
-            sender="dev-001", message_id=mid(1), **common,
+            sender="dev-001",
+            message_id=mid(1),
+            **common,
             body=Hello(
-                device_id="dev-001", architecture="lenet5", fingerprint="0123456789abcdef",
-                precisions=("fp32", "int8"), memory_bytes=4 << 30, threads=4,
-                software_version="0.1.0", num_samples=600, share_label_counts=True,
+                device_id="dev-001",
+                architecture="lenet5",
+                fingerprint="0123456789abcdef",
+                precisions=("fp32", "int8"),
+                memory_bytes=4 << 30,
+                threads=4,
+                software_version="0.1.0",
+                num_samples=600,
+                share_label_counts=True,
                 platform="linux_aarch64",
             ),
         ),
         "task": Message(
-            sender="coordinator", round=3, message_id=mid(2), **common,
+            sender="coordinator",
+            round=3,
+            message_id=mid(2),
+            **common,
             body=RoundTask(
-                strategy="fedkf", hyperparameters={"lr": 0.01, "epochs": 2, "dual": True},
-                deadline=1_700_000_060.5, downlink_precision="int8",
+                strategy="fedkf",
+                hyperparameters={"lr": 0.01, "epochs": 2, "dual": True},
+                deadline=1_700_000_060.5,
+                downlink_precision="int8",
                 uplink=UploadSpec(precision="int8", mode="delta"),
-                payloads=("student", "teacher"), model_message=mid(3),
+                payloads=("student", "teacher"),
+                model_message=mid(3),
             ),
         ),
         "model": Message(
-            sender="coordinator", round=3, message_id=mid(3), **common,
+            sender="coordinator",
+            round=3,
+            message_id=mid(3),
+            **common,
             body=ModelPayload(sets={"student": _all_encodings_set()}),
         ),
         "update": Message(
-            sender="dev-001", round=3, message_id=mid(4), **common,
+            sender="dev-001",
+            round=3,
+            message_id=mid(4),
+            **common,
             body=Update(
-                task_message=mid(2), num_samples=600,
-                sets={"model": TensorSet(mode="delta", base="r3:student", tensors=(
-                    encode_array("w", w["w"], "int8_ch"), encode_array("b", w["b"], "fp16"),
-                ))},
-                label_counts=(10, 0, 590), metrics={"loss": 0.25}, timings={"train": 1.5},
+                task_message=mid(2),
+                num_samples=600,
+                sets={
+                    "model": TensorSet(
+                        mode="delta",
+                        base="r3:student",
+                        tensors=(
+                            encode_array("w", w["w"], "int8_ch"),
+                            encode_array("b", w["b"], "fp16"),
+                        ),
+                    )
+                },
+                label_counts=(10, 0, 590),
+                metrics={"loss": 0.25},
+                timings={"train": 1.5},
             ),
         ),
         "ack": Message(
-            sender="coordinator", round=3, message_id=mid(5), **common,
+            sender="coordinator",
+            round=3,
+            message_id=mid(5),
+            **common,
             body=Ack(accepted=False, reason=ReasonCode.LATE, ref=mid(4), detail="after deadline"),
         ),
         "device_status": Message(
-            sender="dev-001", message_id=mid(6), **common,
+            sender="dev-001",
+            message_id=mid(6),
+            **common,
             body=DeviceStatus(state="offline"),
         ),
         "coord_status": Message(
-            sender="coordinator", round=3, message_id=mid(7), **common,
-            body=CoordinatorStatus(state="running", strategy="fedavg", rounds_total=10,
-                                   devices_registered=20, devices_online=18),
+            sender="coordinator",
+            round=3,
+            message_id=mid(7),
+            **common,
+            body=CoordinatorStatus(
+                state="running",
+                strategy="fedavg",
+                rounds_total=10,
+                devices_registered=20,
+                devices_online=18,
+            ),
         ),
     }
 

@@ -94,7 +94,9 @@ def test_a_corrupted_chunk_fails_the_checksum_and_is_dropped() -> None:
 
 def test_inconsistent_chunks_are_refused_without_changing_state() -> None:
     chunks = split_frame(frame_of(3000), 1000)
-    other = split_frame(frame_of(3500, seed=9), 1000, transfer_id=read_chunk_header(chunks[0]).transfer_id)
+    other = split_frame(
+        frame_of(3500, seed=9), 1000, transfer_id=read_chunk_header(chunks[0]).transfer_id
+    )
     r = Reassembler()
     r.feed("t", chunks[0])
     before = (r.pending_transfers, r.pending_bytes)
@@ -107,7 +109,9 @@ def test_inconsistent_chunks_are_refused_without_changing_state() -> None:
     "mutate",
     [
         lambda c: c[:30],  # truncated header
-        lambda c: c[:20] + (5).to_bytes(4, "big") + (3).to_bytes(4, "big") + c[28:],  # index >= count
+        lambda c: (
+            c[:20] + (5).to_bytes(4, "big") + (3).to_bytes(4, "big") + c[28:]
+        ),  # index >= count
         lambda c: c[:24] + (1).to_bytes(4, "big") + c[28:],  # count 1
         lambda c: c[:28] + (2).to_bytes(8, "big") + c[36:],  # total smaller than count
     ],

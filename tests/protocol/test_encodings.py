@@ -37,7 +37,9 @@ def wire_round_trip(t: EncodedTensor) -> np.ndarray:
 def affine_bound(x: np.ndarray, encoding: Encoding) -> np.ndarray:
     """Documented per-element bound: scale / 2 of the element's channel (+ f32 rounding)."""
     levels = 16 if encoding is Encoding.INT4_CH else 256
-    rows = x.reshape(1, -1) if encoding is Encoding.INT8 or x.ndim < 2 else x.reshape(x.shape[0], -1)
+    rows = (
+        x.reshape(1, -1) if encoding is Encoding.INT8 or x.ndim < 2 else x.reshape(x.shape[0], -1)
+    )
     span = rows.max(axis=1).astype(np.float64) - rows.min(axis=1)
     bound = span / (levels - 1) / 2 * (1 + 1e-5) + 2.0**-22 * np.abs(rows).max(axis=1) + 1e-30
     return np.broadcast_to(bound[:, None], rows.shape).reshape(x.shape)
@@ -90,9 +92,7 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step() -> None:
     rng = np.random.default_rng(1)
     x = rng.uniform(-1, 1, size=(4, 64)).astype(np.float32)
     # Execute
-    decoded = np.stack(
-        [encode_array("t", x, "int4_ch", rng=rng).to_array() for _ in range(2000)]
-    )
+    decoded = np.stack([encode_array("t", x, "int4_ch", rng=rng).to_array() for _ in range(2000)])
     # Assert
     scale = (x.max(axis=1) - x.min(axis=1)) / 15
     assert (np.abs(decoded - x) < scale[:, None] * (1 + 1e-5)).all()
@@ -150,7 +150,11 @@ def test_byte_shuffle_improves_compression_of_weights() -> None:
 def test_policy_per_precision() -> None:
     w, b, steps = np.ones((4, 3), np.float32), np.ones(4, np.float32), np.array(3, np.int64)
     assert [encoding_for(p, w) for p in ["fp32", "fp16", "bf16", "int8", "int4"]] == [
-        Encoding.FP32, Encoding.FP16, Encoding.BF16, Encoding.INT8_CH, Encoding.INT4_CH
+        Encoding.FP32,
+        Encoding.FP16,
+        Encoding.BF16,
+        Encoding.INT8_CH,
+        Encoding.INT4_CH,
     ]
     assert encoding_for("int4", b) is Encoding.FP16
     assert encoding_for("int8", steps) is Encoding.RAW
@@ -188,7 +192,11 @@ def test_sizes_match_the_layouts() -> None:
     x = np.ones((10, 7), np.float32)
     sizes = {e: len(encode_array("w", x, e).data) for e in FLOAT_ENCODINGS + INT_ENCODINGS}
     assert sizes == {
-        Encoding.FP32: 280, Encoding.FP16: 140, Encoding.BF16: 140,
-        Encoding.INT8: 70, Encoding.INT8_CH: 70, Encoding.INT4_CH: math.ceil(70 / 2),
+        Encoding.FP32: 280,
+        Encoding.FP16: 140,
+        Encoding.BF16: 140,
+        Encoding.INT8: 70,
+        Encoding.INT8_CH: 70,
+        Encoding.INT4_CH: math.ceil(70 / 2),
     }
     assert len(encode_array("w", x, "int8_ch").scale) == 40

@@ -38,7 +38,11 @@ def mutate(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
     return bytes(buf)
 
 
-edits = st.lists(st.tuples(st.integers(0, 4), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=6)
+edits = st.lists(
+    st.tuples(st.integers(0, 4), st.integers(0, 1 << 20), st.integers(0, 255)),
+    min_size=1,
+    max_size=6,
+)
 
 
 def decode_or_decode_error(frame: bytes) -> Message | None:
@@ -63,32 +67,47 @@ def test_mutated_frames(index: int, edits: list[tuple[int, int, int]]) -> None:
 
 @FUZZ
 @given(index=st.integers(0, len(ENVELOPES) - 1), edits=edits)
-def test_mutated_envelopes_behind_a_valid_zstd_frame(index: int, edits: list[tuple[int, int, int]]) -> None:
+def test_mutated_envelopes_behind_a_valid_zstd_frame(
+    index: int, edits: list[tuple[int, int, int]]
+) -> None:
     raw = mutate(ENVELOPES[index], edits)
     decode_or_decode_error(b"FL\x01\x01" + zstandard.ZstdCompressor().compress(raw))
 
 
 @FUZZ
-@given(st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
-    | st.binary(max_size=16),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
-    max_leaves=30,
-))
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.binary(max_size=16),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(st.text(max_size=6), children, max_size=4)
+        ),
+        max_leaves=30,
+    )
+)
 def test_arbitrary_msgpack_values_as_bodies(body: object) -> None:
     for name in ("update", "model", "hello", "task"):
         env = CODEC.unpack(ENVELOPES[list(cases()).index(name)])
         env["body"] = body if not isinstance(body, dict) else {**env["body"], **body}
-        env["body"] = env["body"] if not isinstance(env["body"], dict) else {
-            k: v for k, v in env["body"].items() if k != "kind"
-        }
+        env["body"] = (
+            env["body"]
+            if not isinstance(env["body"], dict)
+            else {k: v for k, v in env["body"].items() if k != "kind"}
+        )
         frame = b"FL\x01\x01" + zstandard.ZstdCompressor().compress(msgpack.packb(env))
         decode_or_decode_error(frame)
 
 
 @FUZZ
 @given(order=st.permutations(range(5)), edits=edits, victim=st.integers(0, 4))
-def test_mutated_chunks_never_escape_decode_error(order: list[int], edits: list[tuple[int, int, int]], victim: int) -> None:
+def test_mutated_chunks_never_escape_decode_error(
+    order: list[int], edits: list[tuple[int, int, int]], victim: int
+) -> None:
     chunks = split_frame(FRAMES[2], 120)[:5]
     chunks[victim] = mutate(chunks[victim], edits)
     r = Reassembler()

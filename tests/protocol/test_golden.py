@@ -44,7 +44,7 @@ def test_chunk_frames_are_frozen_and_reassemble() -> None:
     # Assert
     assert [p.read_bytes() for p in golden] == chunks
     assert chunks[1][:36] == b"FL\x01\x02" + TRANSFER_ID + bytes.fromhex(
-        "00000001" "00000004" + f"{len(frame):016x}"
+        "0000000100000004" + f"{len(frame):016x}"
     )
     reassembler = Reassembler()
     outputs = [reassembler.feed("t", c) for c in reversed(chunks)]
@@ -59,7 +59,9 @@ def test_tensor_layouts_match_the_documented_bytes() -> None:
     assert tensors["fp32"][5][:4] == bytes.fromhex("000080bf")
     # byte shuffle: first the low bytes of all 12 values, ..., last the high bytes
     assert tensors["fp32s"][4] == 1
-    assert tensors["fp32s"][5][-12:] == bytes([0xBF, 0xBF, 0x00, 0x3E, 0x3F, 0x3F, 0x3F] + [0x40] * 5)
+    assert tensors["fp32s"][5][-12:] == bytes(
+        [0xBF, 0xBF, 0x00, 0x3E, 0x3F, 0x3F, 0x3F] + [0x40] * 5
+    )
     # fp16 -1.0 = 0xBC00, bf16 -1.0 = 0xBF80 (both little-endian)
     assert tensors["fp16"][5][:2] == bytes.fromhex("00bc")
     assert tensors["bf16"][5][:2] == bytes.fromhex("80bf")

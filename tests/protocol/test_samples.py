@@ -14,7 +14,12 @@ from protocol.samples import MODEL_SHAPES, sample_weights
 BUILD = {
     "lenet5": {"name": "lenet5"},
     "resnet8": {"name": "resnet8", "in_channels": 3, "image_size": 32, "widths": (64, 128, 256)},
-    "resnet8_small": {"name": "resnet8", "in_channels": 3, "image_size": 32, "widths": (16, 32, 64)},
+    "resnet8_small": {
+        "name": "resnet8",
+        "in_channels": 3,
+        "image_size": 32,
+        "widths": (16, 32, 64),
+    },
 }
 
 

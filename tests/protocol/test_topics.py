@@ -35,8 +35,17 @@ def test_identifiers_that_would_break_topics_are_refused(bad: str) -> None:
 
 @pytest.mark.parametrize(
     "topic",
-    ["", "fl", "fl/lab", "x/lab/devices/d/hello", "fl/lab/devices/d/steal", "fl/lab/devices/d",
-     "fl/lab/to/d/update", "fl/lab/devices/d/hello/extra", "fl/lab/broadcast/task"],
+    [
+        "",
+        "fl",
+        "fl/lab",
+        "x/lab/devices/d/hello",
+        "fl/lab/devices/d/steal",
+        "fl/lab/devices/d",
+        "fl/lab/to/d/update",
+        "fl/lab/devices/d/hello/extra",
+        "fl/lab/broadcast/task",
+    ],
 )
 def test_topics_outside_the_layout_are_rejected(topic: str) -> None:
     with pytest.raises(DecodeError):
