@@ -1,0 +1,147 @@
+"""The embedded amqtt broker's life cycle, and broker URLs / MQTT settings."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from protocol.errors import BrokerError, TransportError
+from protocol.transport import MqttConfig, MqttTransport, TlsConfig, parse_broker_url
+from protocol.transport.broker import EmbeddedBroker
+from tests.protocol.brokers import accepts_connections, free_port
+
+
+def connects(url: str) -> bool:
+    """Whether an MQTT client completes CONNECT / CONNACK with the broker at `url`."""
+    transport = MqttTransport(MqttConfig.from_url(url))
+    try:
+        transport.connect(timeout=3)
+    except TransportError:
+        return False
+    transport.disconnect()
+    return True
+
+
+def test_start_serves_mqtt_and_stop_frees_the_port() -> None:
+    broker = EmbeddedBroker()
+
+    broker.start()
+    port = broker.port
+    try:
+        assert broker.is_running
+        assert broker.url == f"mqtt://127.0.0.1:{port}"
+        assert connects(broker.url)
+    finally:
+        broker.stop()
+
+    assert not broker.is_running
+    assert not accepts_connections(port)
+    with socket.create_server(("127.0.0.1", port)):  # bindable again: really released
+        pass
+
+
+def test_two_brokers_run_side_by_side() -> None:
+    with EmbeddedBroker() as first, EmbeddedBroker() as second:
+        assert first.port != second.port
+        assert connects(first.url) and connects(second.url)
+
+
+def test_restart_keeps_the_port() -> None:
+    with EmbeddedBroker() as broker:
+        port = broker.port
+        broker.stop()
+
+        broker.start()
+
+        assert broker.port == port and connects(broker.url)
+
+
+def test_explicit_port_is_used() -> None:
+    port = free_port()
+
+    with EmbeddedBroker(port=port) as broker:
+        assert broker.port == port and connects(f"mqtt://127.0.0.1:{port}")
+
+
+def test_starting_twice_is_an_error() -> None:
+    with EmbeddedBroker() as broker, pytest.raises(BrokerError):
+        broker.start()
+
+
+def test_taken_port_is_a_broker_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as squatter:
+        port = squatter.getsockname()[1]
+        broker = EmbeddedBroker(port=port)
+
+        with pytest.raises(BrokerError):
+            broker.start()
+        assert not broker.is_running
+
+
+def test_stop_when_not_running_does_nothing() -> None:
+    broker = EmbeddedBroker()
+
+    broker.stop()
+
+    assert not broker.is_running
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("mqtt://127.0.0.1", ("127.0.0.1", 1883, False)),
+        ("mqtt://127.0.0.1:1884", ("127.0.0.1", 1884, False)),
+        ("mqtts://broker.example", ("broker.example", 8883, True)),
+        ("mqtts://broker.example:443/", ("broker.example", 443, True)),
+        ("mqtt://[::1]:1883", ("::1", 1883, False)),
+    ],
+)
+def test_parse_broker_url(url: str, expected: tuple[str, int, bool]) -> None:
+    assert parse_broker_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1",
+        "127.0.0.1:1883",
+        "mqtt://",
+        "mqtt://127.0.0.1:notaport",
+        "mqtt://127.0.0.1:70000",
+        "mqtt://127.0.0.1:0",
+        "mqtt://127.0.0.1/topic",
+        "mqtt://127.0.0.1?x=1",
+    ],
+)
+def test_parse_broker_url_rejects(url: str) -> None:
+    with pytest.raises(TransportError, match="URL"):
+        parse_broker_url(url)
+
+
+def test_config_from_url_with_credentials_and_overrides() -> None:
+    config = MqttConfig.from_url("mqtts://dev%2F1:s%40cret@broker.example", keepalive_s=5)
+
+    assert (config.host, config.port, config.tls) == ("broker.example", 8883, TlsConfig())
+    assert config.username == "dev/1"
+    assert config.password == SecretStr("s@cret")
+    assert config.keepalive_s == 5
+    assert "s@cret" not in repr(config)
+
+
+def test_config_from_url_rejects_bad_overrides() -> None:
+    with pytest.raises(TransportError):
+        MqttConfig.from_url("mqtt://127.0.0.1", reconnect_min_s=5, reconnect_max_s=1)
+
+
+def test_config_defaults_and_validation() -> None:
+    config = MqttConfig()
+
+    assert (config.port, config.keepalive_s, config.clean_session) == (1883, 30, True)
+    assert config.client_id.startswith("edgefl-")
+    assert MqttConfig().client_id != config.client_id
+    with pytest.raises(ValidationError):
+        MqttConfig(port=0)
+    with pytest.raises(ValidationError):
+        TlsConfig(cert_file="client.pem")
