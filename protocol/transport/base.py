@@ -269,32 +269,48 @@ class Transport(abc.ABC):
             TransportError: invalid filter, not connected, or timed out.
         """
 
-    @abc.abstractmethod
+    def __init__(
+        self, name: str, version: MqttVersion, resolve: Callable[[str], list[Handler]]
+    ) -> None:
+        """Set up the state every transport shares.
+
+        Args:
+            name: name of the handler thread.
+            version: the MQTT version spoken.
+            resolve: maps a topic to the handlers subscribed to it.
+        """
+        self._version = version
+        self._connected = False
+        self._max_packet_size: int | None = None
+        self._stats = TrafficStats()
+        self._dispatcher = HandlerDispatcher(name, resolve)
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every message received so far went through its handlers.
 
         Returns False if that did not happen within `timeout` seconds.
         """
+        return self._dispatcher.flush(timeout)
 
     @property
-    @abc.abstractmethod
     def is_connected(self) -> bool:
         """Whether the transport currently has a session with the broker."""
+        return self._connected
 
     @property
-    @abc.abstractmethod
     def max_packet_size(self) -> int | None:
         """Maximum Packet Size (bytes) from the broker's MQTT 5 CONNACK; None if absent."""
+        return self._max_packet_size
 
     @property
-    @abc.abstractmethod
     def protocol_version(self) -> MqttVersion:
         """The MQTT version this transport speaks."""
+        return self._version
 
     @property
-    @abc.abstractmethod
     def stats(self) -> TrafficStats:
         """Per-topic payload and wire byte counters of this transport."""
+        return self._stats
 
     def __enter__(self) -> Transport:
         return self

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from protocol.errors import TransportError
 from protocol.transport.base import (
     Handler,
-    HandlerDispatcher,
     Inbound,
     MqttVersion,
     Transport,
@@ -27,7 +26,6 @@ from protocol.transport.base import (
     validate_filter,
     validate_topic,
 )
-from protocol.transport.stats import TrafficStats
 from protocol.transport.wire import publish_packet_size
 
 __all__ = ["MemoryBroker", "MemoryTransport"]
@@ -181,17 +179,13 @@ class MemoryTransport(Transport):
     def __init__(
         self, broker: MemoryBroker, client_id: str, *, version: MqttVersion = MqttVersion.V311
     ) -> None:
+        super().__init__(f"memory-transport-{client_id}", version, self._handlers_for)
         self._broker = broker
         self._client_id = client_id
-        self._version = version
         self._lock = threading.Lock()
         self._subscriptions: dict[str, tuple[Handler, int]] = {}
         self._will: Will | None = None
         self._active = False  # between connect() and disconnect()/abort()
-        self._connected = False
-        self._max_packet_size: int | None = None
-        self._stats = TrafficStats()
-        self._dispatcher = HandlerDispatcher(f"memory-transport-{client_id}", self._handlers_for)
 
     @property
     def client_id(self) -> str:
@@ -271,25 +265,6 @@ class MemoryTransport(Transport):
         with self._lock:
             self._subscriptions.pop(topic_filter, None)
         self._broker._unsubscribe(self, topic_filter)
-
-    def flush(self, timeout: float = 10.0) -> bool:
-        return self._dispatcher.flush(timeout)
-
-    @property
-    def is_connected(self) -> bool:
-        return self._connected
-
-    @property
-    def max_packet_size(self) -> int | None:
-        return self._max_packet_size
-
-    @property
-    def protocol_version(self) -> MqttVersion:
-        return self._version
-
-    @property
-    def stats(self) -> TrafficStats:
-        return self._stats
 
     # Called by MemoryBroker.
 

@@ -23,7 +23,6 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from protocol.errors import TransportError
 from protocol.transport.base import (
     Handler,
-    HandlerDispatcher,
     Inbound,
     MqttVersion,
     Transport,
@@ -34,7 +33,6 @@ from protocol.transport.base import (
     validate_topic,
 )
 from protocol.transport.config import MqttConfig, TlsConfig, parse_broker_url
-from protocol.transport.stats import TrafficStats
 from protocol.transport.wire import publish_packet_size, varint_size
 
 __all__ = ["MqttConfig", "MqttTransport", "TlsConfig", "parse_broker_url"]
@@ -74,20 +72,14 @@ class MqttTransport(Transport):
     """`Transport` over paho-mqtt; see the module docstring. One paho client per `connect`."""
 
     def __init__(self, config: MqttConfig) -> None:
+        super().__init__(f"mqtt-handlers-{config.client_id}", config.version, self._handlers_for)
         self._config = config
-        self._version = config.version
         self._lock = threading.Lock()
         self._client: paho.Client | None = None
         self._subscriptions: dict[str, tuple[Handler, int]] = {}
         self._pending: dict[int, _Pending] = {}
-        self._connected = False
         self._connack = threading.Event()
         self._refusal: str | None = None
-        self._max_packet_size: int | None = None
-        self._stats = TrafficStats()
-        self._dispatcher = HandlerDispatcher(
-            f"mqtt-handlers-{config.client_id}", self._handlers_for
-        )
 
     @property
     def config(self) -> MqttConfig:
@@ -278,25 +270,6 @@ class MqttTransport(Transport):
             if client is None or not self._connected:
                 raise TransportError(f"{self._config.client_id!r} is not connected")
             return client
-
-    def flush(self, timeout: float = 10.0) -> bool:
-        return self._dispatcher.flush(timeout)
-
-    @property
-    def is_connected(self) -> bool:
-        return self._connected
-
-    @property
-    def max_packet_size(self) -> int | None:
-        return self._max_packet_size
-
-    @property
-    def protocol_version(self) -> MqttVersion:
-        return self._version
-
-    @property
-    def stats(self) -> TrafficStats:
-        return self._stats
 
     # paho callbacks: they run on paho's network thread and must never raise.
 
