@@ -138,9 +138,14 @@ def quantize_affine(
     noise drawn from ``rng`` (unbiased). Rows with scale 0 map to code 0.
     """
     inv = np.zeros_like(scale)
-    np.divide(np.float32(1.0), scale, out=inv, where=scale > 0)
+    with np.errstate(over="ignore"):
+        np.divide(np.float32(1.0), scale, out=inv, where=scale > 0)
+    tiny = np.isinf(inv)  # subnormal scales: 1/scale overflows, so divide those rows
+    inv[tiny] = 0
     t = np.subtract(rows, offset[:, None])
     np.multiply(t, inv[:, None], out=t)
+    if tiny.any():
+        t[tiny] = (rows[tiny] - offset[tiny, None]) / scale[tiny, None]
     if rng is None:
         np.rint(t, out=t)
     else:

@@ -113,6 +113,15 @@ def test_constant_and_scalar_and_empty_tensors() -> None:
 
 
 @pytest.mark.parametrize("encoding", INT_ENCODINGS)
+def test_subnormal_ranges_quantize_without_nan(encoding: Encoding) -> None:
+    # a channel spanning ~1e-40: its scale is subnormal and 1/scale overflows float32
+    x = np.array([[0.0, 5e-41, 1e-40, 3e-41], [1.0, 2.0, 3.0, 4.0]], np.float32)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        y = encode_array("t", x, encoding).to_array()
+    assert (np.abs(y.astype(np.float64) - x) <= affine_bound(x, encoding)).all()
+
+
+@pytest.mark.parametrize("encoding", INT_ENCODINGS)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_integer_encodings_refuse_non_finite_values(encoding: Encoding, bad: float) -> None:
     x = np.ones((2, 3), np.float32)
