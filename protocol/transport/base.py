@@ -10,7 +10,6 @@ blocking the network loop.
 from __future__ import annotations
 
 import abc
-import enum
 import logging
 import queue
 import threading
@@ -20,6 +19,7 @@ from types import TracebackType
 
 from protocol.errors import TransportError
 from protocol.transport.stats import TrafficStats
+from protocol.transport.wire import MqttVersion, publish_packet_size
 
 __all__ = [
     "Handler",
@@ -38,13 +38,6 @@ logger = logging.getLogger(__name__)
 
 MAX_TOPIC_BYTES = 65_535  # a topic is a UTF-8 string with a 16-bit length prefix
 VALID_QOS = (0, 1, 2)
-
-
-class MqttVersion(enum.Enum):
-    """The MQTT protocol version a transport speaks."""
-
-    V311 = "3.1.1"
-    V5 = "5"
 
 
 @dataclass(frozen=True)
@@ -284,6 +277,22 @@ class Transport(abc.ABC):
         self._max_packet_size: int | None = None
         self._stats = TrafficStats()
         self._dispatcher = HandlerDispatcher(name, resolve)
+
+    def _checked_publish(
+        self, topic: str, payload: bytes, qos: int, limit: int | None
+    ) -> tuple[bytes, int]:
+        """Validate a publish; return the payload as bytes and its PUBLISH packet size.
+
+        Raises:
+            TransportError: invalid topic or QoS, or a packet larger than ``limit``.
+        """
+        validate_topic(topic)
+        check_qos(qos)
+        data = bytes(payload)
+        wire = publish_packet_size(topic, len(data), qos, self._version)
+        if limit is not None and wire > limit:
+            raise TransportError(f"PUBLISH of {wire} bytes exceeds the broker's limit {limit}")
+        return data, wire
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every message received so far went through its handlers.

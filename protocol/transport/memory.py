@@ -230,13 +230,7 @@ class MemoryTransport(Transport):
         retain: bool = False,
         timeout: float = 30.0,
     ) -> None:
-        validate_topic(topic)
-        check_qos(qos)
-        payload = bytes(payload)
-        wire = publish_packet_size(topic, len(payload), qos, self._version)
-        limit = self._broker.max_packet_size
-        if limit is not None and wire > limit:
-            raise TransportError(f"PUBLISH of {wire} bytes exceeds the broker's limit {limit}")
+        payload, wire = self._checked_publish(topic, payload, qos, self._broker.max_packet_size)
         if not self._connected:
             raise TransportError(f"{self._client_id!r} is not connected")
         self._broker._publish(self, topic, payload, qos, retain)

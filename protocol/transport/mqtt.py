@@ -203,14 +203,8 @@ class MqttTransport(Transport):
         retain: bool = False,
         timeout: float = 30.0,
     ) -> None:
-        validate_topic(topic)
-        check_qos(qos)
-        payload = bytes(payload)
         # paho sends an empty property block (one 0x00 byte) on MQTT 5: properties_len 0.
-        wire = publish_packet_size(topic, len(payload), qos, self._version)
-        limit = self._max_packet_size
-        if limit is not None and wire > limit:
-            raise TransportError(f"PUBLISH of {wire} bytes exceeds the broker's limit {limit}")
+        payload, wire = self._checked_publish(topic, payload, qos, self._max_packet_size)
         client = self._require_connected()
         try:
             info = client.publish(topic, payload, qos=qos, retain=retain)

@@ -12,8 +12,17 @@ A PUBLISH packet is::
 
 from __future__ import annotations
 
+import enum
+
 from protocol.errors import EncodeError
-from protocol.transport.base import MqttVersion
+
+
+class MqttVersion(enum.Enum):
+    """The MQTT protocol version a transport speaks."""
+
+    V311 = "3.1.1"
+    V5 = "5"
+
 
 __all__ = ["MAX_REMAINING_LENGTH", "publish_packet_size", "varint_size"]
 
