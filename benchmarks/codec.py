@@ -33,9 +33,10 @@ import numpy as np
 from protocol.codec import Codec
 from protocol.messages import Message, ModelPayload
 from protocol.samples import sample_weights
-from protocol.tensors import Encoding, encode_tensors
+from protocol.tensors import Encoding
+from protocol.tensorset import TensorSet, encode_tensors
 
-SETS = {"lenet5": "lenet5", "resnet8": "resnet8"}
+SETS = ("lenet5", "resnet8")  # names in protocol.samples.MODEL_SHAPES
 ENCODINGS: dict[str, dict[str, Any]] = {
     "fp32": {"precision": "fp32"},
     "fp32_shuffle": {"precision": "fp32", "shuffle": True},
@@ -67,12 +68,13 @@ def measure(
         else None
     )
 
+    def encode_set() -> TensorSet:
+        return encode_tensors(
+            weights, spec["precision"], shuffle=spec.get("shuffle", False), encodings=encodings
+        )
+
     def encode() -> bytes:
-        sets = {
-            "model": encode_tensors(
-                weights, spec["precision"], shuffle=spec.get("shuffle", False), encodings=encodings
-            )
-        }
+        sets = {"model": encode_set()}
         return codec.encode(
             Message(fleet="bench", sender="coordinator", body=ModelPayload(sets=sets))
         )
@@ -92,14 +94,7 @@ def measure(
         "decode_MBps": fp32_bytes / timed(decode, repeats) / 1e6,
         "frame_bytes": len(frame),
         "overhead_pct": 100 * (envelope_bytes - tensor_bytes) / tensor_bytes,
-        "tensor_encode_MBps": fp32_bytes
-        / timed(
-            lambda: encode_tensors(
-                weights, spec["precision"], shuffle=spec.get("shuffle", False), encodings=encodings
-            ),
-            repeats,
-        )
-        / 1e6,
+        "tensor_encode_MBps": fp32_bytes / timed(encode_set, repeats) / 1e6,
         "tensor_decode_MBps": fp32_bytes / timed(tensor_set.to_arrays, repeats) / 1e6,
     }
 
@@ -107,8 +102,8 @@ def measure(
 def run(repeats: int, level: int) -> dict[str, Any]:
     codec = Codec(level=level)
     results: dict[str, Any] = {"zstd_level": level, "sets": {}}
-    for set_name, model in SETS.items():
-        weights = sample_weights(model)
+    for set_name in SETS:
+        weights = sample_weights(set_name)
         params = sum(v.size for v in weights.values())
         rows = {name: measure(weights, spec, codec, repeats) for name, spec in ENCODINGS.items()}
         results["sets"][set_name] = {"parameters": params, "encodings": rows}

@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from protocol.tensors import architecture_fingerprint
+from protocol.arrays import architecture_fingerprint
 
 __all__ = [
     "DEFAULT_IMAGE_SIZE",
@@ -121,7 +121,7 @@ class Classifier(nn.Module, ABC):
 
         Equal for two instances of the same architecture and configuration whatever
         their weights, device or dtype; different when any tensor name or shape differs.
-        See :func:`protocol.tensors.architecture_fingerprint`.
+        See :func:`protocol.arrays.architecture_fingerprint`.
         """
         return architecture_fingerprint(
             {name: tuple(t.shape) for name, t in self.state_dict().items()}

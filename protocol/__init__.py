@@ -16,6 +16,7 @@ Transports (MQTT on paho, the in-memory twin, the embedded broker) live in
 See docs/protocol.md for the byte-level format.
 """
 
+from protocol.arrays import apply_delta, architecture_fingerprint, content_fingerprint, delta_arrays
 from protocol.channel import Channel, Sent
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, Reassembler, split_frame
 from protocol.codec import Codec
@@ -34,19 +35,8 @@ from protocol.messages import (
     Update,
     UploadSpec,
 )
-from protocol.tensors import (
-    EncodedTensor,
-    Encoding,
-    Precision,
-    TensorSet,
-    apply_delta,
-    architecture_fingerprint,
-    content_fingerprint,
-    delta_arrays,
-    encode_array,
-    encode_tensors,
-    encoding_for,
-)
+from protocol.tensors import EncodedTensor, Encoding, Precision, encode_array, encoding_for
+from protocol.tensorset import TensorSet, encode_tensors
 from protocol.topics import Topics, parse_topic
 
 __version__ = "0.1.0"

@@ -236,7 +236,15 @@ class Codec:
             DecodeError: anything wrong with the frame, the envelope, the body or its
                 tensors, or a bound of ``limits`` exceeded. Nothing partial is returned.
         """
-        env = self.unpack(self.decompress(frame))
+        return self.decode_envelope(self.decompress(frame))
+
+    def decode_envelope(self, raw: bytes) -> Message:
+        """Decode a decompressed msgpack envelope (what :meth:`decompress` returns).
+
+        Raises:
+            DecodeError: as :meth:`decode`.
+        """
+        env = self.unpack(raw)
         self._precheck_counts(env["body"])
         kind = env["kind"]
         candidate = {
@@ -255,7 +263,7 @@ class Codec:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise DecodeError(f"invalid {kind} message: {where}: {first['msg']}") from None
-        self._check_totals(message)
+        self._check_total_elements(message)
         return message
 
     def _precheck_counts(self, body: dict[str, Any]) -> None:
@@ -273,14 +281,9 @@ class Codec:
         if count > self.limits.max_tensors:
             raise DecodeError(f"{count} tensors, limit {self.limits.max_tensors}")
 
-    def _check_totals(self, message: Message) -> None:
-        sets = message.tensor_sets()
-        limits = self.limits
-        if len(sets) > limits.max_tensor_sets:
-            raise DecodeError(f"{len(sets)} tensor sets, limit {limits.max_tensor_sets}")
-        tensors = sum(len(s) for s in sets.values())
-        if tensors > limits.max_tensors:
-            raise DecodeError(f"{tensors} tensors, limit {limits.max_tensors}")
-        elements = sum(s.numel for s in sets.values())
-        if elements > limits.max_total_elements:
-            raise DecodeError(f"{elements} elements in total, limit {limits.max_total_elements}")
+    def _check_total_elements(self, message: Message) -> None:
+        """Set and tensor counts were checked before validation; elements need shapes."""
+        elements = sum(s.numel for s in message.tensor_sets().values())
+        limit = self.limits.max_total_elements
+        if elements > limit:
+            raise DecodeError(f"{elements} elements in total, limit {limit}")

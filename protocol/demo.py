@@ -12,7 +12,8 @@ from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.messages import Message, ModelPayload
 from protocol.samples import sample_weights
-from protocol.tensors import Precision, encode_tensors
+from protocol.tensors import Precision
+from protocol.tensorset import encode_tensors
 from protocol.topics import Topics
 from protocol.transport.broker import EmbeddedBroker
 from protocol.transport.mqtt import MqttConfig, MqttTransport
@@ -47,8 +48,7 @@ def run_demo(
             receiver = Channel(device, codec, max_payload=max_payload)
             receiver.subscribe(topics.device_inbox("dev-000"), lambda _t, m: inbox.put(m))
             sender = Channel(coordinator, codec, max_payload=max_payload)
-            fp32_bytes = 0
-            for precision in Precision:
+            for precision in Precision:  # fp32 first: the reference of the ratio
                 start = time.perf_counter()
                 sets = {"global": encode_tensors(weights, precision)}
                 message = Message(fleet="demo", sender="coordinator", body=ModelPayload(sets=sets))
@@ -59,14 +59,14 @@ def run_demo(
                 after = coordinator.stats.totals("out")
                 decoded = got.tensor_sets()["global"].to_arrays()
                 error = max(float(np.max(np.abs(decoded[k] - v))) for k, v in weights.items())
-                fp32_bytes = fp32_bytes or sent.payload_bytes
                 rows.append(
                     {
                         "precision": precision.value,
-                        "payload_bytes": after.payload_bytes - before.payload_bytes,
+                        "payload_bytes": sent.payload_bytes,
                         "wire_bytes": after.wire_bytes - before.wire_bytes,
                         "chunks": sent.frames,
-                        "ratio_vs_fp32": fp32_bytes / sent.payload_bytes,
+                        "ratio_vs_fp32": (rows[0]["payload_bytes"] if rows else sent.payload_bytes)
+                        / sent.payload_bytes,
                         "max_abs_error": error,
                         "round_trip_ms": elapsed,
                     }

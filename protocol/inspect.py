@@ -83,4 +83,4 @@ def summarize(payloads: Sequence[bytes], limits: DecodeLimits | None = None) -> 
         raise DecodeError("give one message frame, or all chunks of one transfer")
     frame = frames[0]
     raw = codec.decompress(frame)
-    return summarize_message(codec.decode(frame), len(frame), len(raw))
+    return summarize_message(codec.decode_envelope(raw), len(frame), len(raw))

@@ -24,11 +24,12 @@ from __future__ import annotations
 import time
 import uuid
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from protocol.tensors import Precision, TensorSet
+from protocol.tensors import Precision
+from protocol.tensorset import TensorSet
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -74,7 +75,7 @@ class Hello(_Body):
     architecture: ShortText
     """Registry name of the device's classifier (e.g. ``lenet5``)."""
     fingerprint: Fingerprint
-    """Architecture fingerprint (see protocol.tensors.architecture_fingerprint)."""
+    """Architecture fingerprint (see protocol.arrays.architecture_fingerprint)."""
     precisions: Annotated[tuple[Precision, ...], Field(min_length=1, max_length=8)]
     """Transfer precisions the device can decode and encode."""
     memory_bytes: Annotated[int, Field(ge=0)]
@@ -193,15 +194,10 @@ Body = Annotated[
     Hello | RoundTask | ModelPayload | Update | Ack | DeviceStatus | CoordinatorStatus,
     Field(discriminator="kind"),
 ]
-BODY_KINDS: tuple[str, ...] = (
-    "hello",
-    "task",
-    "model",
-    "update",
-    "ack",
-    "device_status",
-    "coord_status",
+BODY_KINDS: tuple[str, ...] = tuple(
+    cls.model_fields["kind"].default for cls in get_args(get_args(Body)[0])
 )
+"""The body kinds, in the order of :data:`Body`."""
 
 
 class Message(BaseModel):

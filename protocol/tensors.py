@@ -1,12 +1,12 @@
-"""Tensors on the wire: encodings, encoded tensors, tensor sets, fingerprints, deltas.
+"""Tensors on the wire: encodings and encoded tensors.
 
-An :class:`EncodedTensor` is one named array in one :class:`Encoding`; a
-:class:`TensorSet` is an ordered group of them with a mode (``full``, ``delta`` against a
-named base, or ``partial``). Encoding is explicit (:func:`encode_array`,
-:func:`encode_tensors`); decoding back to numpy is :meth:`EncodedTensor.to_array` and
-:meth:`TensorSet.to_arrays`. Wire validation (shapes, sizes, dtypes, limits) happens when
-a tensor is read from the wire (:meth:`EncodedTensor.from_wire`), so a tensor object
-always holds consistent bytes.
+An :class:`EncodedTensor` is one named array in one :class:`Encoding`. Encoding is
+explicit (:func:`encode_array`, with :func:`encoding_for` as the per-precision policy);
+decoding back to numpy is :meth:`EncodedTensor.to_array`. Wire validation (shapes,
+sizes, dtypes, limits) happens when a tensor is read from the wire
+(:meth:`EncodedTensor.from_wire`), so a tensor object always holds consistent bytes.
+Groups of tensors are :class:`protocol.tensorset.TensorSet`; fingerprints and deltas of
+plain arrays live in :mod:`protocol.arrays`.
 
 Error bounds, per element, for a finite float32 input ``x`` (see docs/protocol.md):
 
@@ -27,41 +27,19 @@ bounds hold up to float32 rounding of the reconstruction (about 2**-23 * max |x|
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    PlainSerializer,
-    PlainValidator,
-    ValidationInfo,
-    model_validator,
-)
 
 from protocol import quant
 from protocol.errors import DecodeError, EncodeError
 from protocol.limits import ALL_DTYPES, DecodeLimits
 
-__all__ = [
-    "EncodedTensor",
-    "Encoding",
-    "Precision",
-    "TensorSet",
-    "apply_delta",
-    "architecture_fingerprint",
-    "content_fingerprint",
-    "delta_arrays",
-    "encode_array",
-    "encode_tensors",
-    "encoding_for",
-]
+__all__ = ["EncodedTensor", "Encoding", "Precision", "encode_array", "encoding_for"]
 
 Array = npt.NDArray[Any]
 
@@ -273,69 +251,6 @@ def _channels(enc: Encoding, shape: tuple[int, ...]) -> int:
     return shape[0]
 
 
-def _tensor_validator(value: Any, info: ValidationInfo) -> EncodedTensor:
-    if isinstance(value, EncodedTensor):
-        return value
-    limits = (info.context or {}).get("limits") or DecodeLimits()
-    return EncodedTensor.from_wire(value, limits)
-
-
-WireTensor = Annotated[
-    EncodedTensor,
-    PlainValidator(_tensor_validator),
-    PlainSerializer(lambda t: t.to_wire(), return_type=list),
-]
-
-
-class TensorSet(BaseModel):
-    """An ordered group of encoded tensors with unique names.
-
-    ``mode`` says how to read it: ``full`` (the values), ``delta`` (values to add to the
-    tensors of the set named by ``base``) or ``partial`` (a subset of a model's tensors,
-    e.g. only the prediction head).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    mode: Literal["full", "delta", "partial"] = "full"
-    base: str | None = None
-    tensors: tuple[WireTensor, ...] = ()
-
-    @model_validator(mode="after")
-    def _check(self) -> TensorSet:
-        names = [t.name for t in self.tensors]
-        if len(set(names)) != len(names):
-            raise ValueError("tensor names in a set must be unique")
-        if (self.mode == "delta") != (self.base is not None):
-            raise ValueError("a delta set needs a base, and only a delta set has one")
-        if self.base is not None and not 0 < len(self.base) <= 128:
-            raise ValueError("base must be 1 to 128 characters")
-        return self
-
-    def __iter__(self) -> Iterator[EncodedTensor]:  # type: ignore[override]
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(t.name for t in self.tensors)
-
-    @property
-    def nbytes(self) -> int:
-        """Encoded bytes of all tensors (data and parameters, no metadata)."""
-        return sum(t.nbytes for t in self.tensors)
-
-    @property
-    def numel(self) -> int:
-        return sum(t.numel for t in self.tensors)
-
-    def to_arrays(self) -> dict[str, Array]:
-        """Decode every tensor, in order, to new numpy arrays."""
-        return {t.name: t.to_array() for t in self.tensors}
-
-
 def encoding_for(precision: Precision | str, array: Array) -> Encoding:
     """The encoding a tensor gets when a model is sent at ``precision``.
 
@@ -421,103 +336,3 @@ def encode_array(
         scale=scale.astype("<f4").tobytes(),
         offset=offset.astype("<f4").tobytes(),
     )
-
-
-def encode_tensors(
-    arrays: Mapping[str, npt.ArrayLike],
-    precision: Precision | str = Precision.FP32,
-    *,
-    mode: Literal["full", "delta", "partial"] = "full",
-    base: str | None = None,
-    shuffle: bool = False,
-    rng: np.random.Generator | None = None,
-    encodings: Mapping[str, Encoding | str] | None = None,
-) -> TensorSet:
-    """Encode named arrays into a :class:`TensorSet` at ``precision``.
-
-    Each tensor's encoding comes from :func:`encoding_for` unless ``encodings`` names
-    one for it. ``mode``/``base`` are recorded as given (see :func:`delta_arrays`).
-
-    Raises:
-        EncodeError: as :func:`encode_array`, or a delta without a base.
-    """
-    overrides = encodings or {}
-    tensors = []
-    for name, value in arrays.items():
-        arr = np.asarray(value)
-        enc = Encoding(overrides[name]) if name in overrides else encoding_for(precision, arr)
-        tensors.append(encode_array(name, arr, enc, shuffle=shuffle, rng=rng))
-    if (mode == "delta") != (base is not None):
-        raise EncodeError("a delta tensor set needs a base name, and only a delta has one")
-    return TensorSet(mode=mode, base=base, tensors=tuple(tensors))
-
-
-def architecture_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
-    """Stable fingerprint of a model architecture from its tensor names and shapes.
-
-    The first 16 hex digits of SHA-256 over the UTF-8 text made of one line
-    ``name:d0xd1x...`` per tensor (``name:`` for a scalar), sorted by name, each line
-    ending in ``\\n``. Insertion order does not matter; any change of a name or shape
-    changes it. Devices announce it in their hello message.
-    """
-    lines = sorted(f"{n}:{'x'.join(str(int(d)) for d in shape)}\n" for n, shape in shapes.items())
-    return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()[:16]
-
-
-def content_fingerprint(arrays: Mapping[str, npt.ArrayLike]) -> str:
-    """Fingerprint of tensor values (names, dtypes, shapes and bytes, in order).
-
-    16 hex digits of SHA-256; used to name the base a delta is taken against, so a
-    receiver can tell whether it holds exactly that base.
-    """
-    h = hashlib.sha256()
-    for name, value in arrays.items():
-        arr = np.ascontiguousarray(value)
-        le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        h.update(f"{name}|{le.dtype.str}|{arr.shape}\n".encode())
-        h.update(le.tobytes())
-    return h.hexdigest()[:16]
-
-
-def delta_arrays(current: Mapping[str, Array], base: Mapping[str, Array]) -> dict[str, Array]:
-    """``current - base`` for float tensors (float32); other tensors are copied as is.
-
-    Raises:
-        EncodeError: the two sets differ in names or shapes.
-    """
-    _same_layout(current, base)
-    out: dict[str, Array] = {}
-    for name, cur in current.items():
-        if cur.dtype.kind == "f":
-            out[name] = np.subtract(cur, base[name], dtype=np.float32)
-        else:
-            out[name] = np.array(cur, copy=True)
-    return out
-
-
-def apply_delta(base: Mapping[str, Array], delta: Mapping[str, Array]) -> dict[str, Array]:
-    """``base + delta`` for float tensors (float32); other tensors take the delta's value.
-
-    Raises:
-        DecodeError: the two sets differ in names or shapes.
-    """
-    try:
-        _same_layout(delta, base)
-    except EncodeError as exc:
-        raise DecodeError(str(exc)) from None
-    out: dict[str, Array] = {}
-    for name, d in delta.items():
-        if d.dtype.kind == "f":
-            out[name] = np.add(base[name], d, dtype=np.float32)
-        else:
-            out[name] = np.array(d, copy=True)
-    return out
-
-
-def _same_layout(a: Mapping[str, Array], b: Mapping[str, Array]) -> None:
-    if a.keys() != b.keys():
-        missing = sorted(set(a) ^ set(b))
-        raise EncodeError(f"tensor names differ: {missing[:5]}")
-    for name, arr in a.items():
-        if np.shape(arr) != np.shape(b[name]):
-            raise EncodeError(f"tensor {name!r}: shape {np.shape(arr)} != {np.shape(b[name])}")

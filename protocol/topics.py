@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from protocol.errors import DecodeError
+from protocol.messages import ID_PATTERN
 
 __all__ = ["DEVICE_LEAVES", "DOWN_LEAVES", "TopicInfo", "Topics", "parse_topic", "valid_identifier"]
 
 PREFIX = "fl"
 DEVICE_LEAVES = ("hello", "update", "status")
 DOWN_LEAVES = ("task", "model", "ack")
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ID = re.compile(ID_PATTERN)
 
 DeviceLeaf = Literal["hello", "update", "status"]
 DownLeaf = Literal["task", "model", "ack"]

@@ -23,7 +23,8 @@ from protocol.messages import (
     Update,
     UploadSpec,
 )
-from protocol.tensors import TensorSet, encode_array
+from protocol.tensors import encode_array
+from protocol.tensorset import TensorSet
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 TRANSFER_ID = bytes(range(16))

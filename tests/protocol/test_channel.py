@@ -11,7 +11,7 @@ from protocol.channel import Channel
 from protocol.errors import DecodeError, EncodeError
 from protocol.messages import DeviceStatus, Message, ModelPayload
 from protocol.samples import sample_weights
-from protocol.tensors import encode_tensors
+from protocol.tensorset import encode_tensors
 from protocol.transport.base import MqttVersion
 from protocol.transport.memory import MemoryBroker, MemoryTransport
 

@@ -10,18 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from protocol.arrays import apply_delta, content_fingerprint, delta_arrays
 from protocol.errors import EncodeError
 from protocol.limits import DecodeLimits
-from protocol.tensors import (
-    EncodedTensor,
-    Encoding,
-    apply_delta,
-    content_fingerprint,
-    delta_arrays,
-    encode_array,
-    encode_tensors,
-    encoding_for,
-)
+from protocol.tensors import EncodedTensor, Encoding, encode_array, encoding_for
+from protocol.tensorset import encode_tensors
 
 LIMITS = DecodeLimits()
 FLOAT_ENCODINGS = [Encoding.FP32, Encoding.FP16, Encoding.BF16]

@@ -12,7 +12,8 @@ from protocol.codec import Codec
 from protocol.errors import DecodeError
 from protocol.limits import DecodeLimits, ReassemblyLimits
 from protocol.messages import Message, ModelPayload
-from protocol.tensors import TensorSet, encode_array, encode_tensors
+from protocol.tensors import encode_array
+from protocol.tensorset import TensorSet, encode_tensors
 
 HEADER = b"FL\x01\x01"
 
