@@ -140,7 +140,7 @@ class HandlerDispatcher:
     def __init__(self, name: str, resolve: Callable[[str], list[Handler]]) -> None:
         self._name = name
         self._resolve = resolve
-        self._queue: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Inbound | Callable[[], None] | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
         self._thread: threading.Thread | None = None
@@ -151,8 +151,8 @@ class HandlerDispatcher:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
-    def submit(self, message: Inbound) -> None:
-        """Queue `message` for delivery to its handlers."""
+    def submit(self, message: Inbound | Callable[[], None]) -> None:
+        """Queue `message` for delivery to its handlers (or a callable to run in order)."""
         with self._idle:
             self._pending += 1
         self._queue.put(message)
@@ -184,6 +184,9 @@ class HandlerDispatcher:
             if message is None:
                 return
             try:
+                if not isinstance(message, Inbound):
+                    self._call(message)
+                    continue
                 for handler in self._resolve(message.topic):
                     try:
                         handler(message)
@@ -193,6 +196,13 @@ class HandlerDispatcher:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    @staticmethod
+    def _call(callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except Exception:
+            logger.exception("reconnect callback raised")
 
 
 class Transport(abc.ABC):
@@ -277,6 +287,20 @@ class Transport(abc.ABC):
         self._max_packet_size: int | None = None
         self._stats = TrafficStats()
         self._dispatcher = HandlerDispatcher(name, resolve)
+        self._reconnect_callbacks: list[Callable[[], None]] = []
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every automatic reconnect, once subscriptions are restored.
+
+        It runs on the handler thread, in order with message handlers, so it may publish
+        (a device re-announces itself, a coordinator republishes its retained status).
+        Not called for the first `connect`.
+        """
+        self._reconnect_callbacks.append(callback)
+
+    def _reconnected(self) -> None:
+        for callback in self._reconnect_callbacks:
+            self._dispatcher.submit(callback)
 
     def _checked_publish(
         self, topic: str, payload: bytes, qos: int, limit: int | None

@@ -280,6 +280,7 @@ class MemoryTransport(Transport):
             self._broker._subscribe(self, topic_filter, qos)
         self._connected = True
         logger.info("%r reconnected; %d subscriptions restored", self._client_id, len(restore))
+        self._reconnected()
 
     def _handlers_for(self, topic: str) -> list[Handler]:
         with self._lock:

@@ -287,6 +287,7 @@ class MqttTransport(Transport):
             self._connack.set()
             return
         size = getattr(properties, "MaximumPacketSize", None)
+        reconnect = self._connack.is_set()  # set by the first CONNACK of this client
         with self._lock:
             self._max_packet_size = size if self._version is MqttVersion.V5 else None
             self._connected = True
@@ -298,6 +299,8 @@ class MqttTransport(Transport):
                 logger.exception("could not restore %d subscriptions", len(restore))
             logger.info("reconnected; restoring %d subscriptions", len(restore))
         self._connack.set()
+        if reconnect:
+            self._reconnected()
 
     def _on_disconnect(
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any

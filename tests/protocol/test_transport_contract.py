@@ -308,6 +308,17 @@ class TransportContract:
         assert inbox.payloads[:1] == [b"again"]
         assert receiver.is_connected and sender.is_connected
 
+    def test_reconnect_callback_runs_after_each_reconnect_only(self, live: Env) -> None:
+        transport, calls = live.make("cb"), threading.Event()
+        transport.on_reconnect(calls.set)
+        assert transport.flush(OP_TIMEOUT)
+        assert not calls.is_set()  # the first connect is not a reconnect
+
+        live.restart_broker()
+
+        assert calls.wait(15)
+        assert transport.is_connected
+
 
 class TestMemoryTransport(TransportContract):
     @pytest.fixture
