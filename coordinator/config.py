@@ -1,0 +1,203 @@
+"""Typed configuration of the coordinator, from flags or a TOML file.
+
+:class:`CoordinatorConfig` holds every setting of a run; ``python -m coordinator`` builds
+it from ``--config FILE.toml`` (the same keys, nested ``[training]`` and ``[broker]``
+tables) overridden by explicit flags. Constructors take these objects, never argparse
+namespaces.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from coordinator.errors import ConfigError
+from protocol.messages import ID_PATTERN
+from protocol.transport import MqttConfig, MqttVersion, TlsConfig
+
+__all__ = [
+    "BrokerSettings",
+    "CoordinatorConfig",
+    "TrainingSettings",
+    "load_config",
+    "participants",
+]
+
+Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
+PASSWORD_ENV = "EDGEFL_MQTT_PASSWORD"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TrainingSettings(_Frozen):
+    """What each selected device is asked to do per round (sent in the task)."""
+
+    local_epochs: int = Field(default=5, ge=0)  # passes over the local data
+    local_steps: int = Field(default=0, ge=0)  # if > 0: exactly this many mini-batches instead
+    batch_size: int = Field(default=32, ge=1)
+    lr: float = Field(default=0.01, gt=0, allow_inf_nan=False)  # SGD learning rate
+    momentum: float = Field(default=0.9, ge=0, lt=1)  # SGD momentum (fresh each round)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    mu: float = Field(default=0.01, ge=0, allow_inf_nan=False)  # FedProx proximal weight
+
+    @model_validator(mode="after")
+    def _some_training(self) -> TrainingSettings:
+        if self.local_epochs == 0 and self.local_steps == 0:
+            raise ValueError("local_epochs and local_steps cannot both be 0")
+        return self
+
+
+class BrokerSettings(_Frozen):
+    """How the coordinator reaches its MQTT broker."""
+
+    url: str | None = None  # mqtt://host:port or mqtts://host:port; None with embedded
+    embedded: bool = False  # start an in-process amqtt broker (lab use)
+    embedded_port: int = Field(default=1883, ge=0, le=65_535)  # port of the embedded broker
+    username: str | None = None
+    password: SecretStr | None = None  # prefer password_file or $EDGEFL_MQTT_PASSWORD
+    password_file: Path | None = None
+    tls_ca: Path | None = None  # CA bundle; setting any tls_* (or mqtts://) enables TLS
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_insecure: bool = False  # skip the host name check (test setups only)
+    mqtt_version: MqttVersion = MqttVersion.V311
+    client_id: str | None = None  # default: edgefl-coordinator-{fleet}
+
+    @model_validator(mode="after")
+    def _one_broker(self) -> BrokerSettings:
+        if self.embedded == (self.url is not None):
+            raise ValueError("give exactly one of a broker URL and the embedded broker")
+        return self
+
+    def mqtt_config(self, url: str, default_client_id: str) -> MqttConfig:
+        """The transport configuration for ``url`` with these credentials and TLS options.
+
+        Raises:
+            ConfigError: the password file cannot be read, or the URL is invalid.
+        """
+        password = self.password
+        if self.password_file is not None:
+            try:
+                password = SecretStr(self.password_file.read_text().strip())
+            except OSError as exc:
+                raise ConfigError(f"cannot read password file {self.password_file}: {exc}") from exc
+        elif password is None and os.environ.get(PASSWORD_ENV):
+            password = SecretStr(os.environ[PASSWORD_ENV])
+        overrides: dict[str, Any] = {
+            "client_id": self.client_id or default_client_id,
+            "version": self.mqtt_version,
+            "username": self.username,
+            "password": password,
+        }
+        if self.tls_ca or self.tls_cert or self.tls_key or self.tls_insecure:
+            overrides["tls"] = TlsConfig(
+                ca_file=self.tls_ca,
+                cert_file=self.tls_cert,
+                key_file=self.tls_key,
+                insecure=self.tls_insecure,
+            )
+        try:
+            return MqttConfig.from_url(url, **overrides)
+        except (ValueError, ValidationError) as exc:
+            raise ConfigError(f"invalid broker settings: {exc}") from exc
+
+
+class CoordinatorConfig(_Frozen):
+    """Everything one federated run needs; see ``python -m coordinator --help``."""
+
+    fleet: Identifier = "default"  # topic tree fl/{fleet}/...
+    coordinator_id: Identifier = "coordinator"  # sender id of the coordinator's messages
+    strategy: str = "fedavg"  # a name from coordinator.strategies.strategy_names()
+    model: str = "lenet5"  # a name from models.classifier_names()
+    num_classes: int = Field(default=10, ge=2)
+    in_channels: int = Field(default=1, ge=1)
+    image_size: int = Field(default=28, ge=8)
+    rounds: int = Field(default=10, ge=1)
+    participation: float = Field(default=0.2, gt=0, le=1)  # fraction C of registered devices
+    min_devices: int = Field(default=1, ge=1)  # online devices needed to start a round
+    round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)  # update deadline
+    seed: int = Field(default=0, ge=0)  # model init, device selection and device seeds
+    training: TrainingSettings = TrainingSettings()
+    state_dir: Path | None = None  # persistent state; None keeps it in memory (no --resume)
+    resume: bool = False  # continue the run persisted in state_dir
+    export_onnx: bool = True  # also save the final models as .onnx next to the .pt
+    broker: BrokerSettings | None = None  # connection settings (CLI only; the sim passes its own)
+
+    @model_validator(mode="after")
+    def _resume_needs_state(self) -> CoordinatorConfig:
+        if self.resume and self.state_dir is None:
+            raise ValueError("resume needs a state_dir")
+        return self
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Settings that must not change across ``--resume`` (the rest may)."""
+        return self.model_dump(
+            mode="json",
+            include={
+                "fleet",
+                "strategy",
+                "model",
+                "num_classes",
+                "in_channels",
+                "image_size",
+                "seed",
+            },
+        )
+
+
+def participants(participation: float, registered: int, online: int) -> int:
+    """Devices to select in a round: ``max(1, round(C * K))`` capped by those online.
+
+    ``K`` is the number of registered devices; returns 0 when none is online.
+    """
+    wanted = max(1, math.floor(participation * registered + 0.5))
+    return min(wanted, online)
+
+
+def load_config(path: Path, overrides: Mapping[str, Any] | None = None) -> CoordinatorConfig:
+    """Read a TOML file into a :class:`CoordinatorConfig`, then apply ``overrides``.
+
+    ``overrides`` are top-level keys (``training`` and ``broker`` are merged key by key).
+
+    Raises:
+        ConfigError: the file cannot be read, is not TOML, or has invalid settings.
+    """
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    return build_config(data, overrides or {})
+
+
+def build_config(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> CoordinatorConfig:
+    """Merge ``overrides`` into ``data`` and validate.
+
+    Raises:
+        ConfigError: invalid settings, with every problem listed.
+    """
+    merged: dict[str, Any] = dict(data)
+    for key, value in overrides.items():
+        if key in ("training", "broker") and isinstance(value, Mapping):
+            section = dict(merged.get(key) or {})
+            section.update(value)
+            merged[key] = section
+        else:
+            merged[key] = value
+    try:
+        return CoordinatorConfig.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid coordinator settings: {problems}") from exc

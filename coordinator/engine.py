@@ -1,0 +1,534 @@
+"""The round logic as a state machine: events in, actions out.
+
+:class:`RoundEngine` never touches a broker or a clock. The runtime (or a test) feeds it
+events — a device's hello, status or update, and clock ticks — each with the current time,
+and carries out the actions it returns (publish a message, report a round). It persists
+through a :class:`~coordinator.store.Store` before it returns an action that depends on
+the write, so an Ack for an update is only sent once the update is stored.
+
+Round rules:
+
+* A round starts when at least ``min_devices`` registered devices are online. It selects
+  ``max(1, round(C * K))`` of them at random (seeded by the run seed and round number; K =
+  registered devices), capped by those online, and sends each a model and a task with a
+  deadline ``round_timeout_s`` ahead.
+* The round closes when every selected device's update is in, or at the deadline. Only
+  on-time updates of selected devices are averaged into the round's ACA model; with no
+  update at all the model stays as it was.
+* Late updates (after the deadline, or for an earlier round) are never averaged into a
+  round. Strategies with an OCA cache still take a late update into the device's cache
+  slot if it is newer than the slot (Ack ``accepted=True, reason=late``); others reject it.
+* Duplicates of an accepted update are acknowledged again (``reason=duplicate``) and
+  change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from coordinator.config import CoordinatorConfig, participants
+from coordinator.errors import StoreError, UpdateRejectedError
+from coordinator.registry import DeviceRegistry
+from coordinator.state import OcaCache, RunMeta, RunState, StoredUpdate
+from coordinator.store import Store
+from coordinator.strategies import Strategy
+from coordinator.validation import check_update_weights
+from protocol.messages import (
+    Ack,
+    CoordinatorStatus,
+    DeviceStatus,
+    Hello,
+    Message,
+    ModelPayload,
+    ReasonCode,
+    RoundTask,
+    Update,
+)
+from protocol.tensors import Precision
+from protocol.tensorset import TensorSet, encode_tensors
+from protocol.topics import Topics
+
+__all__ = [
+    "Action",
+    "Event",
+    "Finished",
+    "Publish",
+    "Received",
+    "Reconnected",
+    "RoundClosed",
+    "RoundEngine",
+    "RoundStarted",
+    "Tick",
+]
+
+log = logging.getLogger(__name__)
+
+Array = npt.NDArray[Any]
+Models = dict[str, dict[str, Array]]
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    """A decoded message from a device, with the device id its topic names."""
+
+    topic_device: str
+    message: Message
+    now: float
+    """Unix time (s) of arrival."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes (the runtime sends one every fraction of a second)."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Reconnected:
+    """The connection to the broker was restored (retained messages may be gone)."""
+
+    now: float
+
+
+Event = Received | Tick | Reconnected
+
+
+# -- actions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Publish:
+    topic: str
+    message: Message
+    retain: bool = False
+
+
+@dataclass(frozen=True)
+class RoundStarted:
+    round: int
+    selected: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RoundClosed:
+    """A finished round: what came in and the new global models (``aca``, ``oca``)."""
+
+    round: int
+    selected: int
+    on_time: int
+    late: int
+    rejected: int
+    duration_s: float
+    models: Models
+    train_loss: float | None = None
+    """Mean training loss the on-time devices reported (sample-weighted)."""
+    train_accuracy: float | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last round closed; ``models`` are the final global models."""
+
+    models: Models
+
+
+Action = Publish | RoundStarted | RoundClosed | Finished
+
+
+@dataclass
+class _RoundCounters:
+    late: int = 0
+    rejected: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+def device_seed(seed: int, round_number: int, device_id: str) -> int:
+    """The training seed sent to ``device_id`` in ``round_number`` (31 bits)."""
+    sequence = np.random.SeedSequence([seed, round_number, zlib.crc32(device_id.encode())])
+    return int(sequence.generate_state(1)[0] >> 1)
+
+
+class RoundEngine:
+    """Runs the rounds of one federated run; see the module docstring.
+
+    Args:
+        config: the run's settings.
+        strategy: the server side of the algorithm.
+        store: where the run's state lives (a fresh or a resumed one).
+        initial_model: called once on a fresh start for the initial global weights.
+        architecture: registry name of the model devices must run.
+        fingerprint: architecture fingerprint devices must announce.
+        shapes: name -> shape of every tensor of the model.
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        strategy: Strategy,
+        store: Store,
+        *,
+        initial_model: Callable[[], dict[str, Array]],
+        architecture: str,
+        fingerprint: str,
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.topics = Topics(config.fleet)
+        self._state = RunState(store)
+        self._initial_model = initial_model
+        self._architecture = architecture
+        self._fingerprint = fingerprint
+        self._shapes = dict(shapes)
+        self.registry = DeviceRegistry()
+        self._cache: OcaCache | None = None
+        self._run: RunMeta | None = None
+        self._models: Models = {}
+        self._counters = _RoundCounters()
+        self._status_sent = ""
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def round(self) -> int:
+        """The current round (1-based); ``rounds + 1`` once finished."""
+        return self._require_run().round
+
+    @property
+    def finished(self) -> bool:
+        return self._run is not None and self._run.phase == "finished"
+
+    def models(self) -> Models:
+        """The current global models, by name (``aca``, and ``oca`` where kept)."""
+        models = {"aca": dict(self._models["aca"])}
+        if self._cache is not None and self._cache.devices:
+            models["oca"] = self._cache.model()
+        elif self._cache is not None:
+            models["oca"] = dict(self._models["aca"])
+        return models
+
+    def _require_run(self) -> RunMeta:
+        if self._run is None:
+            raise RuntimeError("call start() first")
+        return self._run
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Action]:
+        """Load or create the run's state, recover from a crash, announce the coordinator.
+
+        Raises:
+            StateMismatchError: the store belongs to another run.
+            StoreError: the store cannot be read or written.
+        """
+        fingerprint = self.config.fingerprint_fields()
+        run = self._state.load_run(fingerprint)
+        self._cache = OcaCache(self._state) if self.strategy.uses_oca else None
+        if run is None:
+            run = RunMeta(fingerprint=fingerprint)
+            self._state.save_models(1, {"aca": self._initial_model()})
+            self._state.save_run(run)
+        else:
+            log.info("resuming: round %d, phase %s", run.round, run.phase)
+            self._state.recover(run.round, self._cache)
+        self._run = run
+        self._models = self._state.load_models(run.round, ("aca",))
+        self.registry = DeviceRegistry(self._state.load_registry())
+        actions: list[Action] = self._status("starting", force=True)
+        if run.phase == "training":
+            missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
+            if not missing:  # the crash came after the last update, before the close
+                return actions + self._close_round(now)
+            sets = self._downlink_sets()
+            for device_id in missing:
+                actions += self._task_messages(device_id, sets)
+        elif run.phase == "finished":
+            actions += [*self._status("finished"), Finished(self.models())]
+        return actions
+
+    def handle(self, event: Event) -> list[Action]:
+        """Process one event; returns the actions to carry out, in order."""
+        if self._run is None:
+            raise RuntimeError("call start() first")
+        if isinstance(event, Tick):
+            return self._on_tick(event.now)
+        if isinstance(event, Reconnected):
+            return self._status(self._status_sent or "starting", force=True)
+        message = event.message
+        if message.fleet != self.config.fleet or message.sender != event.topic_device:
+            log.warning(
+                "dropped %s on device %s's topic from %s/%s (foreign sender or fleet)",
+                message.kind,
+                event.topic_device,
+                message.fleet,
+                message.sender,
+            )
+            return []
+        body = message.body
+        if isinstance(body, Hello):
+            return self._on_hello(message, body, event.now)
+        if isinstance(body, DeviceStatus):
+            self.registry.set_status(message.sender, body)
+            return self._on_tick(event.now)
+        if isinstance(body, Update):
+            return self._on_update(message, body, event.now)
+        log.warning("dropped unexpected %s from %s", message.kind, message.sender)
+        return []
+
+    # -- hello -------------------------------------------------------------------------
+
+    def _on_hello(self, message: Message, hello: Hello, now: float) -> list[Action]:
+        device_id = message.sender
+        problem: tuple[ReasonCode, str] | None = None
+        if hello.architecture != self._architecture or hello.fingerprint != self._fingerprint:
+            problem = (
+                ReasonCode.FINGERPRINT_MISMATCH,
+                f"fleet runs {self._architecture} ({self._fingerprint}); device announced "
+                f"{hello.architecture} ({hello.fingerprint})",
+            )
+        elif Precision.FP32 not in hello.precisions:
+            problem = (ReasonCode.UNSUPPORTED_PRECISION, "this run needs fp32 transfers")
+        elif hello.num_samples < 1:
+            problem = (ReasonCode.MALFORMED, "a device without training samples cannot join")
+        if problem is not None:
+            log.warning("refused hello of %s: %s", device_id, problem[1])
+            return [self._ack(device_id, message, False, *problem)]
+        if self.registry.register(hello):
+            self._state.save_registry(self.registry.entries)
+            log.info("registered %s (%d samples)", device_id, hello.num_samples)
+        actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
+        run = self._require_run()
+        if (
+            run.phase == "training"
+            and device_id in run.selected
+            and not self._state.has_update(device_id, run.round)
+        ):
+            actions += self._task_messages(device_id, self._downlink_sets())  # it may have lost it
+        return actions + self._on_tick(now)
+
+    # -- update ------------------------------------------------------------------------
+
+    def _on_update(self, message: Message, update: Update, now: float) -> list[Action]:
+        device_id, run = message.sender, self._require_run()
+        try:
+            on_time = self._classify(device_id, message.round, update, now)
+            if self._state.has_update(device_id, message.round):
+                return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
+            announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
+            weights = check_update_weights(update, self._shapes, announced)
+        except UpdateRejectedError as exc:
+            self._counters.rejected += message.round == run.round
+            log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
+            return [self._ack(device_id, message, False, exc.reason, exc.detail)]
+        stored = StoredUpdate(
+            device_id=device_id,
+            round=message.round,
+            num_samples=update.num_samples,
+            message_id=message.message_id,
+            on_time=on_time,
+            received_at=now,
+            metrics=dict(update.metrics),
+        )
+        self._state.put_update(stored, weights)  # the commit point: accepted from here on
+        if self._cache is not None:
+            self._cache.absorb(device_id, message.round)
+        if not on_time:
+            self._counters.late += 1
+            detail = "kept in the OCA cache; not averaged into the round"
+            return [self._ack(device_id, message, True, ReasonCode.LATE, detail)]
+        actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
+        if all(self._state.has_update(d, run.round) for d in run.selected):
+            actions += self._close_round(now)
+        return actions
+
+    def _classify(self, device_id: str, round_number: int, update: Update, now: float) -> bool:
+        """Whether the update counts in the current round; raises UpdateRejectedError if it
+        cannot be taken at all."""
+        run = self._require_run()
+        if device_id not in self.registry:
+            raise UpdateRejectedError(ReasonCode.UNKNOWN_DEVICE, "say hello first")
+        if round_number > run.round or (run.phase == "finished" and round_number >= run.round):
+            raise UpdateRejectedError(ReasonCode.WRONG_ROUND, f"current round is {run.round}")
+        current = round_number == run.round and run.phase == "training"
+        if current and device_id not in run.selected:
+            raise UpdateRejectedError(ReasonCode.NOT_SELECTED, f"not selected in round {run.round}")
+        if current and update.task_message not in (None, run.task_ids.get(device_id)):
+            raise UpdateRejectedError(ReasonCode.WRONG_ROUND, "answers another task")
+        if current and now <= run.deadline:
+            return True
+        if round_number == run.round and not current:
+            raise UpdateRejectedError(ReasonCode.WRONG_ROUND, f"round {run.round} has not started")
+        if self._cache is None:
+            raise UpdateRejectedError(ReasonCode.LATE, "after the round's deadline")
+        if round_number <= self._cache.slot_round(device_id):
+            if self._state.has_update(device_id, round_number):
+                return False  # a duplicate of the slot; acknowledged as such by the caller
+            raise UpdateRejectedError(ReasonCode.LATE, "older than the device's cached update")
+        return False
+
+    # -- rounds ------------------------------------------------------------------------
+
+    def _on_tick(self, now: float) -> list[Action]:
+        run = self._require_run()
+        if run.phase == "training" and now > run.deadline:
+            missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
+            log.warning("round %d deadline passed; missing %s", run.round, ", ".join(missing))
+            return self._close_round(now)
+        if run.phase == "waiting":
+            online = self.registry.online()
+            if len(online) >= self.config.min_devices:
+                return self._start_round(now, online)
+            return self._status("waiting")
+        return []
+
+    def _start_round(self, now: float, online: list[str]) -> list[Action]:
+        run = self._require_run()
+        count = participants(self.config.participation, len(self.registry), len(online))
+        rng = np.random.default_rng([self.config.seed, run.round])
+        selected = sorted(str(d) for d in rng.choice(online, size=count, replace=False))
+        run.phase, run.selected, run.started_at = "training", selected, now
+        run.deadline = now + self.config.round_timeout_s
+        run.task_ids = {d: uuid.uuid4().hex for d in selected}
+        self._state.save_run(run)  # before the tasks go out, so a resume knows them
+        self._counters = _RoundCounters()
+        sets = self._downlink_sets()
+        actions: list[Action] = self._status("running")
+        for device_id in selected:
+            actions += self._task_messages(device_id, sets)
+        log.info("round %d: selected %d of %d online", run.round, count, len(online))
+        return [*actions, RoundStarted(run.round, tuple(selected))]
+
+    def _downlink_sets(self) -> dict[str, TensorSet]:
+        sets = self.strategy.downlink(self.models())
+        return {name: encode_tensors(arrays, Precision.FP32) for name, arrays in sets.items()}
+
+    def _task_messages(self, device_id: str, sets: dict[str, TensorSet]) -> list[Action]:
+        run = self._require_run()
+        fleet, me = self.config.fleet, self.config.coordinator_id
+        model = Message(fleet=fleet, sender=me, round=run.round, body=ModelPayload(sets=sets))
+        hyper = self.strategy.hyperparameters()
+        hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
+        task = RoundTask(
+            strategy=self.strategy.name,
+            hyperparameters=hyper,
+            deadline=run.deadline,
+            payloads=tuple(sets),
+            model_message=model.message_id,
+        )
+        task_message = Message(
+            fleet=fleet,
+            sender=me,
+            round=run.round,
+            body=task,
+            message_id=run.task_ids[device_id],
+        )
+        return [
+            Publish(self.topics.to_device(device_id, "model"), model),
+            Publish(self.topics.to_device(device_id, "task"), task_message),
+        ]
+
+    def _on_time_updates(
+        self, round_number: int
+    ) -> Iterator[tuple[StoredUpdate, dict[str, Array]]]:
+        for device_id in self._state.round_updates(round_number):
+            stored, weights = self._state.read_update(device_id, round_number)
+            if stored.on_time:
+                yield stored, weights
+
+    def _close_round(self, now: float) -> list[Action]:
+        run = self._require_run()
+        closing = run.round
+        stats: list[tuple[int, dict[str, float]]] = []
+
+        def updates() -> Iterator[tuple[dict[str, Array], int]]:
+            for stored, weights in self._on_time_updates(closing):
+                stats.append((stored.num_samples, stored.metrics))
+                yield weights, stored.num_samples
+
+        try:
+            aca = dict(self.strategy.aggregate(self._models, updates()))
+        except ValueError:
+            log.warning("round %d closed without any on-time update; model unchanged", closing)
+            aca = self._models["aca"]
+        finished = closing >= self.config.rounds
+        self._state.save_models(closing + 1, {"aca": aca})
+        next_run = RunMeta(
+            fingerprint=run.fingerprint,
+            round=closing + 1,
+            phase="finished" if finished else "waiting",
+        )
+        self._state.save_run(next_run)  # the commit point of the round
+        self._run, self._models = next_run, {"aca": aca}
+        self._cleanup(closing)
+        models = self.models()
+        closed = RoundClosed(
+            round=closing,
+            selected=len(run.selected),
+            on_time=len(stats),
+            late=self._counters.late,
+            rejected=self._counters.rejected,
+            duration_s=max(0.0, now - run.started_at),
+            models=models,
+            train_loss=_weighted_metric(stats, "loss"),
+            train_accuracy=_weighted_metric(stats, "accuracy"),
+        )
+        if finished:
+            return [closed, *self._status("finished"), Finished(models)]
+        return [closed, *self._on_tick(now)]
+
+    def _cleanup(self, closed_round: int) -> None:
+        try:
+            self._state.drop_models_except(closed_round + 1)
+            self._state.recover(closed_round + 1, self._cache)
+        except StoreError:
+            log.exception("cleanup after round %d failed; retried on resume", closed_round)
+
+    # -- messages ----------------------------------------------------------------------
+
+    def _ack(
+        self,
+        device_id: str,
+        ref: Message,
+        accepted: bool,
+        reason: ReasonCode,
+        detail: str = "",
+    ) -> Publish:
+        body = Ack(accepted=accepted, reason=reason, ref=ref.message_id, detail=detail[:512])
+        message = Message(
+            fleet=self.config.fleet, sender=self.config.coordinator_id, round=ref.round, body=body
+        )
+        return Publish(self.topics.to_device(device_id, "ack"), message)
+
+    def _status(self, state: str, *, force: bool = False) -> list[Action]:
+        """The retained coordinator status; published only when the state changes."""
+        if state == self._status_sent and not force:
+            return []
+        body = CoordinatorStatus(
+            state=state,
+            strategy=self.strategy.name,
+            rounds_total=self.config.rounds,
+            devices_registered=len(self.registry),
+            devices_online=len(self.registry.online()),
+        )
+        self._status_sent = state
+        message = Message(fleet=self.config.fleet, sender=self.config.coordinator_id, body=body)
+        return [Publish(self.topics.coordinator_status, message, retain=True)]
+
+
+def _weighted_metric(stats: list[tuple[int, dict[str, float]]], name: str) -> float | None:
+    pairs = [(n, m[name]) for n, m in stats if name in m and math.isfinite(m[name])]
+    total = sum(n for n, _ in pairs)
+    return sum(n * v for n, v in pairs) / total if total else None

@@ -1,0 +1,79 @@
+"""The device registry: who announced itself (hello) and who is online (status / will).
+
+Entries come from hello messages and are persisted; online flags come from the devices'
+retained status messages and last wills, which the broker replays on (re)subscribe, so
+they are kept in memory only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from protocol.messages import DeviceStatus, Hello
+
+__all__ = ["DeviceRegistry"]
+
+_OFFLINE_STATES = frozenset({"offline"})
+
+
+def _entry(hello: Hello) -> dict[str, Any]:
+    return {
+        "architecture": hello.architecture,
+        "fingerprint": hello.fingerprint,
+        "num_samples": hello.num_samples,
+        "precisions": [p.value for p in hello.precisions],
+        "share_label_counts": hello.share_label_counts,
+        "memory_bytes": hello.memory_bytes,
+        "threads": hello.threads,
+        "platform": hello.platform,
+        "software_version": hello.software_version,
+    }
+
+
+class DeviceRegistry:
+    """Registered devices (persistent entries) and the online subset (in memory)."""
+
+    def __init__(self, entries: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        self._entries: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (entries or {}).items()}
+        self._online: set[str] = set()
+
+    def __contains__(self, device_id: object) -> bool:
+        return device_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """Device id -> its announced properties (a copy)."""
+        return {k: dict(v) for k, v in self._entries.items()}
+
+    def get(self, device_id: str) -> dict[str, Any] | None:
+        entry = self._entries.get(device_id)
+        return None if entry is None else dict(entry)
+
+    def register(self, hello: Hello) -> bool:
+        """Add or refresh the device of ``hello`` and mark it online.
+
+        Returns True when the persistent entry changed (so it needs saving).
+        """
+        entry = _entry(hello)
+        changed = self._entries.get(hello.device_id) != entry
+        self._entries[hello.device_id] = entry
+        self._online.add(hello.device_id)
+        return changed
+
+    def set_status(self, device_id: str, status: DeviceStatus) -> None:
+        """Apply a device's status (online/idle/training/... or offline); unknown devices
+        are ignored until they say hello."""
+        if device_id not in self._entries:
+            return
+        if status.state in _OFFLINE_STATES:
+            self._online.discard(device_id)
+        else:
+            self._online.add(device_id)
+
+    def online(self) -> list[str]:
+        """Registered devices currently online, sorted."""
+        return sorted(self._online & self._entries.keys())

@@ -1,0 +1,278 @@
+"""The coordinator's I/O shell: MQTT messages in, :class:`RoundEngine` actions out.
+
+:class:`Coordinator` connects a transport (with a retained ``stopped`` status as its last
+will), subscribes to every device topic of the fleet, and feeds the engine from one thread:
+messages decoded by the :class:`~protocol.channel.Channel` are queued by the transport's
+handler thread and processed in order with clock ticks. Actions are carried out in the
+order the engine returns them; round results go to observers (the lab emulator evaluates
+models there) and to the log. At the end the final models are saved as ``.pt`` and
+``.onnx`` under ``state_dir/final``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy.typing as npt
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.engine import (
+    Action,
+    Event,
+    Finished,
+    Models,
+    Publish,
+    Received,
+    Reconnected,
+    RoundClosed,
+    RoundEngine,
+    RoundStarted,
+    Tick,
+)
+from coordinator.errors import ConfigError
+from coordinator.store import MemoryStore, Store
+from coordinator.strategies import build_strategy
+from models import Classifier, build_classifier, load_state_arrays, state_arrays
+from models.errors import ModelError
+from protocol.channel import Channel
+from protocol.codec import Codec
+from protocol.errors import DecodeError, EncodeError, TransportError
+from protocol.messages import CoordinatorStatus, Message
+from protocol.topics import parse_topic
+from protocol.transport import Transport, Will
+
+__all__ = ["Coordinator", "Observer", "build_model", "save_final_models"]
+
+log = logging.getLogger(__name__)
+
+Array = npt.NDArray[Any]
+Observer = Callable[[Action], None]
+"""Called with every RoundStarted, RoundClosed and Finished action, on the engine thread."""
+
+
+def build_model(config: CoordinatorConfig) -> Classifier:
+    """The run's classifier, initialised from ``config.seed`` (same weights every time).
+
+    Raises:
+        ConfigError: unknown model or invalid options.
+    """
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            return build_classifier(
+                config.model,
+                num_classes=config.num_classes,
+                in_channels=config.in_channels,
+                image_size=config.image_size,
+            )
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def save_final_models(
+    models: Models, template: Classifier, out_dir: Path, *, onnx: bool = True
+) -> list[Path]:
+    """Save each model as ``NAME.pt`` (a state_dict of tensors; load it with
+    ``torch.load(path, weights_only=True)``) and, with ``onnx``, ``NAME.onnx``.
+
+    Files are written to a temporary name, then renamed. Returns the paths written.
+    """
+    from models.onnx_export import export_onnx
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, arrays in models.items():
+        load_state_arrays(template, arrays)
+        outputs: dict[str, bytes | None] = {f"{name}.pt": None}
+        if onnx:
+            outputs[f"{name}.onnx"] = export_onnx(template, template.input_shape)
+        for filename, data in outputs.items():
+            path = out_dir / filename
+            tmp = out_dir / f".tmp-{filename}"
+            if data is None:
+                torch.save(template.state_dict(), tmp)
+            else:
+                tmp.write_bytes(data)
+            tmp.replace(path)
+            written.append(path)
+    return written
+
+
+class Coordinator:
+    """Runs a federated job over a transport until the last round closes.
+
+    Args:
+        config: the run's settings.
+        transport: a not yet connected transport; the coordinator connects it.
+        store: the state store (in memory when None, so nothing survives a crash).
+        codec: codec with its decode limits (defaults when None).
+        tick_s: seconds between clock ticks (deadline checks, round starts).
+        clock: returns Unix time in seconds.
+
+    Raises:
+        ConfigError: unknown strategy or model.
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        transport: Transport,
+        store: Store | None = None,
+        *,
+        codec: Codec | None = None,
+        tick_s: float = 0.1,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.channel = Channel(transport, codec)
+        self._clock = clock
+        self._tick_s = tick_s
+        self._template = build_model(config)
+        initial = state_arrays(self._template)
+        self.engine = RoundEngine(
+            config,
+            build_strategy(config.strategy, config.training),
+            store if store is not None else MemoryStore(),
+            initial_model=lambda: initial,
+            architecture=self._template.architecture,
+            fingerprint=self._template.fingerprint(),
+            shapes={name: a.shape for name, a in initial.items()},
+        )
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._stop = threading.Event()
+        self._observers: list[Observer] = []
+        self.final_models: Models | None = None
+
+    def add_observer(self, observer: Observer) -> None:
+        """Call ``observer(action)`` for each RoundStarted, RoundClosed and Finished."""
+        self._observers.append(observer)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the event it is processing (thread-safe)."""
+        self._stop.set()
+
+    def run(self) -> Models | None:
+        """Connect, run rounds until the last one closes (or :meth:`stop`), disconnect.
+
+        Returns:
+            The final global models, or None when stopped before the end.
+
+        Raises:
+            TransportError: the broker cannot be reached at start.
+            StoreError: the state store failed (fatal: the run cannot go on safely).
+        """
+        fleet, me = self.config.fleet, self.config.coordinator_id
+        topics = self.engine.topics
+        will = Message(fleet=fleet, sender=me, body=CoordinatorStatus(state="stopped"))
+        self.transport.connect(
+            will=Will(topics.coordinator_status, self.channel.codec.encode(will))
+        )
+        try:
+            self.channel.subscribe(topics.from_devices(), self._receive, on_error=self._bad_input)
+            self.transport.on_reconnect(self._republish_status)
+            self._execute(self.engine.start(self._clock()))
+            next_tick = self._clock() + self._tick_s
+            while not self._stop.is_set() and self.final_models is None:
+                try:
+                    event: Event = self._events.get(timeout=max(0.0, next_tick - self._clock()))
+                except queue.Empty:
+                    event = Tick(self._clock())
+                    next_tick = self._clock() + self._tick_s
+                self._execute(self.engine.handle(event))
+        finally:
+            if self.final_models is None:
+                self._publish_final_status("stopped")
+            self.transport.disconnect()
+        return self.final_models
+
+    # -- inbound (transport handler thread) -------------------------------------------
+
+    def _receive(self, topic: str, message: Message) -> None:
+        try:
+            info = parse_topic(topic)
+        except DecodeError:
+            log.warning("ignored message on unexpected topic %s", topic)
+            return
+        if info.role != "device" or info.device_id is None:
+            return
+        self._events.put(Received(info.device_id, message, self._clock()))
+
+    def _bad_input(self, topic: str, error: DecodeError) -> None:
+        log.warning("dropped undecodable payload on %s: %s", topic, error)
+
+    def _republish_status(self) -> None:
+        self._events.put(Reconnected(self._clock()))
+
+    # -- actions (engine thread) ------------------------------------------------------
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Publish):
+                self._publish(action)
+                continue
+            if isinstance(action, RoundStarted):
+                log.info(
+                    "round %d/%d started: %d devices",
+                    action.round,
+                    self.config.rounds,
+                    len(action.selected),
+                )
+            elif isinstance(action, RoundClosed):
+                self._log_round(action)
+            elif isinstance(action, Finished):
+                self._finish(action)
+            for observer in self._observers:
+                observer(action)
+
+    def _publish(self, action: Publish) -> None:
+        try:
+            self.channel.send(action.topic, action.message, retain=action.retain)
+        except (TransportError, EncodeError) as exc:
+            log.error("could not publish %s to %s: %s", action.message.kind, action.topic, exc)
+
+    def _log_round(self, closed: RoundClosed) -> None:
+        loss = "-" if closed.train_loss is None else f"{closed.train_loss:.4f}"
+        acc = "-" if closed.train_accuracy is None else f"{100 * closed.train_accuracy:.1f}%"
+        log.info(
+            "round %d/%d closed in %.1f s: %d/%d updates on time, %d late, %d rejected; "
+            "device train loss %s, accuracy %s",
+            closed.round,
+            self.config.rounds,
+            closed.duration_s,
+            closed.on_time,
+            closed.selected,
+            closed.late,
+            closed.rejected,
+            loss,
+            acc,
+        )
+
+    def _finish(self, finished: Finished) -> None:
+        self.final_models = finished.models
+        if self.config.state_dir is None:
+            return
+        out_dir = self.config.state_dir / "final"
+        try:
+            paths = save_final_models(
+                finished.models, self._template, out_dir, onnx=self.config.export_onnx
+            )
+        except (OSError, ModelError) as exc:
+            log.error("could not save the final models to %s: %s", out_dir, exc)
+            return
+        log.info("final models saved: %s", ", ".join(p.name for p in paths))
+
+    def _publish_final_status(self, state: str) -> None:
+        body = CoordinatorStatus(state=state, strategy=self.config.strategy)
+        message = Message(fleet=self.config.fleet, sender=self.config.coordinator_id, body=body)
+        try:
+            self.channel.send(self.engine.topics.coordinator_status, message, retain=True)
+        except (TransportError, EncodeError) as exc:
+            log.debug("could not publish the final status: %s", exc)

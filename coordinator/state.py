@@ -1,0 +1,329 @@
+"""What the coordinator persists, and how it stays consistent across crashes.
+
+Layout of the :class:`~coordinator.store.Store` (one atomic record per key):
+
+=========================  =================================================================
+key                        record
+=========================  =================================================================
+``run``                    config fingerprint, current round, phase, selected devices, task
+                           ids, deadline (metadata only)
+``registry``               the device registry (metadata only)
+``models/rNNNNNN/NAME``    global model ``NAME`` (``aca``, ...) that round ``N`` starts from
+``updates/DEVICE/rNNNNNN`` an accepted update of ``DEVICE`` for round ``N``: its metadata and
+                           weights. Writing it is the commit point of acceptance.
+``oca``                    OCA running sum ``S = sum_k n_k w_k`` (float64), total weight and
+                           which update of each device is inside the sum
+=========================  =================================================================
+
+Write order makes every crash recoverable (:meth:`RunState.recover`):
+
+* accept an update: write ``updates/D/rN`` (now it is accepted and never lost), then, for
+  strategies with an OCA cache, write ``oca`` with the device's new slot folded in, then
+  delete the device's previous update record (its old slot).
+* close round ``N``: write ``models/r(N+1)/*``, then ``run`` with round ``N+1`` (the commit
+  point), then delete ``models/rN/*`` and round ``N``'s update records no slot refers to.
+
+Recovery redoes what a crash interrupted: it folds into ``oca`` any newest update record
+the sum does not hold yet (each device's slot is its newest record, and the sum records
+which round it holds, so nothing is counted twice), and deletes records and model
+versions the committed ``run`` no longer needs. The cache slots live only in the store;
+RAM holds the running sum, O(model) whatever the number of devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from coordinator.aggregate import WeightedSum
+from coordinator.errors import StateMismatchError, StoreError
+from coordinator.store import Store
+
+__all__ = ["OcaCache", "RunMeta", "RunState", "StoredUpdate"]
+
+log = logging.getLogger(__name__)
+
+Array = npt.NDArray[Any]
+Phase = Literal["waiting", "training", "finished"]
+_ROUND_KEY = re.compile(r"^r(\d{6,})$")
+
+
+def _round_key(number: int) -> str:
+    return f"r{number:06d}"
+
+
+@dataclass
+class RunMeta:
+    """The ``run`` record: where the run stands."""
+
+    fingerprint: dict[str, Any]
+    """Settings that must match on ``--resume``."""
+    round: int = 1
+    """The current round (1-based); after the last round, ``rounds + 1``."""
+    phase: Phase = "waiting"
+    """``waiting``: no round in progress; ``training``: tasks are out; ``finished``."""
+    selected: list[str] = field(default_factory=list)
+    task_ids: dict[str, str] = field(default_factory=dict)
+    """Device -> message id of its task this round."""
+    deadline: float = 0.0
+    """Unix time (s) after which updates of this round are late."""
+    started_at: float = 0.0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "round": self.round,
+            "phase": self.phase,
+            "selected": self.selected,
+            "task_ids": self.task_ids,
+            "deadline": self.deadline,
+            "started_at": self.started_at,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> RunMeta:
+        try:
+            return cls(
+                fingerprint=dict(meta["fingerprint"]),
+                round=int(meta["round"]),
+                phase=meta["phase"],
+                selected=[str(d) for d in meta["selected"]],
+                task_ids={str(k): str(v) for k, v in meta["task_ids"].items()},
+                deadline=float(meta["deadline"]),
+                started_at=float(meta["started_at"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"corrupt run record: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class StoredUpdate:
+    """Metadata of an accepted update record."""
+
+    device_id: str
+    round: int
+    num_samples: int
+    message_id: str
+    on_time: bool
+    received_at: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "device_id": self.device_id,
+            "round": self.round,
+            "num_samples": self.num_samples,
+            "message_id": self.message_id,
+            "on_time": self.on_time,
+            "received_at": self.received_at,
+            "metrics": self.metrics,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> StoredUpdate:
+        try:
+            return cls(
+                device_id=str(meta["device_id"]),
+                round=int(meta["round"]),
+                num_samples=int(meta["num_samples"]),
+                message_id=str(meta["message_id"]),
+                on_time=bool(meta["on_time"]),
+                received_at=float(meta["received_at"]),
+                metrics={str(k): float(v) for k, v in meta.get("metrics", {}).items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"corrupt update record: {exc}") from exc
+
+
+class RunState:
+    """Typed access to the records of one run in a :class:`Store`."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    # -- run and registry ---------------------------------------------------------------
+
+    def load_run(self, fingerprint: Mapping[str, Any]) -> RunMeta | None:
+        """The persisted run, or None for a fresh store.
+
+        Raises:
+            StateMismatchError: the store belongs to a run with other settings.
+        """
+        meta = self.store.read_meta("run")
+        if meta is None:
+            return None
+        run = RunMeta.from_meta(meta)
+        if run.fingerprint != dict(fingerprint):
+            raise StateMismatchError(
+                f"the state directory holds another run ({run.fingerprint}); "
+                f"this one is {dict(fingerprint)}: use another --state-dir or the same settings"
+            )
+        return run
+
+    def save_run(self, run: RunMeta) -> None:
+        self.store.write("run", run.to_meta())
+
+    def load_registry(self) -> dict[str, dict[str, Any]]:
+        meta = self.store.read_meta("registry")
+        return {} if meta is None else {str(k): dict(v) for k, v in meta["devices"].items()}
+
+    def save_registry(self, devices: Mapping[str, Mapping[str, Any]]) -> None:
+        self.store.write("registry", {"devices": {k: dict(v) for k, v in devices.items()}})
+
+    # -- models ------------------------------------------------------------------------
+
+    def save_models(self, round_number: int, models: Mapping[str, Mapping[str, Array]]) -> None:
+        for name, arrays in models.items():
+            self.store.write(f"models/{_round_key(round_number)}/{name}", {}, arrays)
+
+    def load_models(self, round_number: int, names: tuple[str, ...]) -> dict[str, dict[str, Array]]:
+        """The models round ``round_number`` starts from.
+
+        Raises:
+            StoreError: one of them is missing.
+        """
+        out = {}
+        for name in names:
+            record = self.store.read(f"models/{_round_key(round_number)}/{name}")
+            if record is None:
+                raise StoreError(f"state is missing model {name!r} of round {round_number}")
+            out[name] = record.arrays
+        return out
+
+    def drop_models_except(self, round_number: int) -> None:
+        keep = f"models/{_round_key(round_number)}/"
+        for key in self.store.keys("models"):
+            if not key.startswith(keep):
+                self.store.delete(key)
+
+    # -- updates -----------------------------------------------------------------------
+
+    @staticmethod
+    def update_key(device_id: str, round_number: int) -> str:
+        return f"updates/{device_id}/{_round_key(round_number)}"
+
+    def has_update(self, device_id: str, round_number: int) -> bool:
+        return self.store.read_meta(self.update_key(device_id, round_number)) is not None
+
+    def put_update(self, update: StoredUpdate, arrays: Mapping[str, Array]) -> None:
+        self.store.write(self.update_key(update.device_id, update.round), update.to_meta(), arrays)
+
+    def read_update(
+        self, device_id: str, round_number: int
+    ) -> tuple[StoredUpdate, dict[str, Array]]:
+        record = self.store.read(self.update_key(device_id, round_number))
+        if record is None:
+            raise StoreError(f"state is missing the update of {device_id} for round {round_number}")
+        return StoredUpdate.from_meta(record.meta), record.arrays
+
+    def delete_update(self, device_id: str, round_number: int) -> None:
+        self.store.delete(self.update_key(device_id, round_number))
+
+    def update_rounds(self) -> dict[str, list[int]]:
+        """Device -> sorted rounds of its stored update records."""
+        found: dict[str, list[int]] = {}
+        for key in self.store.keys("updates"):
+            _, device_id, leaf = key.split("/")
+            match = _ROUND_KEY.match(leaf)
+            if match:
+                found.setdefault(device_id, []).append(int(match.group(1)))
+        return {d: sorted(r) for d, r in found.items()}
+
+    def round_updates(self, round_number: int) -> list[str]:
+        """Devices with an accepted update for ``round_number``."""
+        return sorted(d for d, rounds in self.update_rounds().items() if round_number in rounds)
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def recover(self, current_round: int, cache: OcaCache | None) -> None:
+        """Finish what a crash interrupted (see the module docstring); idempotent."""
+        self.drop_models_except(current_round)
+        for device_id, rounds in self.update_rounds().items():
+            keep = {current_round}
+            if cache is not None:
+                newest = rounds[-1]
+                if cache.slot_round(device_id) < newest:
+                    log.info("recovery: folding %s round %d into the OCA", device_id, newest)
+                    cache.absorb(device_id, newest)
+                keep.add(cache.slot_round(device_id))
+            for number in rounds:
+                if number not in keep:
+                    self.delete_update(device_id, number)
+
+
+class OcaCache:
+    """The OCA model: the sample-weighted average of every device's latest update.
+
+    Each device's slot is its newest accepted update record in the store; this object
+    holds the running float64 sum and which round of each device it contains.
+    """
+
+    KEY = "oca"
+
+    def __init__(self, state: RunState) -> None:
+        self._state = state
+        record = state.store.read(self.KEY)
+        self._applied: dict[str, tuple[int, int]] = {}
+        if record is None:
+            self._sum = WeightedSum()
+            return
+        try:
+            self._applied = {
+                str(d): (int(r), int(n)) for d, (r, n) in record.meta["applied"].items()
+            }
+            dtypes = {k: np.dtype(v) for k, v in record.meta["dtypes"].items()}
+            self._sum = WeightedSum(record.arrays, float(record.meta["weight"]), dtypes=dtypes)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"corrupt OCA record: {exc}") from exc
+
+    @property
+    def devices(self) -> int:
+        """Devices with a slot."""
+        return len(self._applied)
+
+    @property
+    def weight(self) -> float:
+        """Total samples over the slots."""
+        return self._sum.weight
+
+    def slot_round(self, device_id: str) -> int:
+        """Round of the device's update inside the sum; -1 without a slot."""
+        return self._applied.get(device_id, (-1, 0))[0]
+
+    def absorb(self, device_id: str, round_number: int) -> bool:
+        """Fold the stored update ``(device_id, round_number)`` into the sum, replacing
+        the device's older slot; returns False (and changes nothing) if the sum already
+        holds this or a newer update of the device."""
+        old_round, old_weight = self._applied.get(device_id, (-1, 0))
+        if round_number <= old_round:
+            return False
+        update, arrays = self._state.read_update(device_id, round_number)
+        old = self._state.read_update(device_id, old_round)[1] if old_round >= 0 else None
+        self._sum.replace(old, old_weight, arrays, update.num_samples)
+        self._applied[device_id] = (round_number, update.num_samples)
+        self._save()
+        if old_round >= 0:
+            self._state.delete_update(device_id, old_round)
+        return True
+
+    def model(self) -> dict[str, Array]:
+        """The OCA model (float32 like the updates).
+
+        Raises:
+            ValueError: the cache is empty.
+        """
+        return self._sum.mean()
+
+    def _save(self) -> None:
+        meta = {
+            "applied": {d: list(v) for d, v in self._applied.items()},
+            "weight": self._sum.weight,
+            "dtypes": {k: v.str for k, v in self._sum.dtypes.items()},
+        }
+        self._state.store.write(self.KEY, meta, self._sum.sums)

@@ -1,0 +1,88 @@
+"""Checks an update must pass before it touches any state.
+
+Each failed check raises :class:`~coordinator.errors.UpdateRejectedError` with the reason code
+the device gets back in its Ack:
+
+======================  ==============================================================
+reason                  when
+======================  ==============================================================
+malformed               no ``weights`` set, not a full set, or num_samples out of range
+fingerprint_mismatch    tensor names differ from the coordinator's model
+shape_mismatch          same names, some shape differs
+non_finite              a NaN or infinity in the weights
+======================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from coordinator.errors import UpdateRejectedError
+from coordinator.strategies import UPDATE_SET
+from protocol.errors import DecodeError
+from protocol.messages import ReasonCode, Update
+
+__all__ = ["check_update_weights"]
+
+Array = npt.NDArray[Any]
+
+
+def check_update_weights(
+    update: Update, shapes: Mapping[str, tuple[int, ...]], announced_samples: int
+) -> dict[str, Array]:
+    """Decode and check the weights of ``update`` against the model's ``shapes``.
+
+    Args:
+        update: the update body.
+        shapes: name -> shape of every tensor of the coordinator's model.
+        announced_samples: the training samples the device announced in its hello; an
+            update may not claim more (it would outweigh the others).
+
+    Returns:
+        The decoded weights, float32 for floating tensors.
+
+    Raises:
+        UpdateRejectedError: with the reason code of the first failed check.
+    """
+    if not 1 <= update.num_samples <= announced_samples:
+        raise UpdateRejectedError(
+            ReasonCode.MALFORMED,
+            f"num_samples {update.num_samples} outside 1..{announced_samples} (announced in hello)",
+        )
+    tensor_set = update.sets.get(UPDATE_SET)
+    if tensor_set is None or set(update.sets) != {UPDATE_SET}:
+        raise UpdateRejectedError(
+            ReasonCode.MALFORMED, f"an update carries exactly one set {UPDATE_SET!r}"
+        )
+    if tensor_set.mode != "full":
+        raise UpdateRejectedError(
+            ReasonCode.MALFORMED, f"set mode {tensor_set.mode!r}; expected 'full'"
+        )
+    names = [t.name for t in tensor_set]
+    if set(names) != set(shapes):
+        missing = sorted(set(shapes) - set(names))[:3]
+        extra = sorted(set(names) - set(shapes))[:3]
+        raise UpdateRejectedError(
+            ReasonCode.FINGERPRINT_MISMATCH,
+            f"tensor names differ from the model (missing {missing}, unexpected {extra})",
+        )
+    for tensor in tensor_set:
+        if tuple(tensor.shape) != tuple(shapes[tensor.name]):
+            raise UpdateRejectedError(
+                ReasonCode.SHAPE_MISMATCH,
+                f"{tensor.name}: shape {tuple(tensor.shape)}, model has {shapes[tensor.name]}",
+            )
+    try:
+        arrays = tensor_set.to_arrays()
+    except (DecodeError, ValueError) as exc:
+        raise UpdateRejectedError(ReasonCode.MALFORMED, f"cannot decode weights: {exc}") from exc
+    for name, array in arrays.items():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise UpdateRejectedError(ReasonCode.NON_FINITE, f"{name} holds NaN or infinity")
+        if array.dtype.kind == "f" and array.dtype != np.float32:
+            arrays[name] = array.astype(np.float32)
+    return arrays

@@ -1,0 +1,306 @@
+"""Accuracy and fairness of global models on the devices' local test splits.
+
+Pure functions: modules and arrays in, numbers out; no files, no global state. The
+device is a parameter (or, in :func:`evaluate_models`, the device the scratch model
+lives on).
+
+Metric definitions, after the FedKF paper ("Handling Data Heterogeneity in Federated
+Learning via Knowledge Distillation and Fusion", Zhou et al., IEEE IoT Journal 2023,
+arXiv:2207.11447). Let ``a_k`` be the accuracy of a global model on device ``k``'s test
+split, in percent, and ``n_k`` that split's number of samples; devices with ``n_k = 0``
+are left out. Then
+
+- AMP (average model performance), percent: ``sum_k n_k a_k / sum_k n_k``, the
+  sample-weighted mean, which equals the accuracy over the union of the device splits;
+- FM (fairness metric), percent squared: ``mean_k (a_k - mean_k a_k)^2``, the
+  population variance of the per-device accuracies, unweighted (every device counts
+  once); lower is fairer;
+- WLP (worst local performance), percent: ``min_k a_k``.
+
+The paper names the three measures; the weighting and units above are this project's
+choice where its text is not at hand, and are what every report of the emulator uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from models import Classifier, load_state_arrays
+from sim.errors import MetricsError
+
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "Fairness",
+    "ModelMetrics",
+    "evaluate_accuracy",
+    "evaluate_models",
+    "fairness",
+]
+
+logger = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+DEFAULT_BATCH_SIZE = 1024
+"""Samples per forward pass when evaluating."""
+
+
+@dataclass(frozen=True)
+class Fairness:
+    """AMP, FM and WLP of one model over the devices (see the module docstring).
+
+    Attributes:
+        amp: average model performance, percent (sample-weighted mean accuracy).
+        fm: fairness metric, percent squared (population variance of the per-device
+            accuracies); lower is fairer.
+        wlp: worst local performance, percent (lowest per-device accuracy).
+    """
+
+    amp: float
+    fm: float
+    wlp: float
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """The metrics of one global model after one round.
+
+    Attributes:
+        amp: average model performance over the device test splits, percent.
+        fm: fairness metric, percent squared.
+        wlp: worst local performance, percent.
+        global_acc: accuracy on the global test set, percent; None without one.
+    """
+
+    amp: float
+    fm: float
+    wlp: float
+    global_acc: float | None
+
+    def to_dict(self) -> dict[str, float | None]:
+        """``{"amp", "fm", "wlp", "global_acc"}`` as plain floats (global_acc may be None)."""
+        return {"amp": self.amp, "fm": self.fm, "wlp": self.wlp, "global_acc": self.global_acc}
+
+
+def fairness(accuracies: npt.ArrayLike, weights: npt.ArrayLike) -> Fairness:
+    """AMP, FM and WLP from per-device accuracies and test-split sizes.
+
+    Args:
+        accuracies: per-device accuracy as a fraction in [0, 1] (e.g. from
+            :func:`evaluate_accuracy`); the entry of a device with weight 0 is ignored
+            and may be NaN.
+        weights: per-device number of test samples (non-negative); 0 marks an empty
+            split, which is skipped.
+
+    Returns:
+        :class:`Fairness` in percent (AMP, WLP) and percent squared (FM).
+
+    Raises:
+        MetricsError: (a ValueError) the two are not 1-D of the same length, a weight is
+            negative or not finite, a kept accuracy is outside [0, 1], or no device
+            with a non-empty split is left.
+    """
+    acc = np.asarray(accuracies, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if acc.ndim != 1 or w.shape != acc.shape:
+        raise MetricsError(
+            f"fairness: accuracies and weights must be 1-D of equal length, "
+            f"got shapes {acc.shape} and {w.shape}"
+        )
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise MetricsError(f"fairness: weights must be finite and >= 0, got {w.tolist()}")
+    keep = w > 0
+    if not keep.any():
+        raise MetricsError(
+            f"fairness: no device with a non-empty test split ({len(w)} devices given)"
+        )
+    kept = acc[keep]
+    if not np.isfinite(kept).all() or (kept < 0).any() or (kept > 1).any():
+        raise MetricsError(f"fairness: accuracies must be fractions in [0, 1], got {kept.tolist()}")
+    percent = 100.0 * kept
+    return Fairness(
+        amp=float(np.average(percent, weights=w[keep])),
+        fm=float(np.var(percent)),
+        wlp=float(percent.min()),
+    )
+
+
+def _check_split(x: np.ndarray, y: np.ndarray, what: str) -> None:
+    if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
+        raise MetricsError(f"{what}: x and y must be numpy arrays")
+    if y.ndim != 1 or x.ndim < 1 or len(x) != len(y):
+        raise MetricsError(
+            f"{what}: need x (N, ...) and y (N,) with the same N, got shapes "
+            f"{x.shape} and {y.shape}"
+        )
+
+
+def _batches(xs: Sequence[np.ndarray], batch_size: int) -> Iterator[np.ndarray]:
+    """Successive runs of ``batch_size`` rows across ``xs`` in order; the last may be short.
+
+    Batches span array boundaries, so many small splits still make full batches; only
+    one batch is ever copied at a time.
+    """
+    pending: list[np.ndarray] = []
+    count = 0
+    for x in xs:
+        start = 0
+        while start < len(x):
+            take = min(batch_size - count, len(x) - start)
+            pending.append(x[start : start + take])
+            count += take
+            start += take
+            if count == batch_size:
+                yield pending[0] if len(pending) == 1 else np.concatenate(pending)
+                pending, count = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else np.concatenate(pending)
+
+
+def _predict(
+    model: nn.Module, xs: Sequence[np.ndarray], *, batch_size: int, device: torch.device
+) -> npt.NDArray[np.int64]:
+    """Arg-max class of every row of ``xs`` (concatenated), in eval mode, without grad.
+
+    The train/eval mode of every submodule is restored afterwards.
+    """
+    if batch_size < 1:
+        raise MetricsError(f"batch_size must be >= 1, got {batch_size}")
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    predictions: list[npt.NDArray[np.int64]] = []
+    try:
+        with torch.no_grad():
+            for chunk in _batches(xs, batch_size):
+                inputs = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.float32))
+                logits = model(inputs.to(device))
+                predictions.append(logits.argmax(dim=1).to(_CPU).numpy().astype(np.int64))
+    finally:
+        for module, mode in modes:  # parents first, so each child ends in its own mode
+            module.train(mode)
+    if not predictions:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(predictions)
+
+
+def evaluate_accuracy(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    device: torch.device = _CPU,
+) -> float:
+    """Fraction of ``x`` that ``model`` classifies as ``y``, in [0, 1].
+
+    Runs in eval mode under ``torch.no_grad()`` and restores the train/eval mode of
+    the model (and of each submodule) afterwards.
+
+    Args:
+        model: a classifier returning logits (B, num_classes); must already be on
+            ``device``.
+        x: inputs (N, C, H, W), float (converted to float32).
+        y: integer labels (N,).
+        batch_size: samples per forward pass.
+        device: where the batches are sent.
+
+    Raises:
+        MetricsError: (a ValueError) the set is empty, x and y disagree in length or
+            y is not 1-D, or batch_size < 1.
+    """
+    _check_split(x, y, "evaluate_accuracy")
+    if len(y) == 0:
+        raise MetricsError("evaluate_accuracy: empty test set (0 samples); accuracy undefined")
+    predictions = _predict(model, [x], batch_size=batch_size, device=device)
+    return float(np.mean(predictions == y))
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else _CPU
+
+
+def evaluate_models(
+    models: Mapping[str, Mapping[str, np.ndarray]],
+    model: Classifier,
+    device_tests: Sequence[tuple[np.ndarray, np.ndarray]],
+    global_test: tuple[np.ndarray, np.ndarray] | None,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+) -> dict[str, ModelMetrics]:
+    """Evaluate each named global model on every device's test split and the global set.
+
+    For each entry of ``models`` the state is loaded into ``model`` (a scratch instance
+    the caller owns; its weights are overwritten and stay those of the last entry),
+    one batched pass runs over all device test samples together, and the correctness
+    vector is split back per device to give AMP, FM and WLP (see the module docstring).
+    Devices with an empty test split are skipped.
+
+    Args:
+        models: model name (e.g. ``"aca"``, ``"oca"``) -> full state arrays, as from
+            :func:`models.state_arrays`.
+        model: the classifier to evaluate with; batches go to the device of its
+            parameters.
+        device_tests: per device, ``(x, y)`` of its local test split.
+        global_test: ``(x, y)`` of a global test set, or None.
+        batch_size: samples per forward pass.
+
+    Returns:
+        Name -> :class:`ModelMetrics` (percent), in the order of ``models``.
+
+    Raises:
+        MetricsError: (a ValueError) every device split is empty, a split's x and y
+            disagree, the splits' sample shapes differ, or the global test set is empty.
+        StateMismatchError: a state does not fit ``model`` (from
+            :func:`models.load_state_arrays`).
+    """
+    for index, (x, y) in enumerate(device_tests):
+        _check_split(x, y, f"evaluate_models: device test split {index}")
+    if global_test is not None:
+        _check_split(*global_test, "evaluate_models: global test set")
+        if len(global_test[1]) == 0:
+            raise MetricsError("evaluate_models: the global test set is empty (0 samples)")
+    counts = np.array([len(y) for _, y in device_tests], dtype=np.int64)
+    if counts.sum() == 0:
+        raise MetricsError(
+            f"evaluate_models: every device test split is empty ({len(device_tests)} devices)"
+        )
+    xs = [x for x, y in device_tests if len(y)]
+    shapes = {x.shape[1:] for x in xs}
+    if len(shapes) > 1:
+        raise MetricsError(f"evaluate_models: device test splits differ in sample shape: {shapes}")
+    labels = np.concatenate([y for _, y in device_tests if len(y)])
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    device = _module_device(model)
+
+    results: dict[str, ModelMetrics] = {}
+    for name, state in models.items():
+        load_state_arrays(model, state)
+        correct = _predict(model, xs, batch_size=batch_size, device=device) == labels
+        accuracies = [
+            float(correct[start:end].mean()) if end > start else float("nan")
+            for start, end in zip(starts, ends, strict=True)
+        ]
+        fair = fairness(accuracies, counts)
+        global_acc = (
+            100.0 * evaluate_accuracy(model, *global_test, batch_size=batch_size, device=device)
+            if global_test is not None
+            else None
+        )
+        results[name] = ModelMetrics(fair.amp, fair.fm, fair.wlp, global_acc)
+        logger.debug(
+            "model %s: AMP %.2f%% FM %.2f WLP %.2f%% global %s",
+            name,
+            fair.amp,
+            fair.fm,
+            fair.wlp,
+            "n/a" if global_acc is None else f"{global_acc:.2f}%",
+        )
+    return results

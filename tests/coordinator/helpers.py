@@ -1,0 +1,102 @@
+"""Test helpers: drive a RoundEngine by hand, playing the devices."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from coordinator.config import CoordinatorConfig
+from coordinator.engine import Action, Publish, Received, RoundEngine
+from coordinator.runtime import build_model
+from coordinator.store import Store
+from coordinator.strategies import build_strategy
+from models import state_arrays
+from protocol.messages import DeviceStatus, Hello, Message, RoundTask, Update
+from protocol.tensors import Precision
+from protocol.tensorset import encode_tensors
+
+FLEET = "test"
+
+
+def config(**overrides: Any) -> CoordinatorConfig:
+    base: dict[str, Any] = {
+        "fleet": FLEET,
+        "model": "mlp",
+        "rounds": 3,
+        "participation": 1.0,
+        "round_timeout_s": 60.0,
+        "seed": 1,
+    }
+    base.update(overrides)
+    return CoordinatorConfig.model_validate(base)
+
+
+def make_engine(cfg: CoordinatorConfig, store: Store) -> RoundEngine:
+    template = build_model(cfg)
+    initial = state_arrays(template)
+    return RoundEngine(
+        cfg,
+        build_strategy(cfg.strategy, cfg.training),
+        store,
+        initial_model=lambda: initial,
+        architecture=template.architecture,
+        fingerprint=template.fingerprint(),
+        shapes={k: v.shape for k, v in initial.items()},
+    )
+
+
+def hello(engine: RoundEngine, device_id: str, samples: int = 100, **fields: Any) -> Message:
+    template = build_model(engine.config)
+    body = {
+        "device_id": device_id,
+        "architecture": template.architecture,
+        "fingerprint": template.fingerprint(),
+        "precisions": (Precision.FP32,),
+        "memory_bytes": 0,
+        "threads": 1,
+        "software_version": "test",
+        "num_samples": samples,
+    }
+    body.update(fields)
+    return Message(fleet=FLEET, sender=device_id, body=Hello(**body))
+
+
+def received(message: Message, now: float, topic_device: str | None = None) -> Received:
+    return Received(topic_device or message.sender, message, now)
+
+
+def status(device_id: str, state: str) -> Message:
+    return Message(fleet=FLEET, sender=device_id, body=DeviceStatus(state=state))
+
+
+def published(actions: list[Action], leaf: str | None = None) -> list[Publish]:
+    return [a for a in actions if isinstance(a, Publish) and (leaf is None or a.topic.endswith("/" + leaf))]
+
+
+def tasks_by_device(actions: list[Action]) -> dict[str, Message]:
+    return {a.topic.split("/")[3]: a.message for a in published(actions, "task")}
+
+
+def update(
+    device_id: str,
+    round_number: int,
+    weights: Mapping[str, np.ndarray],
+    samples: int = 100,
+    task: Message | None = None,
+    **metrics: float,
+) -> Message:
+    task_id = task.message_id if task is not None else None
+    assert task is None or isinstance(task.body, RoundTask)
+    body = Update(
+        task_message=task_id,
+        num_samples=samples,
+        sets={"weights": encode_tensors(weights, Precision.FP32)},
+        metrics=metrics,
+    )
+    return Message(fleet=FLEET, sender=device_id, round=round_number, body=body)
+
+
+def shifted(weights: Mapping[str, np.ndarray], delta: float) -> dict[str, np.ndarray]:
+    return {k: (v + delta).astype(v.dtype) for k, v in weights.items()}
