@@ -1,12 +1,17 @@
 """Command line of the lab emulator: ``python -m sim COMMAND ...``.
 
 Commands:
+    run         (the default when no command is named) emulate a fleet: one coordinator
+                and ``--devices`` edge clients in this process, all messages through an
+                MQTT broker (embedded amqtt by default) or the in-memory twin; prints a
+                progress line per round and writes ``--json-out`` / ``--report-dir``.
     partition   split a dataset across K devices (Dirichlet(alpha) label skew, per-device
                 train/test split) and write one ``dev-NNN.npz`` per device plus
                 ``summary.json`` into ``--out``.
 
-Exit codes: 0 success; 1 an output file could not be written; 2 bad arguments, a
-dataset that cannot be loaded or a partition that cannot be made (one line on stderr).
+Exit codes: 0 success; 1 an output file could not be written, or the run failed (broker
+unreachable, a device or the coordinator failed); 2 bad arguments, a dataset that cannot
+be loaded or a partition that cannot be made (one line on stderr).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 from sim.datasets import dataset_names, load_dataset
 from sim.errors import SimError
 from sim.partition import label_counts, mean_label_entropy, partition_dataset, save_device_file
+from sim.run_cli import add_run_parser
 
 PROG = "python -m sim"
 EXIT_OK, EXIT_IO, EXIT_USAGE = 0, 1, 2
@@ -43,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Lab emulator of the edge federated-learning runtime.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    add_run_parser(sub)
 
     part = sub.add_parser(
         "partition",
@@ -166,10 +173,16 @@ def run_partition(
     return summary
 
 
+COMMANDS = ("run", "partition")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    if not any(t in COMMANDS for t in tokens) and not (tokens and tokens[0] in ("-h", "--help")):
+        tokens.insert(0, "run")  # the emulation is the default command
+    args = parser.parse_args(tokens)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.command is None:
         parser.print_help(sys.stderr)

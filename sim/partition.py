@@ -11,12 +11,13 @@ import logging
 import math
 import os
 import uuid
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from edge_client.data import load_device_data
+from edge_client.errors import DataError
 from sim.datasets import ArrayDataset, DatasetSplits
 from sim.errors import DatasetError, PartitionError
 
@@ -239,41 +240,26 @@ def save_device_file(path: str | os.PathLike[str], split: DeviceSplit) -> None:
         raise
 
 
-_REQUIRED = {"x": np.float32, "y": np.int64, "x_test": np.float32, "y_test": np.int64}
-
-
 def load_device_file(path: str | os.PathLike[str]) -> DeviceSplit:
     """Read a file written by :func:`save_device_file` (format in its docstring).
 
-    ``device_id`` falls back to the file name's stem when the key is absent.
+    The reader is the device's own (:func:`edge_client.data.load_device_data`), so the
+    simulator and real devices accept exactly the same files. ``device_id`` falls back
+    to the file name's stem when the key is absent.
 
     Raises:
         DatasetError: missing or unreadable file, pickled objects, a missing key, or
-            arrays of the wrong dtype or shape (the message names the file and key).
+            arrays of the wrong dtype, shape, label or pixel range (the message names
+            the file and key).
     """
     p = Path(path)
     try:
-        with np.load(p, allow_pickle=False) as z:
-            arrays = {key: z[key] for key in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise DatasetError(f"{p}: not a readable device .npz file: {exc}") from exc
-    for key, dtype in {**_REQUIRED, "num_classes": np.int64}.items():
-        if key not in arrays:
-            raise DatasetError(f"{p}: missing key {key!r}; expected {sorted(_REQUIRED)}")
-        if arrays[key].dtype != dtype:
-            raise DatasetError(f"{p}: {key!r} must be {np.dtype(dtype)}, got {arrays[key].dtype}")
-    if arrays["num_classes"].shape != ():
-        raise DatasetError(f"{p}: 'num_classes' must be a scalar")
-    if arrays["x"].shape[1:] != arrays["x_test"].shape[1:]:
-        raise DatasetError(f"{p}: 'x' and 'x_test' images differ in shape")
-    dev_arr = arrays.get("device_id", np.str_(p.stem))
-    if dev_arr.shape != () or dev_arr.dtype.kind != "U":
-        raise DatasetError(f"{p}: 'device_id' must be a unicode scalar")
-    dev = str(dev_arr)
-    num_classes = int(arrays["num_classes"])
+        data = load_device_data(p)
+    except DataError as exc:
+        raise DatasetError(str(exc)) from exc
     try:
-        train = ArrayDataset(arrays["x"], arrays["y"], num_classes, f"{dev}/train")
-        test = ArrayDataset(arrays["x_test"], arrays["y_test"], num_classes, f"{dev}/test")
+        train = ArrayDataset(data.x, data.y, data.num_classes, f"{data.device_id}/train")
+        test = ArrayDataset(data.x_test, data.y_test, data.num_classes, f"{data.device_id}/test")
     except DatasetError as exc:
         raise DatasetError(f"{p}: {exc}") from exc
-    return DeviceSplit(dev, train, test)
+    return DeviceSplit(data.device_id, train, test)

@@ -72,7 +72,11 @@ def status(device_id: str, state: str) -> Message:
 
 
 def published(actions: list[Action], leaf: str | None = None) -> list[Publish]:
-    return [a for a in actions if isinstance(a, Publish) and (leaf is None or a.topic.endswith("/" + leaf))]
+    return [
+        a
+        for a in actions
+        if isinstance(a, Publish) and (leaf is None or a.topic.endswith("/" + leaf))
+    ]
 
 
 def tasks_by_device(actions: list[Action]) -> dict[str, Message]:

@@ -27,7 +27,7 @@ DEVICES = ("dev-0", "dev-1", "dev-2")
 ROUNDS = 3
 
 
-class SimulatedCrash(Exception):
+class SimulatedCrashError(Exception):
     pass
 
 
@@ -40,7 +40,7 @@ class CrashingStore(Store):
     def _mutate(self) -> None:
         self.mutations += 1
         if self.mutations == self.crash_at:
-            raise SimulatedCrash(self.mutations)
+            raise SimulatedCrashError(self.mutations)
 
     def read(self, key: str) -> Record | None:
         return self.inner.read(key)
@@ -60,8 +60,7 @@ class CrashingStore(Store):
 def weights_for(engine: RoundEngine, device: str, round_number: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([round_number, DEVICES.index(device)])
     return {
-        k: rng.normal(size=v.shape).astype(np.float32)
-        for k, v in engine.models()["aca"].items()
+        k: rng.normal(size=v.shape).astype(np.float32) for k, v in engine.models()["aca"].items()
     }
 
 
@@ -76,12 +75,18 @@ def script(engine: RoundEngine) -> list[Event]:
             if (r, d) == (2, "dev-2"):
                 continue
             now += 1
-            events.append(Received(d, update(d, r, weights_for(engine, d, r), 10 + 5 * DEVICES.index(d) + r), now))
+            events.append(
+                Received(
+                    d, update(d, r, weights_for(engine, d, r), 10 + 5 * DEVICES.index(d) + r), now
+                )
+            )
         if r == 2:
             now += 120
             events.append(Tick(now))  # deadline of round 2 passes
             now += 1
-            events.append(Received("dev-2", update("dev-2", 2, weights_for(engine, "dev-2", 2), 33), now))
+            events.append(
+                Received("dev-2", update("dev-2", 2, weights_for(engine, "dev-2", 2), 33), now)
+            )
     return events
 
 
@@ -151,7 +156,7 @@ def test_resume_after_a_crash_before_any_write(tmp_path: Path) -> None:
             for index, event in enumerate(events):
                 position = index
                 engine.handle(event)
-        except SimulatedCrash:
+        except SimulatedCrashError:
             pass
         else:  # pragma: no cover - every write index must crash
             pytest.fail(f"no crash at write {crash_at}")

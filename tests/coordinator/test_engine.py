@@ -131,7 +131,9 @@ def test_deadline_closes_round_with_the_on_time_updates_only() -> None:
 
     closed = only([a for a in closing if isinstance(a, RoundClosed)])
     assert closed.on_time == 1
-    np.testing.assert_allclose(closed.models["aca"]["head.bias"], shifted(w, 2.0)["head.bias"], atol=1e-6)
+    np.testing.assert_allclose(
+        closed.models["aca"]["head.bias"], shifted(w, 2.0)["head.bias"], atol=1e-6
+    )
     ack = only(acks(late))
     assert not ack.accepted and ack.reason is ReasonCode.LATE
 
@@ -183,7 +185,10 @@ def test_duplicate_update_is_acknowledged_and_changes_nothing() -> None:
 @pytest.mark.parametrize(
     ("mutate", "reason"),
     [
-        (lambda w: {k: v for k, v in w.items() if k != "head.bias"}, ReasonCode.FINGERPRINT_MISMATCH),
+        (
+            lambda w: {k: v for k, v in w.items() if k != "head.bias"},
+            ReasonCode.FINGERPRINT_MISMATCH,
+        ),
         (lambda w: {**w, "extra": np.zeros(2, np.float32)}, ReasonCode.FINGERPRINT_MISMATCH),
         (lambda w: {**w, "head.bias": np.zeros(3, np.float32)}, ReasonCode.SHAPE_MISMATCH),
         (lambda w: {**w, "head.bias": np.full_like(w["head.bias"], np.nan)}, ReasonCode.NON_FINITE),
@@ -256,11 +261,17 @@ def test_run_finishes_after_the_last_round() -> None:
     engine, _, actions = started(1, rounds=2)
     for round_number in (1, 2):
         w = global_weights(actions)
-        actions = engine.handle(received(update("dev-0", round_number, shifted(w, 1.0), 100), 5.0 * round_number))
+        actions = engine.handle(
+            received(update("dev-0", round_number, shifted(w, 1.0), 100), 5.0 * round_number)
+        )
 
     finished = only([a for a in actions if isinstance(a, Finished)])
     assert engine.finished and set(finished.models) == {"aca"}
-    statuses = [a.message.body.state for a in published(actions) if isinstance(a.message.body, CoordinatorStatus)]
+    statuses = [
+        a.message.body.state
+        for a in published(actions)
+        if isinstance(a.message.body, CoordinatorStatus)
+    ]
     assert statuses == ["finished"]
     late = engine.handle(received(update("dev-0", 3, w, 100), 20.0))
     assert only(acks(late)).reason is ReasonCode.WRONG_ROUND

@@ -58,7 +58,12 @@ class StoreContract:
             store.write(key, {})
 
         assert store.keys("updates") == ["updates/a/r000001", "updates/b/r000002"]
-        assert store.keys() == ["models/r000001/aca", "run", "updates/a/r000001", "updates/b/r000002"]
+        assert store.keys() == [
+            "models/r000001/aca",
+            "run",
+            "updates/a/r000001",
+            "updates/b/r000002",
+        ]
         assert store.keys("missing") == []
 
     def test_delete_is_idempotent(self, store: Store) -> None:
@@ -120,8 +125,11 @@ class TestFileStore(StoreContract):
             store.read("run")
 
     def test_pickled_arrays_are_not_loaded(self, tmp_path: Path) -> None:
-        np.savez(tmp_path / "evil.npz", __meta__=np.frombuffer(b"{}", np.uint8),
-                 payload=np.array([{"a": 1}], dtype=object))
+        np.savez(
+            tmp_path / "evil.npz",
+            __meta__=np.frombuffer(b"{}", np.uint8),
+            payload=np.array([{"a": 1}], dtype=object),
+        )
 
         with pytest.raises(StoreError):
             FileStore(tmp_path).read("evil")

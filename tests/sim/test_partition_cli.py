@@ -100,10 +100,12 @@ def test_argument_and_data_errors_are_one_line_exit_2(
     assert err.count("\n") == 1 and expected in err
 
 
-def test_no_subcommand_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main([])
+def test_help_lists_both_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
 
-    assert code == 2 and "partition" in capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "partition" in out and "run" in out
 
 
 def test_infinite_alpha_is_written_as_string(

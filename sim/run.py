@@ -1,0 +1,282 @@
+"""The lab emulation: one real coordinator and N real edge clients in one process.
+
+:func:`run_simulation` partitions a dataset across N devices, starts a broker (the
+embedded amqtt broker, an external one, or the in-memory twin), and runs the
+:class:`~coordinator.runtime.Coordinator` and N :class:`~edge_client.runtime.EdgeClient`
+objects against it — the same code as ``python -m coordinator`` and ``python -m
+edge_client``; every message goes through the broker. Each client has its own transport,
+whose byte counters give the per-round bytes (up = published by devices, down = received
+by devices). After each round every global model is evaluated on every device's test
+split (AMP / FM / WLP) and on the dataset's test split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.config import CoordinatorConfig, TrainingSettings
+from coordinator.engine import Action, RoundClosed, RoundStarted
+from coordinator.runtime import Coordinator, save_final_models
+from coordinator.store import FileStore, MemoryStore, Store
+from edge_client.config import ClientConfig
+from edge_client.data import DeviceData
+from edge_client.runtime import EdgeClient
+from models import Classifier, build_classifier
+from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
+from sim.datasets import load_dataset
+from sim.errors import SimError
+from sim.metrics import evaluate_models
+from sim.partition import Federation, partition_dataset
+from sim.report import RoundRecord, RunReport
+
+__all__ = ["SimConfig", "run_simulation"]
+
+log = logging.getLogger(__name__)
+
+RoundCallback = Callable[[RoundRecord], None]
+
+
+class SimConfig(BaseModel):
+    """Settings of one emulated run (``python -m sim --help`` lists them as flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    devices: int = Field(default=50, ge=1)  # emulated devices K
+    rounds: int = Field(default=10, ge=1)
+    strategy: str = "fedavg"
+    model: str = "lenet5"
+    dataset: str = "synthetic"
+    data_dir: Path | None = None
+    alpha: float = Field(default=0.5, gt=0)  # Dirichlet label skew; inf = IID
+    participation: float = Field(default=0.2, gt=0, le=1)
+    training: TrainingSettings = TrainingSettings()
+    seed: int = Field(default=0, ge=0)
+    transport: Literal["mqtt", "inproc"] = "mqtt"
+    broker_url: str | None = None  # external broker for transport mqtt; None: embedded
+    round_timeout_s: float = Field(default=600.0, gt=0)
+    train_slots: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    # trainings running at once (the rest of the selected devices queue)
+    min_samples: int = Field(default=10, ge=1)  # per device, for the partitioner
+    test_fraction: float = Field(default=0.2, ge=0, lt=1)  # local test share per device
+    state_dir: Path | None = None  # coordinator and device state; a temp dir when None
+    fleet: str = "sim"
+
+
+def _federation(config: SimConfig) -> tuple[Federation, int, int]:
+    splits = load_dataset(config.dataset, config.data_dir, seed=config.seed)
+    federation = partition_dataset(
+        splits,
+        config.devices,
+        config.alpha,
+        seed=config.seed,
+        min_samples=config.min_samples,
+        test_fraction=config.test_fraction,
+    )
+    _, channels, height, width = splits.train.x.shape
+    if height != width:
+        raise SimError(f"{config.dataset}: images are {height}x{width}; the models need squares")
+    return federation, channels, height
+
+
+@contextlib.contextmanager
+def _broker(config: SimConfig) -> Iterator[Callable[[str], Transport]]:
+    """Yields a factory of (unconnected) transports by client id."""
+    if config.transport == "inproc":
+        memory = MemoryBroker()
+        yield lambda client_id: MemoryTransport(memory, client_id)
+        return
+    if config.broker_url is not None:
+        url = config.broker_url
+        yield lambda client_id: MqttTransport(MqttConfig.from_url(url, client_id=client_id))
+        return
+    from protocol.transport.broker import EmbeddedBroker
+
+    with EmbeddedBroker() as embedded:  # started on entry
+        log.info("embedded MQTT broker at %s", embedded.url)
+        yield lambda client_id: MqttTransport(
+            MqttConfig.from_url(embedded.url, client_id=client_id)
+        )
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class _Recorder:
+    """Observes the coordinator: evaluates models and counts bytes after each round."""
+
+    def __init__(
+        self,
+        federation: Federation,
+        scratch: Classifier,
+        transports: list[Transport],
+        on_round: RoundCallback | None,
+    ) -> None:
+        self.records: list[RoundRecord] = []
+        self._federation = federation
+        self._scratch = scratch
+        self._transports = transports
+        self._on_round = on_round
+        self._device_tests = [(d.test.x, d.test.y) for d in federation.devices]
+        test = federation.test
+        self._global_test = None if test is None else (test.x, test.y)
+        self._last = (0, 0, 0, 0)
+        self._round_start = time.perf_counter()
+
+    def totals(self) -> tuple[int, int, int, int]:
+        up = down = wire_up = wire_down = 0
+        for transport in self._transports:
+            out, inn = transport.stats.totals("out"), transport.stats.totals("in")
+            up, wire_up = up + out.payload_bytes, wire_up + out.wire_bytes
+            down, wire_down = down + inn.payload_bytes, wire_down + inn.wire_bytes
+        return up, down, wire_up, wire_down
+
+    def __call__(self, action: Action) -> None:
+        if isinstance(action, RoundStarted):
+            self._round_start = time.perf_counter()
+            return
+        if not isinstance(action, RoundClosed):
+            return
+        wall = time.perf_counter() - self._round_start
+        now = self.totals()
+        delta = [a - b for a, b in zip(now, self._last, strict=True)]
+        self._last = now
+        metrics = evaluate_models(
+            action.models, self._scratch, self._device_tests, self._global_test
+        )
+        record = RoundRecord(
+            round=action.round,
+            wall_s=wall,
+            active_devices=action.on_time,
+            bytes_up=delta[0],
+            bytes_down=delta[1],
+            wire_bytes_up=delta[2],
+            wire_bytes_down=delta[3],
+            models=metrics,
+        )
+        self.records.append(record)
+        if self._on_round is not None:
+            self._on_round(record)
+
+
+def run_simulation(
+    config: SimConfig,
+    *,
+    on_round: RoundCallback | None = None,
+    final_models_dir: Path | None = None,
+) -> RunReport:
+    """Run the emulation described by ``config``; returns the report.
+
+    Args:
+        config: the run's settings.
+        on_round: called with each round's record as soon as it is measured.
+        final_models_dir: where to save the final models (``.pt`` and ``.onnx``).
+
+    Raises:
+        SimError: the dataset cannot be loaded or partitioned, or the run failed.
+        TransportError / BrokerError: the broker cannot be started or reached.
+    """
+    started = time.perf_counter()
+    federation, channels, side = _federation(config)
+    coordinator_config = CoordinatorConfig(
+        fleet=config.fleet,
+        strategy=config.strategy,
+        model=config.model,
+        num_classes=federation.num_classes,
+        in_channels=channels,
+        image_size=side,
+        rounds=config.rounds,
+        participation=config.participation,
+        min_devices=config.devices,
+        round_timeout_s=config.round_timeout_s,
+        seed=config.seed,
+        training=config.training,
+        export_onnx=False,
+    )
+    scratch = build_classifier(
+        config.model, num_classes=federation.num_classes, in_channels=channels, image_size=side
+    )
+    with contextlib.ExitStack() as stack:
+        root = config.state_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        make_transport = stack.enter_context(_broker(config))
+        store: Store = (
+            FileStore(root / "coordinator", fsync=False) if config.state_dir else MemoryStore()
+        )
+        coordinator = Coordinator(
+            coordinator_config, make_transport(f"{config.fleet}-coordinator"), store
+        )
+        gate = threading.BoundedSemaphore(config.train_slots)
+        clients = []
+        for split in federation.devices:
+            data = DeviceData(
+                device_id=split.device_id,
+                x=split.train.x,
+                y=split.train.y,
+                x_test=split.test.x,
+                y_test=split.test.y,
+                num_classes=federation.num_classes,
+            )
+            client_config = ClientConfig(
+                device_id=split.device_id,
+                fleet=config.fleet,
+                model=config.model,
+                exit_when_finished=True,
+                state_dir=root / "devices" / split.device_id,
+            )
+            transport = make_transport(f"{config.fleet}-{split.device_id}")
+            clients.append(EdgeClient(client_config, transport, data, train_gate=gate))
+        recorder = _Recorder(federation, scratch, [c.transport for c in clients], on_round)
+        coordinator.add_observer(recorder)
+        outcome: dict[str, Any] = {}
+
+        def serve() -> None:
+            try:
+                outcome["models"] = coordinator.run()
+            except BaseException as exc:  # reported by the caller
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=serve, name="sim-coordinator", daemon=True)
+        thread.start()
+        try:
+            for client in clients:
+                client.start()
+            thread.join()
+        finally:
+            coordinator.stop()
+            thread.join(timeout=10)
+            for client in clients:
+                client.stop()
+        if "error" in outcome:
+            raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
+        models = outcome.get("models")
+        if final_models_dir is not None and models:
+            save_final_models(models, scratch, final_models_dir)
+        totals = recorder.totals()
+
+    records = recorder.records
+    final: dict[str, Any] = {
+        "rounds": len(records),
+        "wall_s": time.perf_counter() - started,
+        "mean_round_wall_s": sum(r.wall_s for r in records) / max(1, len(records)),
+        "bytes_up": totals[0],
+        "bytes_down": totals[1],
+        "wire_bytes_up": totals[2],
+        "wire_bytes_down": totals[3],
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "models": records[-1].models and {k: v.to_dict() for k, v in records[-1].models.items()}
+        if records
+        else {},
+    }
+    config_dict = config.model_dump(mode="json")
+    return RunReport(config=config_dict, rounds=records, final=final)

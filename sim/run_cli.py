@@ -1,0 +1,151 @@
+"""The ``run`` command of ``python -m sim`` (the default): flags, progress, outputs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import TrainingSettings
+from coordinator.strategies import strategy_names
+from models import classifier_names
+from sim.datasets import dataset_names
+from sim.errors import SimError
+
+__all__ = ["add_run_parser"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def add_run_parser(sub: Any) -> None:
+    """Add the ``run`` command to the subparsers ``sub``."""
+    run = sub.add_parser(
+        "run",
+        help="emulate a fleet: coordinator + N edge clients (the default command)",
+        description="Run one coordinator and N edge clients in this process; every message "
+        "goes through an MQTT broker (embedded amqtt unless --broker) or, with --transport "
+        "inproc, through the in-memory twin with the same byte counts.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    run.add_argument("--devices", type=int, default=50, help="emulated devices K (50)")
+    run.add_argument("--rounds", type=int, default=10, help="federated rounds (10)")
+    run.add_argument("--strategy", choices=strategy_names(), default="fedavg")
+    run.add_argument("--model", choices=classifier_names(), default="lenet5")
+    run.add_argument("--dataset", choices=dataset_names(), default="synthetic")
+    run.add_argument("--data-dir", type=Path, help="folder with the dataset's files")
+    run.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha; inf = IID (0.5)")
+    run.add_argument("--participation", type=float, default=0.2, help="fraction C per round")
+    defaults = TrainingSettings()
+    run.add_argument("--local-epochs", type=int, default=defaults.local_epochs, help="epochs E")
+    run.add_argument("--local-steps", type=int, default=0, help="local mini-batches instead")
+    run.add_argument("--batch-size", type=int, default=defaults.batch_size, help="batch size B")
+    run.add_argument("--lr", type=float, default=defaults.lr, help="local SGD learning rate")
+    run.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
+    run.add_argument("--mu", type=float, default=defaults.mu, help="FedProx mu")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--transport", choices=["mqtt", "inproc"], default="mqtt")
+    run.add_argument("--broker", metavar="URL", help="external broker for --transport mqtt")
+    run.add_argument("--round-timeout", type=float, default=600.0, help="seconds per round")
+    run.add_argument("--train-slots", type=int, help="concurrent trainings (CPU count)")
+    run.add_argument("--state-dir", type=Path, help="keep coordinator/device state here")
+    run.add_argument("--json-out", type=Path, help="write the run's JSON report here")
+    run.add_argument("--report-dir", type=Path, help="write rounds.csv and PNG plots here")
+    run.add_argument("--save-models", type=Path, help="save the final models (.pt/.onnx) here")
+    run.set_defaults(handler=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Handler of ``python -m sim run``."""
+    import torch
+    from pydantic import ValidationError
+
+    from protocol.errors import BrokerError, TransportError
+    from sim.report import ProgressBar, human_bytes, write_csv, write_plots
+    from sim.run import SimConfig, run_simulation
+
+    if args.transport == "inproc" and args.broker:
+        raise SimError("--broker needs --transport mqtt")
+    if args.report_dir is not None:
+        _require_matplotlib()
+    settings: dict[str, Any] = {
+        "devices": args.devices,
+        "rounds": args.rounds,
+        "strategy": args.strategy,
+        "model": args.model,
+        "dataset": args.dataset,
+        "data_dir": args.data_dir,
+        "alpha": math.inf if math.isinf(args.alpha) else args.alpha,
+        "participation": args.participation,
+        "seed": args.seed,
+        "transport": args.transport,
+        "broker_url": args.broker,
+        "round_timeout_s": args.round_timeout,
+        "state_dir": args.state_dir,
+    }
+    if args.train_slots is not None:
+        settings["train_slots"] = args.train_slots
+    try:
+        settings["training"] = TrainingSettings(
+            local_epochs=args.local_epochs,
+            local_steps=args.local_steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            momentum=args.momentum,
+            mu=args.mu,
+        )
+        config = SimConfig(**settings)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SimError(f"invalid settings: {problems}") from exc
+    torch.set_num_threads(1)  # one thread per training; --train-slots trainings at once
+    print(
+        f"{config.devices} devices, {config.strategy} on {config.model}, {config.dataset} "
+        f"(alpha={config.alpha}), {config.rounds} rounds, C={config.participation}, "
+        f"transport {config.transport}",
+        file=sys.stderr,
+    )
+    cumulative = [0, 0]
+    with ProgressBar(config.rounds) as bar:
+
+        def progress(record: Any) -> None:
+            cumulative[0] += record.bytes_up
+            cumulative[1] += record.bytes_down
+            bar.update(record, cumulative[0], cumulative[1])
+
+        try:
+            report = run_simulation(config, on_round=progress, final_models_dir=args.save_models)
+        except (TransportError, BrokerError) as exc:
+            print(f"python -m sim: error: broker: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    final = report.final
+    names = ", ".join(
+        f"{name} AMP {m['amp']:.2f}%" for name, m in (final.get("models") or {}).items()
+    )
+    print(
+        f"done: {final['rounds']} rounds in {final['wall_s']:.1f} s "
+        f"({final['mean_round_wall_s']:.2f} s/round); {names}; up "
+        f"{human_bytes(final['bytes_up'])}, down {human_bytes(final['bytes_down'])} "
+        f"(wire {human_bytes(final['wire_bytes_up'])} / {human_bytes(final['wire_bytes_down'])}); "
+        f"peak RSS {human_bytes(final['peak_rss_bytes'])}",
+        file=sys.stderr,
+    )
+    if args.json_out is not None:
+        report.write_json(args.json_out)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    if args.report_dir is not None:
+        paths = [write_csv(report, args.report_dir), *write_plots(report, args.report_dir)]
+        print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SimError('--report-dir needs matplotlib: pip install "edgefl[report]"') from None

@@ -1,0 +1,75 @@
+"""The coordinator runtime over the in-memory broker: bad input on the fleet's topics."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from coordinator.runtime import Coordinator
+from coordinator.store import MemoryStore
+from protocol.channel import Channel
+from protocol.messages import Message
+from protocol.tensors import Precision
+from protocol.tensorset import encode_tensors
+from protocol.topics import Topics
+from protocol.transport import MemoryBroker, MemoryTransport
+from tests.coordinator.helpers import FLEET, config, hello, make_engine, update
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_malformed_and_foreign_messages_change_nothing() -> None:
+    broker, store = MemoryBroker(), MemoryStore()
+    cfg = config(min_devices=1, rounds=1)
+    coordinator = Coordinator(cfg, MemoryTransport(broker, "coordinator"), store, tick_s=0.02)
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    thread.start()
+    assert wait_for(lambda: store.read_meta("run") is not None)
+    initial = store.snapshot()
+    attacker = MemoryTransport(broker, "attacker")
+    attacker.connect()
+    channel = Channel(attacker)
+    topics = Topics(FLEET)
+    engine = make_engine(cfg, MemoryStore())
+    weights = {k: np.zeros(s, np.float32) for k, s in engine._shapes.items()}
+    good_hello = hello(engine, "dev-0")
+
+    attacker.publish(topics.device("dev-0", "update"), b"\x00garbage")
+    attacker.publish(topics.device("dev-0", "hello"), b"FL\x01\x01" + b"\xff" * 40)
+    channel.send(topics.device("dev-1", "hello"), good_hello)  # sender != topic device
+    channel.send(
+        topics.device("dev-0", "hello"),
+        Message(fleet="elsewhere", sender="dev-0", body=good_hello.body),
+    )
+    channel.send(
+        topics.device("dev-0", "update"), update("dev-0", 1, weights, 10)
+    )  # unknown device
+    nan = {**weights, "head.bias": np.full_like(weights["head.bias"], np.nan)}
+    bad = update("dev-0", 1, weights, 10).body.model_copy(
+        update={"sets": {"weights": encode_tensors(nan, Precision.FP32)}}
+    )
+    channel.send(
+        topics.device("dev-0", "update"), Message(fleet=FLEET, sender="dev-0", round=1, body=bad)
+    )
+    channel.send(topics.to_device("dev-0", "task"), good_hello)  # a downlink topic: not for us
+    time.sleep(0.3)
+    assert coordinator.transport.flush(5)
+
+    kept = initial.keys()
+    assert store.keys() == kept
+    for key in kept:
+        assert store.read_meta(key) == initial.read_meta(key)
+    assert len(coordinator.engine.registry) == 0
+    assert thread.is_alive()  # still serving
+    coordinator.stop()
+    thread.join(5)
+    attacker.disconnect()

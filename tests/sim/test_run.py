@@ -1,0 +1,111 @@
+"""The lab emulation end to end: real coordinator, real edge clients, all through a broker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import TrainingSettings
+from sim.run import SimConfig, run_simulation
+
+QUICK = TrainingSettings(local_epochs=1, local_steps=2, batch_size=16)
+
+
+def quick(**overrides) -> SimConfig:
+    base = {"devices": 6, "rounds": 2, "participation": 0.5, "training": QUICK, "model": "mlp"}
+    base.update(overrides)
+    return SimConfig(**base)
+
+
+def test_inproc_run_reports_every_round_with_bytes_and_both_models() -> None:
+    report = run_simulation(quick(strategy="fedavg_oca", transport="inproc"))
+
+    assert [r.round for r in report.rounds] == [1, 2]
+    for record in report.rounds:
+        assert record.active_devices == 3
+        assert record.bytes_up > 0 and record.bytes_down > 0
+        assert record.wire_bytes_up > record.bytes_up and record.wire_bytes_down > record.bytes_down
+        assert set(record.models) == {"aca", "oca"}
+        for metrics in record.models.values():
+            assert 0 <= metrics.wlp <= metrics.amp <= 100
+            assert metrics.global_acc is not None
+    data = report.to_json_dict()
+    assert data["config"]["devices"] == 6
+    assert data["final"]["rounds"] == 2 and data["final"]["peak_rss_bytes"] > 0
+
+
+def test_embedded_broker_counts_the_same_bytes_as_the_inproc_twin() -> None:
+    inproc = run_simulation(quick(transport="inproc"))
+    mqtt = run_simulation(quick(transport="mqtt"))
+
+    for a, b in zip(inproc.rounds, mqtt.rounds, strict=True):
+        assert a.active_devices == b.active_devices
+        for field in ("bytes_up", "bytes_down", "wire_bytes_up", "wire_bytes_down"):
+            # same messages; only random message ids compress differently
+            assert getattr(a, field) == pytest.approx(getattr(b, field), rel=0.01), field
+        assert a.models["aca"].amp == pytest.approx(b.models["aca"].amp)
+
+
+def test_cli_default_command_writes_json_and_report(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim",
+            "--devices",
+            "4",
+            "--rounds",
+            "2",
+            "--participation",
+            "0.5",
+            "--model",
+            "mlp",
+            "--local-steps",
+            "2",
+            "--transport",
+            "inproc",
+            "--json-out",
+            str(out),
+            "--report-dir",
+            str(tmp_path / "report"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert set(data) == {"config", "rounds", "final"}
+    assert [r["round"] for r in data["rounds"]] == [1, 2]
+    assert set(data["rounds"][0]) == {
+        "round",
+        "wall_s",
+        "active_devices",
+        "bytes_up",
+        "bytes_down",
+        "wire_bytes_up",
+        "wire_bytes_down",
+        "models",
+    }
+    assert set(data["rounds"][0]["models"]["aca"]) == {"amp", "fm", "wlp", "global_acc"}
+    assert (tmp_path / "report" / "rounds.csv").exists()
+    assert (tmp_path / "report" / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "round 2/2" in result.stderr
+
+
+def test_cli_bad_flags_exit_2_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sim", "--devices", "0", "--transport", "inproc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "devices" in result.stderr
