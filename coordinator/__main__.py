@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -196,6 +197,8 @@ def run(config: CoordinatorConfig) -> int:
     finally:
         if embedded is not None:
             embedded.stop()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        log.info("peak RSS %.1f MB", peak / 1024)
     if models is None:
         log.warning("stopped before the last round; resume with --resume")
         return EXIT_INTERRUPTED

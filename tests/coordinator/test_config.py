@@ -1,0 +1,114 @@
+"""Coordinator settings: TOML file, flag overrides, validation, participants."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.__main__ import build_parser, config_from_args
+from coordinator.config import participants
+from coordinator.errors import ConfigError
+
+TOML = """
+fleet = "lab"
+strategy = "fedavg_oca"
+rounds = 7
+participation = 0.5
+
+[training]
+local_epochs = 2
+lr = 0.02
+
+[broker]
+url = "mqtt://broker.example:1883"
+username = "coord"
+"""
+
+
+def parse(*argv: str):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_toml_file_gives_every_setting(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(TOML)
+
+    config = parse("--config", str(path))
+
+    assert (config.fleet, config.strategy, config.rounds, config.participation) == (
+        "lab",
+        "fedavg_oca",
+        7,
+        0.5,
+    )
+    assert config.training.local_epochs == 2 and config.training.lr == pytest.approx(0.02)
+    assert config.training.batch_size == 32  # default kept
+    assert config.broker is not None and config.broker.url == "mqtt://broker.example:1883"
+    mqtt = config.broker.mqtt_config(config.broker.url, "cid")
+    assert (mqtt.host, mqtt.port, mqtt.username) == ("broker.example", 1883, "coord")
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(TOML)
+
+    config = parse("--config", str(path), "--rounds", "3", "--lr", "0.5", "--embedded-broker")
+
+    assert config.rounds == 3 and config.training.lr == 0.5 and config.training.local_epochs == 2
+    assert config.broker is not None and config.broker.embedded and config.broker.url is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--embedded-broker", "--participation", "0"], "participation"),
+        (["--embedded-broker", "--rounds", "0"], "rounds"),
+        (["--embedded-broker", "--local-epochs", "0"], "local_epochs and local_steps"),
+        (["--embedded-broker", "--resume"], "resume needs a state_dir"),
+        (["--rounds", "2"], "--broker URL or --embedded-broker"),
+    ],
+)
+def test_invalid_settings_raise_config_error(argv: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse(*argv)
+
+
+def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("roundz = 3\n[broker]\nembedded = true\n")
+
+    with pytest.raises(ConfigError, match="roundz"):
+        parse("--config", str(path))
+
+
+def test_bad_toml_is_a_usage_error_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("rounds = [")
+
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 2
+    assert "not valid TOML" in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("c", "registered", "online", "expected"),
+    [
+        (0.2, 20, 20, 4),
+        (0.01, 20, 20, 1),
+        (0.5, 10, 3, 3),
+        (1.0, 5, 5, 5),
+        (0.25, 10, 10, 3),
+        (0.3, 5, 0, 0),
+    ],
+)
+def test_participants(c: float, registered: int, online: int, expected: int) -> None:
+    assert participants(c, registered, online) == expected
