@@ -73,3 +73,55 @@ def test_malformed_and_foreign_messages_change_nothing() -> None:
     coordinator.stop()
     thread.join(5)
     attacker.disconnect()
+
+
+def test_a_run_survives_a_broker_restart_mid_round() -> None:
+    from edge_client.config import ClientConfig
+    from edge_client.data import DeviceData
+    from edge_client.runtime import EdgeClient
+    from sim.datasets import load_dataset
+    from sim.partition import partition_dataset
+
+    broker, store = MemoryBroker(), MemoryStore()
+    cfg = config(min_devices=2, rounds=3, participation=1.0, round_timeout_s=60.0)
+    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"local_steps": 2})})
+    coordinator = Coordinator(cfg, MemoryTransport(broker, "coordinator"), store, tick_s=0.02)
+    closed: list[int] = []
+    restarted = threading.Event()
+
+    def restart_during_round_2(action) -> None:
+        from coordinator.engine import RoundStarted
+
+        if isinstance(action, RoundStarted) and action.round == 2 and not restarted.is_set():
+            restarted.set()
+            threading.Thread(
+                target=lambda: (broker.stop(), time.sleep(0.2), broker.start())
+            ).start()
+
+    coordinator.add_observer(restart_during_round_2)
+    coordinator.add_observer(lambda a: closed.append(a.round) if hasattr(a, "on_time") else None)
+    federation = partition_dataset(
+        load_dataset("synthetic", seed=0, train_samples=400), 2, float("inf"), seed=0
+    )
+    clients = []
+    for split in federation.devices:
+        data = DeviceData(
+            split.device_id, split.train.x, split.train.y, split.test.x, split.test.y, 10
+        )
+        client_config = ClientConfig(
+            device_id=split.device_id, fleet=FLEET, model="mlp", exit_when_finished=True
+        )
+        clients.append(EdgeClient(client_config, MemoryTransport(broker, split.device_id), data))
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    thread.start()
+    for client in clients:
+        client.start()
+
+    thread.join(60)
+
+    assert not thread.is_alive()
+    assert restarted.is_set()
+    assert coordinator.final_models is not None
+    assert closed == [1, 2, 3]
+    for client in clients:
+        client.stop()
