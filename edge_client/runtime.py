@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import logging
 import os
 import platform
 import queue
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -50,9 +48,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from torch import nn
 
+from edge_client.client_state import STATE_FILE, SavedState, read_state, write_state
 from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.errors import ConfigError, ConnectError, TaskError
@@ -83,25 +82,10 @@ __all__ = ["STATE_FILE", "EdgeClient"]
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "client_state.json"
-"""Name of the persisted state file inside ``ClientConfig.state_dir``."""
-_STATE_FORMAT = 1
 _DETAIL_MAX = 512  # DeviceStatus.detail limit, characters
 _UPLOAD_BACKOFF_MAX_S = 10.0
 
 DeviceState = Literal["online", "offline", "idle", "training", "uploading", "error"]
-
-
-class _SavedState(BaseModel):
-    """The content of ``client_state.json`` (unknown keys are ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    format: Literal[1] = 1
-    fleet: str
-    device_id: str
-    rounds_done: int = Field(ge=0)
-    handled_tasks: list[str]
 
 
 @dataclass(frozen=True)
@@ -765,7 +749,7 @@ class EdgeClient:
             if round_ is not None:
                 self._rounds_done += 1
                 self._last_round = max(self._last_round, round_)
-            saved = _SavedState(
+            saved = SavedState(
                 fleet=self.config.fleet,
                 device_id=self.device_id,
                 rounds_done=self._rounds_done,
@@ -773,30 +757,14 @@ class EdgeClient:
             )
         self._save_state(saved)
 
-    def _save_state(self, saved: _SavedState) -> None:
-        """Write ``client_state.json`` atomically (temp file, fsync unless
-        ``fsync_state`` is off, rename); failures are logged, never raised."""
+    def _save_state(self, saved: SavedState) -> None:
+        """Persist ``saved``; failures are logged, never raised."""
         path = self.state_path
         if path is None:
             return
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            durable = self.config.fsync_state
-            with tmp.open("x", encoding="utf-8") as f:
-                f.write(saved.model_dump_json(indent=1))
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-            if durable:
-                with contextlib.suppress(OSError):  # make the rename durable where supported
-                    dir_fd = os.open(path.parent, os.O_RDONLY)
-                    try:
-                        os.fsync(dir_fd)
-                    finally:
-                        os.close(dir_fd)
+            write_state(path, saved, fsync=self.config.fsync_state)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             logger.warning("could not save the client state to %s: %s", path, exc)
             self._last_error = exc
 
@@ -805,7 +773,7 @@ class EdgeClient:
         if path is None or not path.exists():
             return
         try:
-            saved = _SavedState.model_validate(json.loads(path.read_text(encoding="utf-8")))
+            saved = read_state(path)
         except (OSError, ValueError) as exc:  # ValidationError and JSONDecodeError too
             logger.warning("ignored the unreadable client state %s: %s", path, exc)
             return
