@@ -157,13 +157,14 @@ def run(config: CoordinatorConfig) -> int:
     assert settings is not None
     embedded = None
     try:
-        fresh_dir = config.state_dir is not None and not config.resume
-        if fresh_dir and FileStore(config.state_dir).read_meta("run") is not None:  # type: ignore[arg-type]
-            raise ConfigError(
-                f"{config.state_dir} holds a run already: pass --resume to continue it, "
-                "or use an empty --state-dir"
-            )
-        store: Store = FileStore(config.state_dir) if config.state_dir else MemoryStore()
+        store: Store = MemoryStore()
+        if config.state_dir is not None:
+            store = FileStore(config.state_dir)
+            if not config.resume and store.exists("run"):
+                raise ConfigError(
+                    f"{config.state_dir} holds a run already: pass --resume to continue it, "
+                    "or use an empty --state-dir"
+                )
         url = settings.url
         if settings.embedded:
             from protocol.transport.broker import EmbeddedBroker

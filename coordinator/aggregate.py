@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["WeightedSum", "check_same_names", "weighted_average"]
+__all__ = ["WeightedSum", "check_same_names"]
 
 Array = npt.NDArray[Any]
 Arrays = Mapping[str, Array]
@@ -76,15 +76,3 @@ class WeightedSum:
             dtype = self.dtypes.get(name, np.dtype(np.float32))
             out[name] = np.rint(value).astype(dtype) if dtype.kind in "iub" else value.astype(dtype)
         return out
-
-
-def weighted_average(terms: list[tuple[Arrays, float]]) -> dict[str, Array]:
-    """The weighted mean of model states: ``sum(w * a) / sum(w)``.
-
-    Raises:
-        ValueError: no terms, non-positive total weight, or mismatched names/shapes.
-    """
-    acc = WeightedSum()
-    for arrays, weight in terms:
-        acc.add(arrays, weight)
-    return acc.mean()

@@ -9,7 +9,6 @@ namespaces.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from coordinator.errors import ConfigError
 from protocol.messages import ID_PATTERN
-from protocol.transport import MqttConfig, MqttVersion, TlsConfig
+from protocol.transport import MqttConfig, MqttVersion, TlsConfig, read_password
 
 __all__ = [
     "BrokerSettings",
@@ -30,7 +29,6 @@ __all__ = [
 ]
 
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
-PASSWORD_ENV = "EDGEFL_MQTT_PASSWORD"
 
 
 class _Frozen(BaseModel):
@@ -84,13 +82,11 @@ class BrokerSettings(_Frozen):
             ConfigError: the password file cannot be read, or the URL is invalid.
         """
         password = self.password
-        if self.password_file is not None:
+        if self.password_file is not None or password is None:
             try:
-                password = SecretStr(self.password_file.read_text().strip())
+                password = read_password(self.password_file)
             except OSError as exc:
                 raise ConfigError(f"cannot read password file {self.password_file}: {exc}") from exc
-        elif password is None and os.environ.get(PASSWORD_ENV):
-            password = SecretStr(os.environ[PASSWORD_ENV])
         overrides: dict[str, Any] = {
             "client_id": self.client_id or default_client_id,
             "version": self.mqtt_version,

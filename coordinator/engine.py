@@ -29,7 +29,7 @@ import math
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -152,7 +152,6 @@ Action = Publish | RoundStarted | RoundClosed | Finished
 class _RoundCounters:
     late: int = 0
     rejected: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
 
 
 def device_seed(seed: int, round_number: int, device_id: str) -> int:
@@ -491,7 +490,6 @@ class RoundEngine:
 
     def _cleanup(self, closed_round: int) -> None:
         try:
-            self._state.drop_models_except(closed_round + 1)
             self._state.recover(closed_round + 1, self._cache)
         except StoreError:
             log.exception("cleanup after round %d failed; retried on resume", closed_round)

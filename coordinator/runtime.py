@@ -177,7 +177,7 @@ class Coordinator:
         )
         try:
             self.channel.subscribe(topics.from_devices(), self._receive, on_error=self._bad_input)
-            self.transport.on_reconnect(self._republish_status)
+            self.transport.on_reconnect(self._on_reconnect)
             self._execute(self.engine.start(self._clock()))
             next_tick = self._clock() + self._tick_s
             while not self._stop.is_set() and self.final_models is None:
@@ -208,7 +208,7 @@ class Coordinator:
     def _bad_input(self, topic: str, error: DecodeError) -> None:
         log.warning("dropped undecodable payload on %s: %s", topic, error)
 
-    def _republish_status(self) -> None:
+    def _on_reconnect(self) -> None:
         self._events.put(Reconnected(self._clock()))
 
     # -- actions (engine thread) ------------------------------------------------------

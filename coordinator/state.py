@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -76,15 +76,7 @@ class RunMeta:
     started_at: float = 0.0
 
     def to_meta(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint,
-            "round": self.round,
-            "phase": self.phase,
-            "selected": self.selected,
-            "task_ids": self.task_ids,
-            "deadline": self.deadline,
-            "started_at": self.started_at,
-        }
+        return asdict(self)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> RunMeta:
@@ -115,15 +107,7 @@ class StoredUpdate:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def to_meta(self) -> dict[str, Any]:
-        return {
-            "device_id": self.device_id,
-            "round": self.round,
-            "num_samples": self.num_samples,
-            "message_id": self.message_id,
-            "on_time": self.on_time,
-            "received_at": self.received_at,
-            "metrics": self.metrics,
-        }
+        return asdict(self)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> StoredUpdate:
@@ -209,7 +193,7 @@ class RunState:
         return f"updates/{device_id}/{_round_key(round_number)}"
 
     def has_update(self, device_id: str, round_number: int) -> bool:
-        return self.store.read_meta(self.update_key(device_id, round_number)) is not None
+        return self.store.exists(self.update_key(device_id, round_number))
 
     def put_update(self, update: StoredUpdate, arrays: Mapping[str, Array]) -> None:
         self.store.write(self.update_key(update.device_id, update.round), update.to_meta(), arrays)

@@ -92,6 +92,10 @@ class Store(abc.ABC):
         """Remove the record under ``key``; nothing happens if there is none."""
 
     @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether a record is stored under ``key`` (without reading it)."""
+
+    @abc.abstractmethod
     def keys(self, prefix: str = "") -> list[str]:
         """Sorted keys of the records below ``prefix`` (``"updates"`` lists
         ``"updates/..."``), or all keys for ``""``."""
@@ -137,6 +141,11 @@ class MemoryStore(Store):
         check_key(key)
         with self._lock:
             self._records.pop(key, None)
+
+    def exists(self, key: str) -> bool:
+        check_key(key)
+        with self._lock:
+            return key in self._records
 
     def keys(self, prefix: str = "") -> list[str]:
         start = f"{prefix}/" if prefix else ""
@@ -225,6 +234,9 @@ class FileStore(Store):
         except OSError as exc:
             raise StoreError(f"cannot delete {path}: {exc}") from exc
         self._sync_dir(path.parent)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
 
     def keys(self, prefix: str = "") -> list[str]:
         base = self.root.joinpath(*prefix.split("/")) if prefix else self.root

@@ -50,11 +50,6 @@ class Strategy(abc.ABC):
     def __init__(self, training: TrainingSettings) -> None:
         self.training = training
 
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        """Global models this strategy keeps and reports, ``aca`` first."""
-        return ("aca", "oca") if self.uses_oca else ("aca",)
-
     def hyperparameters(self) -> dict[str, Scalar]:
         """What the task tells a device to do (the device adds nothing of its own)."""
         t = self.training

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import resource
 import signal
 import sys
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edge_client.errors import EdgeClientError
+from protocol.transport.config import PASSWORD_ENV
 
 if TYPE_CHECKING:
     from edge_client.config import ClientConfig
@@ -52,7 +52,6 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 COMMANDS = ("run", "infer")
-PASSWORD_ENV = "EDGEFL_MQTT_PASSWORD"
 
 _Handler = Callable[[argparse.Namespace], int]
 
@@ -156,12 +155,13 @@ def _add_run_parser(commands: Any) -> None:
 
 
 def _password(args: argparse.Namespace) -> str | None:
-    if args.password_file is not None:
-        try:
-            return str(args.password_file.read_text(encoding="utf-8")).rstrip("\r\n")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise _CliError(f"cannot read password file {args.password_file}: {exc}") from exc
-    return os.environ.get(PASSWORD_ENV)
+    from protocol.transport import read_password
+
+    try:
+        password = read_password(args.password_file)
+    except OSError as exc:
+        raise _CliError(f"cannot read password file {args.password_file}: {exc}") from exc
+    return None if password is None else password.get_secret_value()
 
 
 def _run_device(args: argparse.Namespace) -> int:

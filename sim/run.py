@@ -124,7 +124,6 @@ class _Recorder:
         on_round: RoundCallback | None,
     ) -> None:
         self.records: list[RoundRecord] = []
-        self._federation = federation
         self._scratch = scratch
         self._transports = transports
         self._on_round = on_round
@@ -274,9 +273,7 @@ def run_simulation(
         "wire_bytes_up": totals[2],
         "wire_bytes_down": totals[3],
         "peak_rss_bytes": _peak_rss_bytes(),
-        "models": records[-1].models and {k: v.to_dict() for k, v in records[-1].models.items()}
-        if records
-        else {},
+        "models": {k: v.to_dict() for k, v in records[-1].models.items()} if records else {},
     }
     config_dict = config.model_dump(mode="json")
     return RunReport(config=config_dict, rounds=records, final=final)

@@ -20,7 +20,13 @@ from protocol.transport.base import (
     validate_filter,
     validate_topic,
 )
-from protocol.transport.config import MqttConfig, TlsConfig, parse_broker_url
+from protocol.transport.config import (
+    PASSWORD_ENV,
+    MqttConfig,
+    TlsConfig,
+    parse_broker_url,
+    read_password,
+)
 from protocol.transport.memory import MemoryBroker, MemoryTransport
 from protocol.transport.mqtt import MqttTransport
 from protocol.transport.stats import Counts, TrafficStats
@@ -44,6 +50,8 @@ __all__ = [
     "Transport",
     "Will",
     "parse_broker_url",
+    "read_password",
+    "PASSWORD_ENV",
     "publish_packet_size",
     "topic_matches",
     "validate_filter",

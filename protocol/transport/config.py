@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from protocol.errors import TransportError
 from protocol.transport.base import MqttVersion
 
-__all__ = ["DEFAULT_PORT", "DEFAULT_TLS_PORT", "MqttConfig", "TlsConfig", "parse_broker_url"]
+__all__ = [
+    "DEFAULT_PORT",
+    "DEFAULT_TLS_PORT",
+    "PASSWORD_ENV",
+    "MqttConfig",
+    "TlsConfig",
+    "parse_broker_url",
+    "read_password",
+]
+
+PASSWORD_ENV = "EDGEFL_MQTT_PASSWORD"
+"""Environment variable the command-line tools read the MQTT password from."""
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1883
@@ -114,3 +126,20 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
     if port == 0:
         raise TransportError(f"broker URL has port 0: {url!r}")
     return parts.hostname, port, use_tls
+
+
+def read_password(password_file: Path | None) -> SecretStr | None:
+    """The MQTT password: the content of ``password_file`` (without its trailing newline)
+    when given, else ``$EDGEFL_MQTT_PASSWORD``, else None.
+
+    Raises:
+        OSError: the file cannot be read (UnicodeDecodeError, a ValueError, is turned
+            into an OSError too).
+    """
+    if password_file is None:
+        value = os.environ.get(PASSWORD_ENV)
+        return None if value is None else SecretStr(value)
+    try:
+        return SecretStr(password_file.read_text(encoding="utf-8").rstrip("\r\n"))
+    except UnicodeDecodeError as exc:
+        raise OSError(f"{password_file} is not UTF-8 text: {exc}") from exc

@@ -53,6 +53,9 @@ class CrashingStore(Store):
         self._mutate()
         self.inner.delete(key)
 
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
     def keys(self, prefix: str = "") -> list[str]:
         return self.inner.keys(prefix)
 

@@ -66,6 +66,12 @@ class StoreContract:
         ]
         assert store.keys("missing") == []
 
+    def test_exists_tells_stored_keys(self, store: Store) -> None:
+        store.write("updates/a/r000001", {}, {"w": np.zeros(2, np.float32)})
+
+        assert store.exists("updates/a/r000001")
+        assert not store.exists("updates/a/r000002")
+
     def test_delete_is_idempotent(self, store: Store) -> None:
         store.write("a/b", {})
         store.delete("a/b")
