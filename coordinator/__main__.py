@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedded-port", type=int, help="port of the embedded broker (1883)")
     p.add_argument("--fleet", help="fleet name: topics live under fl/FLEET/ (default)")
     p.add_argument("--strategy", choices=strategy_names(), help="algorithm (fedavg)")
+    p.add_argument(
+        "--downlink", choices=["dual", "single"], help="fedkf: ACA + OCA, or ACA alone (dual)"
+    )
+    p.add_argument(
+        "--final-model", choices=["aca", "oca"], help="model the run delivers (oca where kept)"
+    )
+    p.add_argument(
+        "--sharing", choices=["full", "head"], help="fedavg/fedgen: whole model or head only (full)"
+    )
     p.add_argument("--model", help="classifier registry name (lenet5)")
     p.add_argument("--num-classes", type=int, help="classes of the model (10)")
     p.add_argument("--in-channels", type=int, help="input channels (1)")
@@ -65,12 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-devices", type=int, help="online devices needed to start a round (1)")
     p.add_argument("--round-timeout", type=float, help="seconds devices have per round (600)")
     p.add_argument("--seed", type=int, help="seed of init, selection and device seeds (0)")
-    p.add_argument("--local-epochs", type=int, help="local epochs per round (5)")
+    p.add_argument("--local-epochs", type=int, help="local epochs (strategy's default)")
     p.add_argument("--local-steps", type=int, help="local mini-batches instead of epochs")
-    p.add_argument("--batch-size", type=int, help="local batch size (32)")
+    p.add_argument("--batch-size", type=int, help="local batch size (strategy's default)")
     p.add_argument("--lr", type=float, help="local SGD learning rate (0.01)")
     p.add_argument("--momentum", type=float, help="local SGD momentum (0.9)")
     p.add_argument("--mu", type=float, help="FedProx proximal weight (0.01)")
+    p.add_argument("--gamma", type=float, help="fedkf: distillation weight (1.0)")
+    p.add_argument("--lambda1", type=float, help="fedkf: generator one-hot weight (0.1)")
+    p.add_argument("--lambda2", type=float, help="fedkf: generator activation weight (0.1)")
     p.add_argument("--state-dir", type=Path, help="persistent state and final models")
     p.add_argument("--resume", action="store_true", default=None, help="continue a crashed run")
     p.add_argument("--no-onnx", action="store_true", default=None, help="skip the .onnx export")
@@ -88,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 _TOP = {
     "fleet": "fleet",
     "strategy": "strategy",
+    "downlink": "downlink",
+    "final_model": "final_model",
+    "sharing": "sharing",
     "model": "model",
     "num_classes": "num_classes",
     "in_channels": "in_channels",
@@ -100,7 +115,17 @@ _TOP = {
     "state_dir": "state_dir",
     "resume": "resume",
 }
-_TRAINING = ("local_epochs", "local_steps", "batch_size", "lr", "momentum", "mu")
+_TRAINING = (
+    "local_epochs",
+    "local_steps",
+    "batch_size",
+    "lr",
+    "momentum",
+    "mu",
+    "gamma",
+    "lambda1",
+    "lambda2",
+)
 _BROKER = {
     "broker": "url",
     "embedded_broker": "embedded",

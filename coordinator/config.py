@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -36,21 +36,57 @@ class _Frozen(BaseModel):
 
 
 class TrainingSettings(_Frozen):
-    """What each selected device is asked to do per round (sent in the task)."""
+    """What each selected device is asked to do per round (sent in the task).
 
-    local_epochs: int = Field(default=5, ge=0)  # passes over the local data
-    local_steps: int = Field(default=0, ge=0)  # if > 0: exactly this many mini-batches instead
-    batch_size: int = Field(default=32, ge=1)
+    ``local_epochs``, ``local_steps`` and ``batch_size`` left unset (None) take the
+    strategy's defaults (:attr:`coordinator.strategies.Strategy.training_defaults`: E = 5,
+    B = 32 for FedAvg; E = 10, B = 64 for FedKF; 20 steps of B = 32 for FedGen).
+    """
+
+    local_epochs: int | None = Field(default=None, ge=0)  # passes over the local data
+    local_steps: int | None = Field(default=None, ge=0)  # if > 0: this many mini-batches
+    batch_size: int | None = Field(default=None, ge=1)
     lr: float = Field(default=0.01, gt=0, allow_inf_nan=False)  # SGD learning rate
     momentum: float = Field(default=0.9, ge=0, lt=1)  # SGD momentum (fresh each round)
     weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     mu: float = Field(default=0.01, ge=0, allow_inf_nan=False)  # FedProx proximal weight
+    # FedKF (the paper's defaults): L = CE + gamma * KL; L_G = L_IE + l1 * L_OH + l2 * L_A
+    gamma: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    lambda1: float = Field(default=0.1, ge=0, allow_inf_nan=False)
+    lambda2: float = Field(default=0.1, ge=0, allow_inf_nan=False)
+    generator_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)  # device Adam
+    generator_width: int = Field(default=16, ge=1)  # image generator base channels
+    # FedGen: alpha_t = generative_alpha * generative_alpha_decay ** (t - 1)
+    generative_alpha: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    generative_alpha_decay: float = Field(default=0.98, gt=0, le=1)
+    generator_noise_dim: int = Field(default=0, ge=0)  # 0: the strategy's default
+    generator_hidden: int = Field(default=256, ge=1)  # FedGen latent generator width
 
     @model_validator(mode="after")
     def _some_training(self) -> TrainingSettings:
-        if self.local_epochs == 0 and self.local_steps == 0:
+        if self.local_epochs == 0 and self.local_steps in (0, None):
             raise ValueError("local_epochs and local_steps cannot both be 0")
         return self
+
+    def with_defaults(self, defaults: Mapping[str, int]) -> TrainingSettings:
+        """These settings with the unset (None) ones filled from ``defaults``.
+
+        Epochs and steps go together: when neither is set both come from ``defaults``;
+        when one is set the other is 0 (the set one decides). ``batch_size`` falls back
+        to ``defaults["batch_size"]`` (32 when absent).
+        """
+        epochs, steps = self.local_epochs, self.local_steps
+        if epochs is None and steps is None:
+            epochs, steps = defaults.get("local_epochs", 0), defaults.get("local_steps", 0)
+        epochs, steps = epochs or 0, steps or 0
+        batch = self.batch_size if self.batch_size is not None else defaults.get("batch_size", 32)
+        return self.model_copy(
+            update={
+                "local_epochs": epochs or int(steps == 0),
+                "local_steps": steps,
+                "batch_size": batch,
+            }
+        )
 
 
 class BrokerSettings(_Frozen):
@@ -112,6 +148,9 @@ class CoordinatorConfig(_Frozen):
     fleet: Identifier = "default"  # topic tree fl/{fleet}/...
     coordinator_id: Identifier = "coordinator"  # sender id of the coordinator's messages
     strategy: str = "fedavg"  # a name from coordinator.strategies.strategy_names()
+    downlink: Literal["dual", "single"] = "dual"  # fedkf: ACA + OCA, or the ACA alone
+    final_model: Literal["aca", "oca"] | None = None  # None: oca where kept, else aca
+    sharing: Literal["full", "head"] = "full"  # fedavg/fedgen: whole model or head only
     model: str = "lenet5"  # a name from models.classifier_names()
     num_classes: int = Field(default=10, ge=2)
     in_channels: int = Field(default=1, ge=1)
@@ -140,6 +179,8 @@ class CoordinatorConfig(_Frozen):
             include={
                 "fleet",
                 "strategy",
+                "downlink",
+                "sharing",
                 "model",
                 "num_classes",
                 "in_channels",

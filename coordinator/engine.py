@@ -40,8 +40,8 @@ from coordinator.errors import StoreError, UpdateRejectedError
 from coordinator.registry import DeviceRegistry
 from coordinator.state import OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies import Strategy
-from coordinator.validation import check_update_weights
+from coordinator.strategies import Contribution, Strategy
+from coordinator.validation import check_label_counts, check_update_weights
 from protocol.messages import (
     Ack,
     CoordinatorStatus,
@@ -136,13 +136,17 @@ class RoundClosed:
     train_loss: float | None = None
     """Mean training loss the on-time devices reported (sample-weighted)."""
     train_accuracy: float | None = None
+    device_train_s: float | None = None
+    """Mean local training time the on-time devices reported, seconds."""
 
 
 @dataclass(frozen=True)
 class Finished:
-    """The last round closed; ``models`` are the final global models."""
+    """The last round closed; ``models`` are the final global models, ``final`` the name
+    of the one the run delivers (``aca`` or ``oca``)."""
 
     models: Models
+    final: str = "aca"
 
 
 Action = Publish | RoundStarted | RoundClosed | Finished
@@ -170,7 +174,9 @@ class RoundEngine:
         initial_model: called once on a fresh start for the initial global weights.
         architecture: registry name of the model devices must run.
         fingerprint: architecture fingerprint devices must announce.
-        shapes: name -> shape of every tensor of the model.
+        shapes: name -> shape of every tensor of the model (the strategy says which of
+            them an update carries).
+        num_classes: the model's classes (the length of label counts).
     """
 
     def __init__(
@@ -183,6 +189,7 @@ class RoundEngine:
         architecture: str,
         fingerprint: str,
         shapes: Mapping[str, tuple[int, ...]],
+        num_classes: int,
     ) -> None:
         self.config = config
         self.strategy = strategy
@@ -191,7 +198,8 @@ class RoundEngine:
         self._initial_model = initial_model
         self._architecture = architecture
         self._fingerprint = fingerprint
-        self._shapes = dict(shapes)
+        self._num_classes = num_classes
+        self._shapes = strategy.update_shapes(shapes)
         self.registry = DeviceRegistry()
         self._cache: OcaCache | None = None
         self._run: RunMeta | None = None
@@ -244,7 +252,7 @@ class RoundEngine:
             log.info("resuming: round %d, phase %s", run.round, run.phase)
             self._state.recover(run.round, self._cache)
         self._run = run
-        self._models = self._state.load_models(run.round, ("aca",))
+        self._models = self._state.load_models(run.round, required=("aca",))
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
@@ -255,7 +263,7 @@ class RoundEngine:
             for device_id in missing:
                 actions += self._task_messages(device_id, sets)
         elif run.phase == "finished":
-            actions += [*self._status("finished"), Finished(self.models())]
+            actions += [*self._status("finished"), self._finished()]
         return actions
 
     def handle(self, event: Event) -> list[Action]:
@@ -302,6 +310,8 @@ class RoundEngine:
             problem = (ReasonCode.UNSUPPORTED_PRECISION, "this run needs fp32 transfers")
         elif hello.num_samples < 1:
             problem = (ReasonCode.MALFORMED, "a device without training samples cannot join")
+        elif (refusal := self.strategy.refuse(hello)) is not None:
+            problem = (ReasonCode.CONSENT_REQUIRED, refusal)
         if problem is not None:
             log.warning("refused hello of %s: %s", device_id, problem[1])
             return [self._ack(device_id, message, False, *problem)]
@@ -328,6 +338,8 @@ class RoundEngine:
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
             announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
             weights = check_update_weights(update, self._shapes, announced)
+            if self.strategy.uplink().label_counts:
+                check_label_counts(update, self._num_classes)
         except UpdateRejectedError as exc:
             self._counters.rejected += message.round == run.round
             log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
@@ -340,6 +352,8 @@ class RoundEngine:
             on_time=on_time,
             received_at=now,
             metrics=dict(update.metrics),
+            label_counts=None if update.label_counts is None else list(update.label_counts),
+            timings=dict(update.timings),
         )
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
         if self._cache is not None:
@@ -411,19 +425,20 @@ class RoundEngine:
         return [*actions, RoundStarted(run.round, tuple(selected))]
 
     def _downlink_sets(self) -> dict[str, TensorSet]:
-        sets = self.strategy.downlink(self.models())
+        sets = self.strategy.downlink({**self._models, **self.models()})
         return {name: encode_tensors(arrays, Precision.FP32) for name, arrays in sets.items()}
 
     def _task_messages(self, device_id: str, sets: dict[str, TensorSet]) -> list[Action]:
         run = self._require_run()
         fleet, me = self.config.fleet, self.config.coordinator_id
         model = Message(fleet=fleet, sender=me, round=run.round, body=ModelPayload(sets=sets))
-        hyper = self.strategy.hyperparameters()
+        hyper = self.strategy.hyperparameters(run.round)
         hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
         task = RoundTask(
             strategy=self.strategy.name,
             hyperparameters=hyper,
             deadline=run.deadline,
+            uplink=self.strategy.uplink(),
             payloads=tuple(sets),
             model_message=model.message_id,
         )
@@ -452,25 +467,27 @@ class RoundEngine:
         closing = run.round
         stats: list[tuple[int, dict[str, float]]] = []
 
-        def updates() -> Iterator[tuple[dict[str, Array], int]]:
+        def updates() -> Iterator[Contribution]:
             for stored, weights in self._on_time_updates(closing):
-                stats.append((stored.num_samples, stored.metrics))
-                yield weights, stored.num_samples
+                stats.append((stored.num_samples, {**stored.timings, **stored.metrics}))
+                counts = None if stored.label_counts is None else tuple(stored.label_counts)
+                yield Contribution(stored.device_id, weights, stored.num_samples, counts)
 
         try:
-            aca = dict(self.strategy.aggregate(self._models, updates()))
+            result = self.strategy.aggregate(self._models, updates(), closing)
+            server = {name: dict(arrays) for name, arrays in result.items()}
         except ValueError:
             log.warning("round %d closed without any on-time update; model unchanged", closing)
-            aca = self._models["aca"]
+            server = self._models
         finished = closing >= self.config.rounds
-        self._state.save_models(closing + 1, {"aca": aca})
+        self._state.save_models(closing + 1, server)
         next_run = RunMeta(
             fingerprint=run.fingerprint,
             round=closing + 1,
             phase="finished" if finished else "waiting",
         )
         self._state.save_run(next_run)  # the commit point of the round
-        self._run, self._models = next_run, {"aca": aca}
+        self._run, self._models = next_run, server
         self._cleanup(closing)
         models = self.models()
         closed = RoundClosed(
@@ -483,10 +500,14 @@ class RoundEngine:
             models=models,
             train_loss=_weighted_metric(stats, "loss"),
             train_accuracy=_weighted_metric(stats, "accuracy"),
+            device_train_s=_mean_metric(stats, "train_s"),
         )
         if finished:
-            return [closed, *self._status("finished"), Finished(models)]
+            return [closed, *self._status("finished"), self._finished()]
         return [closed, *self._on_tick(now)]
+
+    def _finished(self) -> Finished:
+        return Finished(self.models(), self.strategy.final_model)
 
     def _cleanup(self, closed_round: int) -> None:
         try:
@@ -530,3 +551,8 @@ def _weighted_metric(stats: list[tuple[int, dict[str, float]]], name: str) -> fl
     pairs = [(n, m[name]) for n, m in stats if name in m and math.isfinite(m[name])]
     total = sum(n for n, _ in pairs)
     return sum(n * v for n, v in pairs) / total if total else None
+
+
+def _mean_metric(stats: list[tuple[int, dict[str, float]]], name: str) -> float | None:
+    values = [m[name] for _, m in stats if name in m and math.isfinite(m[name])]
+    return sum(values) / len(values) if values else None

@@ -77,10 +77,16 @@ def build_model(config: CoordinatorConfig) -> Classifier:
 
 
 def save_final_models(
-    models: Models, template: Classifier, out_dir: Path, *, onnx: bool = True
+    models: Models,
+    template: Classifier,
+    out_dir: Path,
+    *,
+    onnx: bool = True,
+    final: str | None = None,
 ) -> list[Path]:
     """Save each model as ``NAME.pt`` (a state_dict of tensors; load it with
-    ``torch.load(path, weights_only=True)``) and, with ``onnx``, ``NAME.onnx``.
+    ``torch.load(path, weights_only=True)``) and, with ``onnx``, ``NAME.onnx``; the model
+    named ``final`` (the one the run delivers) also as ``model.pt`` / ``model.onnx``.
 
     Files are written to a temporary name, then renamed. Returns the paths written.
     """
@@ -88,7 +94,10 @@ def save_final_models(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, arrays in models.items():
+    named = dict(models)
+    if final is not None:
+        named["model"] = models[final]
+    for name, arrays in named.items():
         load_state_arrays(template, arrays)
         outputs: dict[str, bytes | None] = {f"{name}.pt": None}
         if onnx:
@@ -139,17 +148,20 @@ class Coordinator:
         initial = state_arrays(self._template)
         self.engine = RoundEngine(
             config,
-            build_strategy(config.strategy, config.training),
+            build_strategy(config, self._template),
             store if store is not None else MemoryStore(),
             initial_model=lambda: initial,
             architecture=self._template.architecture,
             fingerprint=self._template.fingerprint(),
             shapes={name: a.shape for name, a in initial.items()},
+            num_classes=self._template.num_classes,
         )
         self._events: queue.Queue[Event] = queue.Queue()
         self._stop = threading.Event()
         self._observers: list[Observer] = []
         self.final_models: Models | None = None
+        self.final_model = self.engine.strategy.final_model
+        """Name of the model the run delivers (``aca`` or ``oca``)."""
 
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer(action)`` for each RoundStarted, RoundClosed and Finished."""
@@ -262,7 +274,11 @@ class Coordinator:
         out_dir = self.config.state_dir / "final"
         try:
             paths = save_final_models(
-                finished.models, self._template, out_dir, onnx=self.config.export_onnx
+                finished.models,
+                self._template,
+                out_dir,
+                onnx=self.config.export_onnx,
+                final=finished.final,
             )
         except (OSError, ModelError) as exc:
             log.error("could not save the final models to %s: %s", out_dir, exc)

@@ -105,6 +105,10 @@ class StoredUpdate:
     on_time: bool
     received_at: float
     metrics: dict[str, float] = field(default_factory=dict)
+    label_counts: list[int] | None = None
+    """Per-class training samples, where the strategy asked for them (FedGen)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase, as the device reported them (``train_s``, ...)."""
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +124,12 @@ class StoredUpdate:
                 on_time=bool(meta["on_time"]),
                 received_at=float(meta["received_at"]),
                 metrics={str(k): float(v) for k, v in meta.get("metrics", {}).items()},
+                timings={str(k): float(v) for k, v in meta.get("timings", {}).items()},
+                label_counts=(
+                    None
+                    if meta.get("label_counts") is None
+                    else [int(c) for c in meta["label_counts"]]
+                ),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"corrupt update record: {exc}") from exc
@@ -166,18 +176,23 @@ class RunState:
         for name, arrays in models.items():
             self.store.write(f"models/{_round_key(round_number)}/{name}", {}, arrays)
 
-    def load_models(self, round_number: int, names: tuple[str, ...]) -> dict[str, dict[str, Array]]:
-        """The models round ``round_number`` starts from.
+    def load_models(
+        self, round_number: int, required: tuple[str, ...] = ("aca",)
+    ) -> dict[str, dict[str, Array]]:
+        """Every server model round ``round_number`` starts from, by name.
 
         Raises:
-            StoreError: one of them is missing.
+            StoreError: one of ``required`` is missing.
         """
+        prefix = f"models/{_round_key(round_number)}/"
         out = {}
-        for name in names:
-            record = self.store.read(f"models/{_round_key(round_number)}/{name}")
-            if record is None:
-                raise StoreError(f"state is missing model {name!r} of round {round_number}")
-            out[name] = record.arrays
+        for key in self.store.keys(prefix.rstrip("/")):
+            record = self.store.read(key)
+            if record is not None and key.startswith(prefix):
+                out[key[len(prefix) :]] = record.arrays
+        missing = [name for name in required if name not in out]
+        if missing:
+            raise StoreError(f"state is missing model(s) {missing} of round {round_number}")
         return out
 
     def drop_models_except(self, round_number: int) -> None:

@@ -1,43 +1,89 @@
 """Server-side strategies, chosen by name from a registry.
 
-A :class:`Strategy` says what the coordinator sends each selected device (tensor sets and
-hyperparameters), how it turns a round's accepted updates into the next global model,
-and which global models it keeps: ``aca`` (the model of the round's active devices)
-always, ``oca`` (the sample-weighted average of every device's latest model, the FedKF
-paper's T1) when :attr:`Strategy.uses_oca` is set. The round engine does the rest;
-strategies never touch the transport or the store.
+A :class:`Strategy` says what the coordinator sends each selected device (tensor sets,
+hyperparameters and the upload it wants back), which devices it can work with, how it
+turns a round's accepted updates into the next round's server models, and which global
+models it keeps: ``aca`` (the model of the round's active devices) always, ``oca`` (the
+sample-weighted average of every device's latest model, the FedKF paper's T1) when
+:attr:`Strategy.uses_oca` is set. The round engine does the rest; strategies never touch
+the transport or the store.
 
 =============  ===================================================================
 name           server side
 =============  ===================================================================
-fedavg         ACA = sample-weighted average of the round's on-time updates
+fedavg         ACA = sample-weighted average of the round's on-time updates; with
+               ``sharing head`` of their heads alone (features stay on the devices)
 fedprox        as fedavg; devices add (mu/2)*||w - w_global||^2 (mu in the task)
 fedavg_oca     as fedavg, plus the OCA model over every device's latest update
+fedkf          FedKF: ACA and OCA as fedavg_oca; downlink ``dual`` sends ACA as the
+               student and OCA as the teacher, ``single`` (FedKF-) the ACA alone;
+               devices distil through a local image generator
+fedgen         FedGen: averages what devices share (``full`` model or ``head`` only)
+               and trains a conditional latent generator against the devices' heads
+               each round; sends the generator and the label prior with the model
 =============  ===================================================================
+
+Server models: besides ``aca`` a strategy may keep more arrays between rounds (FedGen's
+``generator`` and ``prior``); the engine persists every model :meth:`Strategy.aggregate`
+returns and hands them back to :meth:`Strategy.downlink` and the next aggregation.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import numpy.typing as npt
+import torch
 
 from coordinator.aggregate import WeightedSum
-from coordinator.config import TrainingSettings
+from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.errors import ConfigError
+from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_generator
+from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
+from models import load_state_arrays as load_arrays
+from protocol.messages import Hello, UploadSpec
 
-__all__ = ["FedAvg", "FedAvgOca", "FedProx", "Strategy", "build_strategy", "strategy_names"]
+__all__ = [
+    "GLOBAL_SET",
+    "UPDATE_SET",
+    "Contribution",
+    "FedAvg",
+    "FedAvgOca",
+    "FedGen",
+    "FedKF",
+    "FedProx",
+    "Strategy",
+    "build_strategy",
+    "strategy_names",
+]
 
 Array = npt.NDArray[Any]
 Arrays = Mapping[str, Array]
 Scalar = bool | int | float | str
 
 UPDATE_SET = "weights"
-"""Name of the tensor set a device's update carries (all weights, fp32)."""
+"""Name of the tensor set a device's update carries (its weights, fp32)."""
 GLOBAL_SET = "global"
 """Name of the tensor set with the global model in a round's model message."""
+STUDENT_SET, TEACHER_SET = "student", "teacher"
+"""FedKF's two downlink sets (ACA and OCA)."""
+HEAD_SET, GENERATOR_SET, PRIOR_SET = "head", "generator", "prior"
+"""FedGen's sets: the aggregated head, the latent generator, the label prior."""
+HEAD_PREFIX = "head."
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One accepted on-time update, as the aggregation sees it."""
+
+    device_id: str
+    weights: dict[str, Array]
+    num_samples: int
+    label_counts: tuple[int, ...] | None = None
 
 
 class Strategy(abc.ABC):
@@ -46,69 +92,235 @@ class Strategy(abc.ABC):
     name: ClassVar[str]
     uses_oca: ClassVar[bool] = False
     """Keep an OCA cache (every device's latest update) and an ``oca`` global model."""
+    training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 5, "batch_size": 32}
+    """Training settings a run gets where the configuration leaves them unset."""
+    head_sharing: ClassVar[bool] = False
+    """Whether ``sharing head`` is supported: devices upload only the prediction head,
+    the server averages the heads and sends the aggregated head back as ``head``."""
 
-    def __init__(self, training: TrainingSettings) -> None:
-        self.training = training
+    def __init__(self, config: CoordinatorConfig, template: Classifier) -> None:
+        if config.sharing == "head" and not self.head_sharing:
+            raise ConfigError(f"strategy {self.name!r} does not support sharing 'head'")
+        self.config = config
+        self.template = template
+        self.head_only = config.sharing == "head"
+        self.training: TrainingSettings = config.training.with_defaults(self.training_defaults)
 
-    def hyperparameters(self) -> dict[str, Scalar]:
-        """What the task tells a device to do (the device adds nothing of its own)."""
+    @property
+    def final_model(self) -> str:
+        """The global model a run delivers (``aca``, or ``oca`` where one is kept)."""
+        chosen = self.config.final_model or ("oca" if self.uses_oca else "aca")
+        if chosen == "oca" and not self.uses_oca:
+            raise ConfigError(f"strategy {self.name!r} keeps no OCA model; use final_model aca")
+        return chosen
+
+    def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
+        """What the task tells a device to do in ``round_number`` (1-based)."""
         t = self.training
         return {
-            "local_epochs": t.local_epochs,
-            "local_steps": t.local_steps,
-            "batch_size": t.batch_size,
+            "local_epochs": t.local_epochs or 0,
+            "local_steps": t.local_steps or 0,
+            "batch_size": t.batch_size or 1,
             "lr": t.lr,
             "momentum": t.momentum,
             "weight_decay": t.weight_decay,
         }
 
+    def uplink(self) -> UploadSpec:
+        """What a device uploads: its fp32 weights, all of them or only the head."""
+        return UploadSpec(subset="head" if self.head_only else "all")
+
+    def update_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the tensors an update must carry, given the model's ``shapes``."""
+        if not self.head_only:
+            return dict(shapes)
+        return {k: v for k, v in shapes.items() if k.startswith(HEAD_PREFIX)}
+
+    def refuse(self, hello: Hello) -> str | None:
+        """Why this strategy cannot run with the device of ``hello`` (None: it can)."""
+        return None
+
     def downlink(self, models: Mapping[str, Arrays]) -> dict[str, Arrays]:
-        """Tensor sets to send each selected device, by set name."""
-        return {GLOBAL_SET: models["aca"]}
+        """Tensor sets to send each selected device, by set name.
 
-    @abc.abstractmethod
-    def aggregate(
-        self, current: Mapping[str, Arrays], updates: Iterable[tuple[Arrays, int]]
-    ) -> Arrays:
-        """The next ACA model from this round's on-time updates ``(weights, num_samples)``.
-
-        ``updates`` is an iterator that loads one update at a time; keep memory O(model).
-        Raises ValueError when there is nothing to aggregate.
+        ``models`` holds the server models (``aca`` and any the strategy keeps) and, for
+        strategies with an OCA cache, ``oca``.
         """
+        aca = models["aca"]
+        if self.head_only:
+            return {HEAD_SET: {k: v for k, v in aca.items() if k.startswith(HEAD_PREFIX)}}
+        return {GLOBAL_SET: aca}
+
+    def aggregate(
+        self,
+        current: Mapping[str, Arrays],
+        updates: Iterable[Contribution],
+        round_number: int,
+    ) -> dict[str, Arrays]:
+        """The next round's server models from the round's on-time updates.
+
+        ``updates`` loads one update at a time; keep memory O(model). The result always
+        holds ``aca``. Raises ValueError when there is nothing to aggregate.
+        """
+        acc = WeightedSum()
+        for update in updates:
+            acc.add(update.weights, update.num_samples)
+        return {"aca": self._merge(current, acc.mean())}
+
+    def _merge(self, current: Mapping[str, Arrays], mean: dict[str, Array]) -> dict[str, Array]:
+        """The new ACA: the mean itself, or (head-only) the current model with the mean
+        head (the features stay those of the initial model: the server never sees any)."""
+        return {**current["aca"], **mean} if self.head_only else mean
 
 
 class FedAvg(Strategy):
-    """FedAvg (McMahan et al., 2017): the sample-weighted average of the updates."""
+    """FedAvg (McMahan et al., 2017): the sample-weighted average of the updates (of
+    the heads alone with ``sharing head``)."""
 
     name = "fedavg"
-
-    def aggregate(
-        self, current: Mapping[str, Arrays], updates: Iterable[tuple[Arrays, int]]
-    ) -> Arrays:
-        acc = WeightedSum()
-        for weights, num_samples in updates:
-            acc.add(weights, num_samples)
-        return acc.mean()
+    head_sharing = True
 
 
-class FedProx(FedAvg):
+class FedProx(Strategy):
     """FedProx (Li et al., 2020): FedAvg aggregation; devices get the proximal weight mu."""
 
     name = "fedprox"
 
-    def hyperparameters(self) -> dict[str, Scalar]:
-        return {**super().hyperparameters(), "mu": self.training.mu}
+    def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
+        return {**super().hyperparameters(round_number), "mu": self.training.mu}
 
 
-class FedAvgOca(FedAvg):
+class FedAvgOca(Strategy):
     """FedAvg (OCA), the FedKF paper's T1 alone: FedAvg training plus the OCA model."""
 
     name = "fedavg_oca"
     uses_oca = True
 
 
-_REGISTRY: dict[str, Callable[[TrainingSettings], Strategy]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca)
+class FedKF(Strategy):
+    """FedKF (knowledge distillation and fusion): ACA + OCA on the server, distillation
+    through a local image generator on the devices (the paper's Algorithm 1).
+
+    Downlink ``dual``: ``student`` = ACA, ``teacher`` = OCA (two models, twice FedAvg's
+    downlink bytes at the same precision). ``single`` (FedKF-): ``student`` only, which
+    devices also use as the teacher. Defaults from the paper: E = 10, B = 64.
+    """
+
+    name = "fedkf"
+    uses_oca = True
+    training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 64}
+
+    def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
+        t = self.training
+        return {
+            **super().hyperparameters(round_number),
+            "gamma": t.gamma,
+            "lambda1": t.lambda1,
+            "lambda2": t.lambda2,
+            "generator_lr": t.generator_lr,
+            "generator_width": t.generator_width,
+        }
+
+    def downlink(self, models: Mapping[str, Arrays]) -> dict[str, Arrays]:
+        if self.config.downlink == "single":
+            return {STUDENT_SET: models["aca"]}
+        return {STUDENT_SET: models["aca"], TEACHER_SET: models["oca"]}
+
+
+class FedGen(Strategy):
+    """FedGen (data-free knowledge distillation): see :mod:`coordinator.fedgen`.
+
+    ``sharing full``: devices upload their whole model, the server averages it and sends
+    it back as ``global``. ``sharing head``: devices upload only the prediction head
+    (the feature extractor never leaves the device) and the server sends the averaged
+    head as ``head``. Either way every update carries the device's label counts (which
+    needs the device's consent in its hello), the server trains the latent generator
+    against this round's heads and sends it with the label prior from round 2 on;
+    devices weigh the generator term with ``alpha_t = generative_alpha *
+    generative_alpha_decay ** (t - 1)``. Defaults from the paper: 20 local steps of
+    batch 32.
+    """
+
+    name = "fedgen"
+    head_sharing = True
+    training_defaults: ClassVar[Mapping[str, int]] = {"local_steps": 20, "batch_size": 32}
+    generator_training = GeneratorTraining()
+
+    def __init__(self, config: CoordinatorConfig, template: Classifier) -> None:
+        super().__init__(config, template)
+        self._generator_config = LatentGeneratorConfig(
+            noise_dim=self.training.generator_noise_dim or 32,
+            hidden_dim=self.training.generator_hidden,
+            num_classes=template.num_classes,
+            latent_dim=template.latent_dim,
+        )
+
+    def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
+        t = self.training
+        alpha = t.generative_alpha * t.generative_alpha_decay ** (round_number - 1)
+        return {
+            **super().hyperparameters(round_number),
+            "generative_alpha": alpha,
+            "generator_noise_dim": self._generator_config.noise_dim,
+            "generator_hidden": self._generator_config.hidden_dim,
+        }
+
+    def uplink(self) -> UploadSpec:
+        return super().uplink().model_copy(update={"label_counts": True})
+
+    def refuse(self, hello: Hello) -> str | None:
+        if hello.share_label_counts:
+            return None
+        return (
+            "fedgen needs the device's label counts (the server's generator is trained "
+            "against them); the device did not consent: start it with --share-label-counts"
+        )
+
+    def downlink(self, models: Mapping[str, Arrays]) -> dict[str, Arrays]:
+        sets = super().downlink(models)
+        if GENERATOR_SET in models:
+            sets[GENERATOR_SET] = models[GENERATOR_SET]
+            sets[PRIOR_SET] = models[PRIOR_SET]
+        return sets
+
+    def aggregate(
+        self,
+        current: Mapping[str, Arrays],
+        updates: Iterable[Contribution],
+        round_number: int,
+    ) -> dict[str, Arrays]:
+        acc = WeightedSum()
+        heads: list[dict[str, Array]] = []
+        counts: list[tuple[int, ...]] = []
+        for update in updates:
+            acc.add(update.weights, update.num_samples)
+            heads.append({k: v for k, v in update.weights.items() if k.startswith(HEAD_PREFIX)})
+            if update.label_counts is None:  # the engine checks; kept as a guard
+                raise ValueError(f"update of {update.device_id} has no label counts")
+            counts.append(update.label_counts)
+        aca = self._merge(current, acc.mean())
+        with torch.random.fork_rng(devices=[]):  # a reproducible first generator
+            torch.manual_seed(self.config.seed)
+            generator = LatentGenerator(self._generator_config)
+        if GENERATOR_SET in current:
+            load_arrays(generator, current[GENERATOR_SET])
+        train_latent_generator(
+            generator,
+            heads,
+            counts,
+            self.generator_training,
+            seed=self.config.seed * 1_000_003 + round_number,
+        )
+        prior = label_prior(np.asarray(counts, dtype=np.int64))
+        return {
+            "aca": aca,
+            GENERATOR_SET: state_arrays(generator),
+            PRIOR_SET: {"label_prior": prior.astype(np.float32)},
+        }
+
+
+_REGISTRY: dict[str, Callable[[CoordinatorConfig, Classifier], Strategy]] = {
+    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen)
 }
 
 
@@ -117,16 +329,19 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def build_strategy(name: str, training: TrainingSettings) -> Strategy:
-    """The strategy registered as ``name``.
+def build_strategy(config: CoordinatorConfig, template: Classifier) -> Strategy:
+    """The strategy ``config.strategy`` for a fleet running ``template``'s architecture.
 
     Raises:
-        ConfigError: unknown name (the message lists the known ones).
+        ConfigError: unknown name (the message lists the known ones), or options the
+            strategy cannot honour (``final_model oca`` without an OCA model).
     """
     try:
-        factory = _REGISTRY[name]
+        factory = _REGISTRY[config.strategy]
     except KeyError:
         raise ConfigError(
-            f"unknown strategy {name!r}; choose one of {', '.join(strategy_names())}"
+            f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}"
         ) from None
-    return factory(training)
+    strategy = factory(config, template)
+    _ = strategy.final_model  # validates the choice
+    return strategy

@@ -10,6 +10,8 @@ malformed               no ``weights`` set, not a full set, or num_samples out o
 fingerprint_mismatch    tensor names differ from the coordinator's model
 shape_mismatch          same names, some shape differs
 non_finite              a NaN or infinity in the weights
+consent_required        label counts asked for (FedGen) but not sent
+malformed               label counts of the wrong length, or not summing to num_samples
 ======================  ==============================================================
 """
 
@@ -26,7 +28,7 @@ from coordinator.strategies import UPDATE_SET
 from protocol.errors import DecodeError
 from protocol.messages import ReasonCode, Update
 
-__all__ = ["check_update_weights"]
+__all__ = ["check_label_counts", "check_update_weights"]
 
 Array = npt.NDArray[Any]
 
@@ -86,3 +88,26 @@ def check_update_weights(
         if array.dtype.kind == "f" and array.dtype != np.float32:
             arrays[name] = array.astype(np.float32)
     return arrays
+
+
+def check_label_counts(update: Update, num_classes: int) -> None:
+    """Check the label counts a strategy asked for: present, one per class, summing to
+    ``num_samples``.
+
+    Raises:
+        UpdateRejectedError: ``consent_required`` when absent, ``malformed`` otherwise.
+    """
+    counts = update.label_counts
+    if counts is None:
+        raise UpdateRejectedError(
+            ReasonCode.CONSENT_REQUIRED, "this strategy needs label counts with every update"
+        )
+    if len(counts) != num_classes:
+        raise UpdateRejectedError(
+            ReasonCode.MALFORMED, f"{len(counts)} label counts for {num_classes} classes"
+        )
+    if sum(counts) != update.num_samples:
+        raise UpdateRejectedError(
+            ReasonCode.MALFORMED,
+            f"label counts sum to {sum(counts)}, num_samples is {update.num_samples}",
+        )

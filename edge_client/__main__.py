@@ -119,6 +119,12 @@ def _add_run_parser(commands: Any) -> None:
     )
     run.add_argument("--model", default="lenet5", help="classifier name (default lenet5)")
     run.add_argument(
+        "--init-seed",
+        type=int,
+        default=0,
+        help="seed of the model's initial weights; use the coordinator's --seed (default 0)",
+    )
+    run.add_argument(
         "--share-label-counts",
         action="store_true",
         help="consent to send per-class label counts when a task asks (FedGen)",
@@ -204,6 +210,7 @@ def _run_device(args: argparse.Namespace) -> int:
             model=args.model,
             state_dir=args.state_dir,
             threads=args.threads,
+            init_seed=args.init_seed,
             share_label_counts=args.share_label_counts,
             exit_when_finished=args.exit_when_finished,
             connect_retry_s=args.connect_retry,

@@ -49,6 +49,9 @@ class ClientConfig(BaseModel):
     threads: int = Field(default=1, ge=1, le=1024)
     # Threads for training (the CLI applies it with torch.set_num_threads); announced
     # in the hello.
+    init_seed: int = Field(default=0, ge=0)
+    # Seed of the local model's initial weights (the coordinator's --seed gives the same
+    # ones); where only the head is shared (FedGen), the feature extractor starts here.
     share_label_counts: bool = False
     # Consent to send per-class label counts when a task asks for them (FedGen needs
     # them). Off by default; announced in the hello.

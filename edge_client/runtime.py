@@ -71,7 +71,6 @@ from protocol.messages import (
     ModelPayload,
     RoundTask,
     Update,
-    UploadSpec,
 )
 from protocol.tensors import Precision
 from protocol.tensorset import TensorSet, encode_tensors
@@ -187,12 +186,14 @@ class EdgeClient:
         if height != width:
             raise ConfigError(f"images must be square for the classifiers, got {height}x{width}")
         try:
-            self._model: Classifier = build_classifier(
-                config.model,
-                num_classes=data.num_classes,
-                in_channels=channels,
-                image_size=height,
-            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.init_seed)
+                self._model: Classifier = build_classifier(
+                    config.model,
+                    num_classes=data.num_classes,
+                    in_channels=channels,
+                    image_size=height,
+                )
         except ModelError as exc:
             raise ConfigError(f"cannot build model {config.model!r} for the data: {exc}") from exc
         if data.device_id != config.device_id:
@@ -598,16 +599,15 @@ class EdgeClient:
                         f"set {name!r} is a {tensor_set.mode} set; only full sets are supported"
                     )
                 arrays[name] = tensor_set.to_arrays()
-        task = LocalTask(job.task.strategy, dict(job.task.hyperparameters), arrays)
-        return task, time.perf_counter() - start
-
-    @staticmethod
-    def _check_uplink(uplink: UploadSpec) -> None:
-        if uplink.mode != "full" or uplink.subset != "all":
+        uplink = job.task.uplink
+        if uplink.mode != "full" or uplink.subset not in ("all", "head"):
             raise TaskError(
                 f"upload mode {uplink.mode!r} / subset {uplink.subset!r} is not supported "
-                "by this client (only full / all)"
+                "by this client (full uploads of all tensors or of the head)"
             )
+        upload: Literal["all", "head"] = "head" if uplink.subset == "head" else "all"
+        task = LocalTask(job.task.strategy, dict(job.task.hyperparameters), arrays, upload)
+        return task, time.perf_counter() - start
 
     def _run(self, job: _Job) -> None:
         message, task = job.message, job.task
@@ -622,7 +622,6 @@ class EdgeClient:
         try:
             local_task, decode_s = self._local_task(job)
             validate_task(self._model, local_task)
-            self._check_uplink(task.uplink)
         except TaskError as exc:
             logger.warning("rejected task %s (round %d): %s", message.message_id, round_, exc)
             self._remember(message.message_id)

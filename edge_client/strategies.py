@@ -1,19 +1,46 @@
 """Device-side learning per strategy: a registry of names and the one local update.
 
 A round task names a strategy; :func:`device_strategy` looks it up (never string
-matching elsewhere) and :func:`local_update` runs it: load the received global weights
-into the model, build the strategy's training hooks, train with
+matching elsewhere) and :func:`local_update` runs it: load the received tensor sets into
+the model, build the strategy's training hooks, train with
 :func:`edge_client.training.train_local`, return the new weights. Real devices (through
 :class:`edge_client.runtime.EdgeClient`) and the simulator call this very function.
 
 ================  ============================================================
 name              device side
 ================  ============================================================
-``fedavg``        plain local SGD from the global weights
+``fedavg``        plain local SGD from the global weights (full or head-only sharing)
 ``fedprox``       local SGD plus ``mu / 2 * ||w - w_global||^2`` over the trainable
                   parameters (``w_global``: the weights received this round)
 ``fedavg_oca``    as ``fedavg`` (the "FedAvg (OCA)" variant differs on the server only)
+``fedkf``         the student learns CE plus ``gamma * KL(teacher || student)`` on
+                  samples of a local image generator (:mod:`edge_client.fedkf`)
+``fedgen``        CE plus ``alpha * CE(head(G(eps, y)), y)`` with the coordinator's
+                  latent generator; full or head-only sharing (:mod:`edge_client.fedgen`)
 ================  ============================================================
+
+Received tensor sets, by name (each strategy declares those it understands with
+:meth:`DeviceStrategy.expected_sets`; anything else is a :class:`TaskError`):
+
+=================  ==========================================  =========================
+set                contents                                    used by
+=================  ==========================================  =========================
+``"global"``       the classifier's full state                 fedprox, fedavg_oca
+                                                               (required); fedavg and
+                                                               fedgen (full sharing)
+``"student"``      the classifier's full state (ACA model)     fedkf (required)
+``"teacher"``      the classifier's full state (OCA model)     fedkf (absent: FedKF-)
+``"head"``         the classifier's ``head.*`` tensors         fedavg, fedgen (head-only
+                                                               sharing)
+``"generator"``    a LatentGenerator's full state, BatchNorm   fedgen (absent: plain CE)
+                   buffers included
+``"prior"``        one tensor ``"label_prior"``, float32       fedgen (absent: uniform)
+                   (num_classes,), non-negative, sums to 1
+=================  ==========================================  =========================
+
+fedavg and fedgen need exactly one of ``"global"`` and ``"head"``. A task without sets trains
+the model as it is. The upload (:attr:`LocalTask.upload`) is the full state or, for
+fedgen only, the head alone.
 
 Pure: numpy / torch in, numpy out; no I/O, no global state.
 """
@@ -26,7 +53,7 @@ from abc import ABC
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -35,19 +62,45 @@ from torch import nn
 
 from edge_client.data import DeviceData
 from edge_client.errors import TaskError
+from edge_client.fedgen import (
+    PRIOR_TENSOR,
+    FedGenHook,
+    label_prior,
+    latent_generator_shapes,
+    received_generator,
+)
+from edge_client.fedkf import FedKFHook, frozen_teacher
 from edge_client.training import TrainConfig, TrainHook, train_local
-from models import StateMismatchError, load_state_arrays, state_arrays, state_shapes
+from models import (
+    Classifier,
+    StateMismatchError,
+    StateSubset,
+    load_state_arrays,
+    state_arrays,
+    state_shapes,
+)
 
 __all__ = [
+    "GENERATOR_SET",
     "GLOBAL_SET",
+    "HEAD_SET",
+    "PRIOR_SET",
+    "PRIOR_TENSOR",
+    "STUDENT_SET",
+    "TEACHER_SET",
     "WEIGHTS_SET",
     "DeviceStrategy",
     "FedAvg",
     "FedAvgOCA",
+    "FedGen",
+    "FedKF",
     "FedProx",
     "LocalResult",
     "LocalTask",
     "ProximalHook",
+    "ReceivedSets",
+    "SetSpec",
+    "UploadSubset",
     "device_strategy",
     "local_update",
     "strategy_names",
@@ -57,10 +110,28 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Arrays = dict[str, npt.NDArray[Any]]
+ReceivedSets = Mapping[str, Mapping[str, npt.NDArray[Any]]]
+"""Received tensor sets: set name -> tensor name -> array."""
+UploadSubset = Literal["all", "head"]
+"""What a device uploads: its full state, or only its classifier head."""
+
 GLOBAL_SET = "global"
-"""Name of the received tensor set holding the global model's full state."""
+"""Received set: the global model's full state."""
+STUDENT_SET = "student"
+"""Received set (FedKF): the student's full state (the ACA model)."""
+TEACHER_SET = "teacher"
+"""Received set (FedKF, optional): the teacher's full state (the OCA model)."""
+HEAD_SET = "head"
+"""Received set (FedGen head-only sharing): the classifier's ``head.*`` tensors."""
+GENERATOR_SET = "generator"
+"""Received set (FedGen, optional): the latent generator's full state with buffers."""
+PRIOR_SET = "prior"
+"""Received set (FedGen, optional): the label prior, one tensor named
+:data:`PRIOR_TENSOR`."""
 WEIGHTS_SET = "weights"
-"""Name of the uploaded tensor set holding the trained model's full state."""
+"""Name of the uploaded tensor set: the trained state (full, or the head alone)."""
+
+_NO_SETS: ReceivedSets = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -71,9 +142,12 @@ class LocalTask:
     """Registry name of the strategy (see :func:`strategy_names`)."""
     hyperparameters: Mapping[str, object] = field(default_factory=dict)
     """Training hyperparameters (see :class:`edge_client.training.TrainConfig`)."""
-    sets: Mapping[str, Mapping[str, npt.NDArray[Any]]] = field(default_factory=dict)
+    sets: ReceivedSets = field(default_factory=dict)
     """Received tensor sets by name (e.g. ``"global"``), each name -> array. Empty: train
     the model as it is (a task without a model message)."""
+    upload: UploadSubset = "all"
+    """What to upload as the ``"weights"`` set (the task's uplink subset): the full
+    state, or (fedgen only) the head alone."""
 
 
 @dataclass(frozen=True)
@@ -81,15 +155,28 @@ class LocalResult:
     """What a device uploads after one round, before encoding."""
 
     sets: dict[str, Arrays]
-    """Tensor sets to upload by name (``"weights"``: the trained full state)."""
+    """Tensor sets to upload by name (``"weights"``: the trained state, full or the head
+    alone as :attr:`LocalTask.upload` asked)."""
     num_samples: int
     """Local train samples the update was trained on."""
     metrics: dict[str, float]
-    """Training metrics: ``loss`` (mean cross-entropy), ``accuracy`` (fraction)."""
+    """Training metrics: ``loss`` (mean cross-entropy), ``accuracy`` (fraction), plus
+    what the strategy's hooks measured (fedkf: ``kd_loss``, ``generator_loss``; fedgen:
+    ``generator_ce``; present only when measured)."""
     timings: dict[str, float]
-    """Seconds per phase: ``load_s`` (weights into the model), ``train_s``."""
+    """Seconds per phase: ``load_s`` (received sets into the model, teacher and
+    generators built), ``train_s``."""
     steps: int = 0
     """Optimizer steps taken."""
+
+
+class SetSpec(NamedTuple):
+    """A received set as a strategy expects it."""
+
+    shapes: dict[str, tuple[int, ...]]
+    """Exactly these tensor names with these shapes."""
+    required: bool
+    """Whether a task with sets must carry this one."""
 
 
 class ProximalHook(TrainHook):
@@ -117,17 +204,76 @@ class ProximalHook(TrainHook):
         return 0.5 * self.mu * total
 
 
-class DeviceStrategy(ABC):
-    """The device side of one strategy: which sets it needs and how it trains.
+def _load_set(
+    module: nn.Module, sets: ReceivedSets, name: str, subset: StateSubset = "all"
+) -> None:
+    """Load the received set ``name`` (if there) into ``subset`` of ``module``."""
+    arrays = sets.get(name)
+    if arrays is None:
+        return
+    try:
+        load_state_arrays(module, arrays, subset=subset)
+    except StateMismatchError as exc:
+        raise TaskError(f"received set {name!r} does not fit the model: {exc}") from exc
 
-    Subclasses set :attr:`name` and override :meth:`hooks`; strategies that need more
-    than hooks (several received models, generators) override :meth:`run`.
+
+def _classifier(model: nn.Module, strategy: str) -> Classifier:
+    if not isinstance(model, Classifier):
+        raise TaskError(
+            f"strategy {strategy!r} needs a classifier with a features / head split, "
+            f"got {type(model).__name__}"
+        )
+    return model
+
+
+class DeviceStrategy(ABC):
+    """The device side of one strategy: which sets it takes, how it trains and uploads.
+
+    Subclasses set :attr:`name`; simple ones override :meth:`hooks`, those that take
+    other sets than ``"global"`` override :meth:`expected_sets` and :meth:`prepare`
+    (and :meth:`check_sets` for checks beyond names and shapes).
     """
 
     name: ClassVar[str]
     """Registry name, as round tasks carry it."""
-    payloads: ClassVar[tuple[str, ...]] = (GLOBAL_SET,)
-    """Received sets :meth:`run` uses (each must match the model's full state)."""
+    uploads: ClassVar[tuple[str, ...]] = ("all",)
+    """The :attr:`LocalTask.upload` values the strategy supports."""
+
+    def expected_sets(self, model: nn.Module, config: TrainConfig) -> dict[str, SetSpec]:
+        """The received sets this strategy understands, by name (default: ``"global"``,
+        required, the model's full state).
+
+        Raises:
+            TaskError: the strategy cannot run on this model.
+        """
+        return {GLOBAL_SET: SetSpec(state_shapes(model), required=True)}
+
+    def check_sets(self, model: nn.Module, sets: ReceivedSets) -> None:
+        """Checks of received sets beyond names and shapes (values, combinations),
+        called by :func:`validate_task` when sets were received; none by default.
+
+        Raises:
+            TaskError: naming what is wrong.
+        """
+        return None
+
+    def prepare(
+        self,
+        model: nn.Module,
+        sets: ReceivedSets,
+        config: TrainConfig,
+        state: MutableMapping[str, Any],
+    ) -> tuple[TrainHook, ...]:
+        """Load the received sets into ``model`` and return the round's hooks.
+
+        The default loads ``"global"`` (if received) and returns :meth:`hooks`. All or
+        nothing: on error the model is unchanged.
+
+        Raises:
+            TaskError: a received set does not fit the model.
+        """
+        _load_set(model, sets, GLOBAL_SET)
+        return self.hooks(model, config, state)
 
     def hooks(
         self, model: nn.Module, config: TrainConfig, state: MutableMapping[str, Any]
@@ -146,40 +292,74 @@ class DeviceStrategy(ABC):
         device: torch.device,
         extra_hooks: Sequence[TrainHook] = (),
     ) -> LocalResult:
-        """Load the received global weights (if any), train with :meth:`hooks` and then
-        ``extra_hooks``, return the new full state as the ``"weights"`` set.
+        """:meth:`prepare`, train with its hooks and then ``extra_hooks``, and return the
+        new state (full or the head, as ``task.upload`` asks) as the ``"weights"`` set.
 
         Raises:
-            TaskError: the received weights do not fit the model (it is then unchanged).
+            TaskError: the received sets do not fit the model (it is then unchanged).
         """
         start = time.perf_counter()
-        received = task.sets.get(GLOBAL_SET)
-        if received is not None:
-            try:
-                load_state_arrays(model, received)
-            except StateMismatchError as exc:
-                raise TaskError(
-                    f"received set {GLOBAL_SET!r} does not fit the model: {exc}"
-                ) from exc
+        own = self.prepare(model, task.sets, config, state)
         load_s = time.perf_counter() - start
-        hooks = (*self.hooks(model, config, state), *extra_hooks)
-        result = train_local(model, data.x, data.y, config, hooks, device=device)
+        result = train_local(model, data.x, data.y, config, (*own, *extra_hooks), device=device)
+        metrics: dict[str, float] = {}
+        for hook in own:
+            metrics.update(hook.metrics())
+        metrics.update(loss=result.loss, accuracy=result.accuracy)
+        upload: StateSubset = "head" if task.upload == "head" else "all"
         return LocalResult(
-            sets={WEIGHTS_SET: state_arrays(model)},
+            sets={WEIGHTS_SET: state_arrays(model, upload)},
             num_samples=result.num_samples,
-            metrics={"loss": result.loss, "accuracy": result.accuracy},
+            metrics=metrics,
             timings={"load_s": load_s, "train_s": result.seconds},
             steps=result.steps,
         )
 
 
-class FedAvg(DeviceStrategy):
-    """FedAvg: plain local SGD from the global weights."""
+class _Shared(DeviceStrategy):
+    """A strategy whose model comes as ``"global"`` (full sharing) or as ``"head"``
+    (head-only sharing: the head is loaded, the features stay the device's own), exactly
+    one of them; it uploads the full state or the head alone."""
+
+    uploads = ("all", "head")
+
+    def expected_sets(self, model: nn.Module, config: TrainConfig) -> dict[str, SetSpec]:
+        classifier = _classifier(model, self.name)
+        return {
+            GLOBAL_SET: SetSpec(state_shapes(classifier), required=False),
+            HEAD_SET: SetSpec(state_shapes(classifier, "head"), required=False),
+        }
+
+    def check_sets(self, model: nn.Module, sets: ReceivedSets) -> None:
+        weights = [name for name in (GLOBAL_SET, HEAD_SET) if name in sets]
+        if len(weights) != 1:
+            raise TaskError(
+                f"strategy {self.name!r} needs exactly one of the sets {GLOBAL_SET!r} "
+                f"(full sharing) and {HEAD_SET!r} (head-only sharing); got {sorted(sets)}"
+            )
+
+    def prepare(
+        self,
+        model: nn.Module,
+        sets: ReceivedSets,
+        config: TrainConfig,
+        state: MutableMapping[str, Any],
+    ) -> tuple[TrainHook, ...]:
+        if GLOBAL_SET in sets:
+            _load_set(model, sets, GLOBAL_SET)
+        else:
+            _load_set(model, sets, HEAD_SET, subset="head")
+        return self.hooks(model, config, state)
+
+
+class FedAvg(_Shared):
+    """FedAvg: plain local SGD from the global weights (or the global head, with the
+    device's own features, in head-only sharing)."""
 
     name = "fedavg"
 
 
-class FedAvgOCA(FedAvg):
+class FedAvgOCA(DeviceStrategy):
     """FedAvg (OCA): devices train as in FedAvg; the server aggregates over its cache."""
 
     name = "fedavg_oca"
@@ -196,8 +376,98 @@ class FedProx(DeviceStrategy):
         return (ProximalHook(config.mu),)
 
 
+class FedKF(DeviceStrategy):
+    """FedKF: the received student learns from the teacher through a local generator.
+
+    Sets: ``"student"`` (required), ``"teacher"`` (optional; absent, the teacher is a
+    frozen copy of the received student: FedKF-). The generator persists in the
+    learning state (see :mod:`edge_client.fedkf`). ``gamma`` 0: FedAvg on the student.
+    """
+
+    name = "fedkf"
+
+    def expected_sets(self, model: nn.Module, config: TrainConfig) -> dict[str, SetSpec]:
+        full = state_shapes(_classifier(model, self.name))
+        return {STUDENT_SET: SetSpec(full, required=True), TEACHER_SET: SetSpec(full, False)}
+
+    def prepare(
+        self,
+        model: nn.Module,
+        sets: ReceivedSets,
+        config: TrainConfig,
+        state: MutableMapping[str, Any],
+    ) -> tuple[TrainHook, ...]:
+        classifier = _classifier(model, self.name)
+        if config.gamma == 0:
+            _load_set(model, sets, STUDENT_SET)
+            return ()
+        teacher = None
+        received = sets.get(TEACHER_SET)
+        if received is not None:  # built first: a bad teacher leaves the model unchanged
+            try:
+                teacher = frozen_teacher(classifier, received)
+            except StateMismatchError as exc:
+                raise TaskError(f"received set {TEACHER_SET!r} does not fit: {exc}") from exc
+        _load_set(model, sets, STUDENT_SET)
+        if teacher is None:
+            teacher = frozen_teacher(classifier)
+        return (FedKFHook(teacher, state, config),)
+
+
+class FedGen(_Shared):
+    """FedGen: local CE plus the head's CE on latents of the coordinator's generator.
+
+    Sets: exactly one of ``"global"`` (full sharing: loads the whole model) and
+    ``"head"`` (head-only sharing: loads the head; the features stay the device's own);
+    ``"generator"`` and ``"prior"`` optional. Uploads the full state or the head alone.
+    """
+
+    name = "fedgen"
+
+    def expected_sets(self, model: nn.Module, config: TrainConfig) -> dict[str, SetSpec]:
+        classifier = _classifier(model, self.name)
+        return {
+            **super().expected_sets(model, config),
+            GENERATOR_SET: SetSpec(latent_generator_shapes(classifier, config), False),
+            PRIOR_SET: SetSpec({PRIOR_TENSOR: (classifier.num_classes,)}, required=False),
+        }
+
+    def check_sets(self, model: nn.Module, sets: ReceivedSets) -> None:
+        super().check_sets(model, sets)
+        prior = sets.get(PRIOR_SET)
+        if prior is not None:
+            label_prior(prior[PRIOR_TENSOR], _classifier(model, self.name).num_classes)
+
+    def prepare(
+        self,
+        model: nn.Module,
+        sets: ReceivedSets,
+        config: TrainConfig,
+        state: MutableMapping[str, Any],
+    ) -> tuple[TrainHook, ...]:
+        classifier = _classifier(model, self.name)
+        generator = None
+        received = sets.get(GENERATOR_SET)
+        if received is not None:  # built first: a bad generator leaves the model unchanged
+            try:
+                generator = received_generator(classifier, config, received)
+            except StateMismatchError as exc:
+                raise TaskError(f"received set {GENERATOR_SET!r} does not fit: {exc}") from exc
+        prior_set = sets.get(PRIOR_SET)
+        prior = label_prior(
+            None if prior_set is None else prior_set[PRIOR_TENSOR], classifier.num_classes
+        )
+        if GLOBAL_SET in sets:
+            _load_set(model, sets, GLOBAL_SET)
+        else:
+            _load_set(model, sets, HEAD_SET, subset="head")
+        if generator is None or config.generative_alpha == 0:
+            return ()
+        return (FedGenHook(classifier, generator, prior, config),)
+
+
 _STRATEGIES: Mapping[str, DeviceStrategy] = MappingProxyType(
-    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedProx)}
+    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedProx, FedKF, FedGen)}
 )
 
 
@@ -219,11 +489,26 @@ def device_strategy(name: str) -> DeviceStrategy:
         raise TaskError(f"unknown strategy {name!r}; known: {known}") from None
 
 
+def _check_shapes(name: str, arrays: Mapping[str, npt.NDArray[Any]], spec: SetSpec) -> None:
+    expected = spec.shapes
+    got = {key: tuple(np.shape(value)) for key, value in arrays.items()}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))[:4]
+        unexpected = sorted(set(got) - set(expected))[:4]
+        wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])[:4]
+        raise TaskError(
+            f"set {name!r} does not fit the model: missing {missing}, unexpected "
+            f"{unexpected}, wrong shape {wrong}"
+        )
+
+
 def validate_task(model: nn.Module, task: LocalTask) -> TrainConfig:
     """Check that ``task`` can run on ``model`` without touching either.
 
-    Checks the strategy name, the hyperparameters and, when sets were received, that
-    the strategy's sets are there with exactly the model's tensor names and shapes.
+    Checks the strategy name, the hyperparameters, the upload subset and, when sets
+    were received, that every required set is there, that every set is one the
+    strategy understands, with exactly the expected tensor names and shapes, and the
+    strategy's own checks (:meth:`DeviceStrategy.check_sets`).
 
     Returns:
         The validated training config.
@@ -233,24 +518,27 @@ def validate_task(model: nn.Module, task: LocalTask) -> TrainConfig:
     """
     strategy = device_strategy(task.strategy)
     config = TrainConfig.from_hyperparameters(task.hyperparameters)
+    if task.upload not in strategy.uploads:
+        raise TaskError(
+            f"strategy {strategy.name!r} uploads {list(strategy.uploads)}, not {task.upload!r}"
+        )
+    expected = strategy.expected_sets(model, config)
     if not task.sets:
         return config
-    expected = state_shapes(model)
-    for name in strategy.payloads:
-        arrays = task.sets.get(name)
-        if arrays is None:
+    for name, spec in expected.items():
+        if spec.required and name not in task.sets:
             raise TaskError(
                 f"strategy {strategy.name!r} needs the set {name!r}; got {sorted(task.sets)}"
             )
-        got = {key: tuple(np.shape(value)) for key, value in arrays.items()}
-        if got != expected:
-            missing = sorted(set(expected) - set(got))[:4]
-            unexpected = sorted(set(got) - set(expected))[:4]
-            wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])[:4]
-            raise TaskError(
-                f"set {name!r} does not fit the model: missing {missing}, unexpected "
-                f"{unexpected}, wrong shape {wrong}"
-            )
+    unknown = sorted(set(task.sets) - set(expected))
+    if unknown:
+        raise TaskError(
+            f"strategy {strategy.name!r} does not use the set(s) {unknown}; "
+            f"it takes {sorted(expected)}"
+        )
+    for name, arrays in task.sets.items():
+        _check_shapes(name, arrays, expected[name])
+    strategy.check_sets(model, task.sets)
     return config
 
 
@@ -265,23 +553,26 @@ def local_update(
 ) -> LocalResult:
     """Run one round of ``task.strategy`` on this device's data; the pure device step.
 
-    Loads the received global weights into ``model`` (all or nothing), trains it in
-    place with the strategy's hooks and returns its new full state.
+    Validates the task (:func:`validate_task`), loads the received sets into ``model``
+    (all or nothing), trains it in place with the strategy's hooks and returns its new
+    state, full or the head alone as ``task.upload`` asks.
 
     Args:
-        model: the device's classifier (updated in place).
+        model: the device's classifier (updated in place; in fedgen's head-only mode its
+            features are the device's own and must persist between rounds).
         data: the device's local data (its train part is used).
-        task: strategy, hyperparameters and received sets.
-        state: the device's persistent learning state across rounds (strategies that
-            keep some, such as generators, store it here; unused by fedavg, fedprox and
-            fedavg_oca). None: a fresh, throw-away dict.
+        task: strategy, hyperparameters, received sets and upload subset.
+        state: the device's persistent learning state across rounds (fedkf keeps its
+            image generator and its optimizer here; fedavg, fedprox, fedavg_oca and
+            fedgen keep nothing). None: a fresh, throw-away dict.
         hooks: hooks of the caller, run after the strategy's own (the runtime cancels
             training with one when it stops).
         device: where to train.
 
     Raises:
-        TaskError: unknown strategy, invalid hyperparameters, missing or mismatched
-            received sets; raised before training, the model unchanged.
+        TaskError: unknown strategy, invalid hyperparameters, unsupported upload subset,
+            missing, unknown or mismatched received sets; raised before training, the
+            model unchanged.
         Whatever a hook raises (training stops there).
     """
     config = validate_task(model, task)

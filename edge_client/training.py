@@ -2,8 +2,9 @@
 
 :func:`train_local` runs mini-batch SGD on cross-entropy. Algorithms change it only
 through :class:`TrainHook` objects: FedProx adds a proximal term with
-:meth:`TrainHook.extra_loss`, later algorithms add distillation losses or touch the model
-after each step. There is no second copy of this loop anywhere (STYLE principle 8).
+:meth:`TrainHook.extra_loss`, FedKF trains its generator in
+:meth:`TrainHook.before_batch` and adds a distillation loss, FedGen adds a loss on
+generated latents. There is no second copy of this loop anywhere (STYLE principle 8).
 
 Pure: tensors and a :class:`TrainConfig` in, a trained model and a :class:`TrainResult`
 out; no I/O, no global RNG (shuffling uses its own ``torch.Generator`` seeded from
@@ -61,6 +62,29 @@ class TrainConfig(BaseModel):
     mu: _NonNegFloat = 0.0
     """FedProx proximal weight; only the ``fedprox`` strategy uses it."""
 
+    # FedKF (strategy "fedkf") and the generators of FedKF / FedGen.
+    gamma: _NonNegFloat = 1.0
+    """FedKF: weight of the distillation term ``gamma * KL(teacher || student)`` on
+    generated samples (0: no generator work, plain SGD on the student)."""
+    lambda1: _NonNegFloat = 0.1
+    """FedKF: weight of the one-hot loss in the generator objective L_G."""
+    lambda2: _NonNegFloat = 0.1
+    """FedKF: weight of the activation loss in the generator objective L_G."""
+    generator_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
+    """FedKF: Adam learning rate of the local image generator."""
+    generator_width: int = Field(default=16, ge=1)
+    """FedKF: ``base_channels`` of the local image generator (64 is the DCGAN size)."""
+    generator_noise_dim: int = Field(default=0, ge=0)
+    """Noise width of the generator; 0: the strategy's default (100 for FedKF's image
+    generator, 32 for FedGen's latent generator)."""
+    generator_hidden: int = Field(default=256, ge=1)
+    """FedGen: hidden width of the latent generator (must match the coordinator's)."""
+    generative_alpha: _NonNegFloat = 0.0
+    """FedGen: this round's weight alpha_t of ``CE(head(G(eps, y)), y)`` (the coordinator
+    applies the decay schedule and sends the round's value; 0: plain cross-entropy)."""
+    generator_batch_size: int = Field(default=0, ge=0)
+    """FedGen: generated latents per step; 0: ``batch_size``."""
+
     @classmethod
     def from_hyperparameters(cls, hyperparameters: Mapping[str, object]) -> TrainConfig:
         """Validate a task's hyperparameters; absent keys take the defaults above.
@@ -95,7 +119,19 @@ class TrainHook:
     """
 
     def before_training(self, model: nn.Module) -> None:
-        """Called once, before the first step, with the model in training mode."""
+        """Called once, before the first step, with the model in training mode and on
+        the training device."""
+
+    def before_batch(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Called for every batch before the model's gradients are zeroed and before its
+        forward pass (FedKF trains its generator here). Gradients the hook leaves on the
+        model's parameters are discarded.
+
+        Args:
+            model: the model being trained.
+            x: the batch's inputs (B, C, H, W), on the training device.
+            y: the batch's labels (B,), int64.
+        """
 
     def extra_loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor
@@ -112,6 +148,11 @@ class TrainHook:
 
     def after_step(self, model: nn.Module) -> None:
         """Called after every optimizer step. May raise to abort training."""
+
+    def metrics(self) -> dict[str, float]:
+        """What the hook measured over the run (e.g. mean extra losses), by name; read
+        once training ended. None by default."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -202,6 +243,8 @@ def train_local(
     for index in _batches(n, config, total):
         xb = xs[index].to(device)  # (B, C, H, W)
         yb = ys[index].to(device)  # (B,)
+        for hook in hooks:
+            hook.before_batch(model, xb, yb)
         optimizer.zero_grad(set_to_none=True)
         logits = model(xb)  # (B, num_classes)
         data_loss = F.cross_entropy(logits, yb)

@@ -41,6 +41,7 @@ __all__ = [
     "ModelMetrics",
     "evaluate_accuracy",
     "evaluate_models",
+    "evaluate_personal",
     "fairness",
 ]
 
@@ -304,3 +305,38 @@ def evaluate_models(
             "n/a" if global_acc is None else f"{global_acc:.2f}%",
         )
     return results
+
+
+def evaluate_personal(
+    states: Sequence[Mapping[str, np.ndarray]],
+    model: Classifier,
+    device_tests: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+) -> ModelMetrics:
+    """AMP, FM and WLP of per-device models: ``states[d]`` evaluated on device d's test
+    split (FedGen's head-only sharing, where each device keeps its own feature
+    extractor). ``global_acc`` is None: there is no single model to test globally.
+
+    Raises:
+        MetricsError: ``states`` and ``device_tests`` differ in length, a split's x and
+            y disagree, or every split is empty.
+        StateMismatchError: a state does not fit ``model``.
+    """
+    if len(states) != len(device_tests):
+        raise MetricsError(
+            f"evaluate_personal: {len(states)} states for {len(device_tests)} device splits"
+        )
+    accuracies, counts = [], []
+    for index, (state, (x, y)) in enumerate(zip(states, device_tests, strict=True)):
+        _check_split(x, y, f"evaluate_personal: device test split {index}")
+        counts.append(len(y))
+        if len(y) == 0:
+            accuracies.append(float("nan"))
+            continue
+        load_state_arrays(model, state)
+        accuracies.append(evaluate_accuracy(model, x, y, batch_size=batch_size))
+    if sum(counts) == 0:
+        raise MetricsError("evaluate_personal: every device test split is empty")
+    fair = fairness(accuracies, np.asarray(counts, dtype=np.int64))
+    return ModelMetrics(fair.amp, fair.fm, fair.wlp, None)

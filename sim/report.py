@@ -7,7 +7,7 @@ and a ``final`` summary. It is written as
 
       {"config": {...},
        "rounds": [{"round", "wall_s", "active_devices", "bytes_up", "bytes_down",
-                   "wire_bytes_up", "wire_bytes_down",
+                   "wire_bytes_up", "wire_bytes_down", "device_train_s",
                    "models": {"<name>": {"amp", "fm", "wlp", "global_acc"}}}],
        "final": {...}}
 
@@ -72,6 +72,7 @@ _ROUND_FIELDS = (
     "bytes_down",
     "wire_bytes_up",
     "wire_bytes_down",
+    "device_train_s",
 )
 _METRIC_FIELDS = ("amp", "fm", "wlp", "global_acc")
 _MB = 1e6
@@ -90,6 +91,8 @@ class RoundRecord:
             and coordinator -> devices, in this round.
         wire_bytes_up / wire_bytes_down: the same as sent on the wire (MQTT framing,
             chunk headers), bytes.
+        device_train_s: mean seconds the round's on-time devices spent in local
+            training (as they reported it), or None.
         models: model name (``"aca"``, ``"oca"``) -> its metrics after the round.
     """
 
@@ -101,6 +104,7 @@ class RoundRecord:
     wire_bytes_up: int
     wire_bytes_down: int
     models: dict[str, ModelMetrics] = field(default_factory=dict)
+    device_train_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The round as the JSON object described in the module docstring."""
@@ -120,7 +124,8 @@ class RoundRecord:
                 name: ModelMetrics(**{key: values[key] for key in _METRIC_FIELDS})
                 for name, values in data["models"].items()
             }
-            return cls(**{name: data[name] for name in _ROUND_FIELDS}, models=models)
+            fields = {name: data[name] for name in _ROUND_FIELDS if name != "device_train_s"}
+            return cls(**fields, device_train_s=data.get("device_train_s"), models=models)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ReportError(f"malformed round record: {exc!r}") from exc
 
@@ -214,10 +219,10 @@ def write_csv(report: RunReport, out_dir: str | os.PathLike[str]) -> Path:
     """Write ``rounds.csv`` into ``out_dir``, atomically; returns its path.
 
     Columns: the round fields (``round``, ``wall_s``, ``active_devices``, ``bytes_up``,
-    ``bytes_down``, ``wire_bytes_up``, ``wire_bytes_down``), then for each model (in
-    order of first appearance) ``<name>_amp``, ``<name>_fm``, ``<name>_wlp``,
-    ``<name>_global_acc``. A metric that is absent (model missing in a round, no global
-    test set) is an empty cell.
+    ``bytes_down``, ``wire_bytes_up``, ``wire_bytes_down``, ``device_train_s``), then
+    for each model (in order of first appearance) ``<name>_amp``, ``<name>_fm``,
+    ``<name>_wlp``, ``<name>_global_acc``. A metric that is absent (model missing in a
+    round, no global test set) is an empty cell.
 
     Raises:
         ReportError: an OS error occurred while writing.
@@ -228,7 +233,9 @@ def write_csv(report: RunReport, out_dir: str | os.PathLike[str]) -> Path:
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)
     for record in report.rounds:
-        row: list[object] = [getattr(record, key) for key in _ROUND_FIELDS]
+        row: list[object] = [
+            "" if getattr(record, key) is None else getattr(record, key) for key in _ROUND_FIELDS
+        ]
         for name in names:
             metrics = record.models.get(name)
             values = metrics.to_dict() if metrics is not None else {}

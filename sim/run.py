@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.config import CoordinatorConfig, TrainingSettings
@@ -32,11 +33,12 @@ from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.runtime import EdgeClient
-from models import Classifier, build_classifier
+from models import Classifier, build_classifier, state_arrays
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
+from sim.arrays import ArrayDataset, DatasetSplits
 from sim.datasets import load_dataset
 from sim.errors import SimError
-from sim.metrics import evaluate_models
+from sim.metrics import evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
 from sim.report import RoundRecord, RunReport
 
@@ -55,9 +57,13 @@ class SimConfig(BaseModel):
     devices: int = Field(default=50, ge=1)  # emulated devices K
     rounds: int = Field(default=10, ge=1)
     strategy: str = "fedavg"
+    downlink: Literal["dual", "single"] = "dual"  # fedkf: ACA + OCA, or ACA alone (FedKF-)
+    final_model: Literal["aca", "oca"] | None = None  # None: oca where kept, else aca
+    sharing: Literal["full", "head"] = "full"  # fedavg/fedgen: whole model or head only
     model: str = "lenet5"
     dataset: str = "synthetic"
     data_dir: Path | None = None
+    class_fraction: float = Field(default=1.0, gt=0, le=1)  # keep this share of each class
     alpha: float = Field(default=0.5, gt=0)  # Dirichlet label skew; inf = IID
     participation: float = Field(default=0.2, gt=0, le=1)
     training: TrainingSettings = TrainingSettings()
@@ -73,8 +79,24 @@ class SimConfig(BaseModel):
     fleet: str = "sim"
 
 
+def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
+    """``fraction`` of each class of ``data`` (at least one sample per present class),
+    drawn with ``seed``; the FedKF paper's "10 % of each class"."""
+    rng = np.random.default_rng([seed, 0x5AB])
+    keep = []
+    for label in np.unique(data.y):
+        members = np.flatnonzero(data.y == label)
+        count = max(1, round(fraction * len(members)))
+        keep.append(rng.choice(members, size=count, replace=False))
+    index = np.sort(np.concatenate(keep))
+    return ArrayDataset(data.x[index], data.y[index], data.num_classes, f"{data.name}[{fraction}]")
+
+
 def _federation(config: SimConfig) -> tuple[Federation, int, int]:
     splits = load_dataset(config.dataset, config.data_dir, seed=config.seed)
+    if config.class_fraction < 1:
+        train = _subsample(splits.train, config.class_fraction, config.seed)
+        splits = DatasetSplits(train=train, test=splits.test)
     federation = partition_dataset(
         splits,
         config.devices,
@@ -120,12 +142,16 @@ class _Recorder:
         self,
         federation: Federation,
         scratch: Classifier,
-        transports: list[Transport],
+        clients: list[EdgeClient],
         on_round: RoundCallback | None,
+        *,
+        personal: bool = False,
     ) -> None:
         self.records: list[RoundRecord] = []
         self._scratch = scratch
-        self._transports = transports
+        self._clients = clients
+        self._transports = [c.transport for c in clients]
+        self._personal = personal
         self._on_round = on_round
         self._device_tests = [(d.test.x, d.test.y) for d in federation.devices]
         test = federation.test
@@ -151,9 +177,16 @@ class _Recorder:
         now = self.totals()
         delta = [a - b for a, b in zip(now, self._last, strict=True)]
         self._last = now
-        metrics = evaluate_models(
-            action.models, self._scratch, self._device_tests, self._global_test
-        )
+        if self._personal:  # each device: its own feature extractor + the global head
+            head = {k: v for k, v in action.models["aca"].items() if k.startswith("head.")}
+            states = [
+                {**state_arrays(client.model, "features"), **head} for client in self._clients
+            ]
+            metrics = {"aca": evaluate_personal(states, self._scratch, self._device_tests)}
+        else:
+            metrics = evaluate_models(
+                action.models, self._scratch, self._device_tests, self._global_test
+            )
         record = RoundRecord(
             round=action.round,
             wall_s=wall,
@@ -162,6 +195,7 @@ class _Recorder:
             bytes_down=delta[1],
             wire_bytes_up=delta[2],
             wire_bytes_down=delta[3],
+            device_train_s=action.device_train_s,
             models=metrics,
         )
         self.records.append(record)
@@ -191,6 +225,9 @@ def run_simulation(
     coordinator_config = CoordinatorConfig(
         fleet=config.fleet,
         strategy=config.strategy,
+        downlink=config.downlink,
+        final_model=config.final_model,
+        sharing=config.sharing,
         model=config.model,
         num_classes=federation.num_classes,
         in_channels=channels,
@@ -231,11 +268,14 @@ def run_simulation(
                 fleet=config.fleet,
                 model=config.model,
                 exit_when_finished=True,
+                share_label_counts=True,  # emulated devices consent (fedgen needs it)
+                init_seed=config.seed,
                 state_dir=root / "devices" / split.device_id,
             )
             transport = make_transport(f"{config.fleet}-{split.device_id}")
             clients.append(EdgeClient(client_config, transport, data, train_gate=gate))
-        recorder = _Recorder(federation, scratch, [c.transport for c in clients], on_round)
+        personal = config.sharing == "head"
+        recorder = _Recorder(federation, scratch, clients, on_round, personal=personal)
         coordinator.add_observer(recorder)
         outcome: dict[str, Any] = {}
 
@@ -260,7 +300,7 @@ def run_simulation(
             raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
         models = outcome.get("models")
         if final_models_dir is not None and models:
-            save_final_models(models, scratch, final_models_dir)
+            save_final_models(models, scratch, final_models_dir, final=coordinator.final_model)
         totals = recorder.totals()
 
     records = recorder.records
@@ -274,6 +314,7 @@ def run_simulation(
         "wire_bytes_down": totals[3],
         "peak_rss_bytes": _peak_rss_bytes(),
         "models": {k: v.to_dict() for k, v in records[-1].models.items()} if records else {},
+        "final_model": coordinator.final_model,
     }
     config_dict = config.model_dump(mode="json")
     return RunReport(config=config_dict, rounds=records, final=final)

@@ -36,18 +36,48 @@ def add_run_parser(sub: Any) -> None:
     run.add_argument("--devices", type=int, default=50, help="emulated devices K (50)")
     run.add_argument("--rounds", type=int, default=10, help="federated rounds (10)")
     run.add_argument("--strategy", choices=strategy_names(), default="fedavg")
+    run.add_argument(
+        "--downlink",
+        choices=["dual", "single"],
+        default="dual",
+        help="fedkf: send ACA (student) + OCA (teacher), or the ACA alone (FedKF-)",
+    )
+    run.add_argument(
+        "--final-model",
+        choices=["aca", "oca"],
+        help="the model the run delivers (default: oca where the strategy keeps one)",
+    )
+    run.add_argument(
+        "--sharing",
+        choices=["full", "head"],
+        default="full",
+        help="fedavg / fedgen: devices share the whole model or only the prediction head",
+    )
     run.add_argument("--model", choices=classifier_names(), default="lenet5")
     run.add_argument("--dataset", choices=dataset_names(), default="synthetic")
     run.add_argument("--data-dir", type=Path, help="folder with the dataset's files")
+    run.add_argument(
+        "--class-fraction",
+        type=float,
+        default=1.0,
+        help="keep this share of each class of the train split (FedKF's EMNIST: 0.1)",
+    )
     run.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha; inf = IID (0.5)")
     run.add_argument("--participation", type=float, default=0.2, help="fraction C per round")
     defaults = TrainingSettings()
-    run.add_argument("--local-epochs", type=int, default=defaults.local_epochs, help="epochs E")
-    run.add_argument("--local-steps", type=int, default=0, help="local mini-batches instead")
-    run.add_argument("--batch-size", type=int, default=defaults.batch_size, help="batch size B")
+    run.add_argument("--local-epochs", type=int, help="epochs E (the strategy's default)")
+    run.add_argument("--local-steps", type=int, help="local mini-batches instead of epochs")
+    run.add_argument("--batch-size", type=int, help="batch size B (the strategy's default)")
     run.add_argument("--lr", type=float, default=defaults.lr, help="local SGD learning rate")
     run.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
     run.add_argument("--mu", type=float, default=defaults.mu, help="FedProx mu")
+    run.add_argument("--gamma", type=float, default=defaults.gamma, help="fedkf: KD weight")
+    run.add_argument(
+        "--lambda1", type=float, default=defaults.lambda1, help="fedkf: generator L_OH weight"
+    )
+    run.add_argument(
+        "--lambda2", type=float, default=defaults.lambda2, help="fedkf: generator L_A weight"
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--transport", choices=["mqtt", "inproc"], default="mqtt")
     run.add_argument("--broker", metavar="URL", help="external broker for --transport mqtt")
@@ -77,6 +107,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         "devices": args.devices,
         "rounds": args.rounds,
         "strategy": args.strategy,
+        "downlink": args.downlink,
+        "final_model": args.final_model,
+        "sharing": args.sharing,
+        "class_fraction": args.class_fraction,
         "model": args.model,
         "dataset": args.dataset,
         "data_dir": args.data_dir,
@@ -98,6 +132,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             lr=args.lr,
             momentum=args.momentum,
             mu=args.mu,
+            gamma=args.gamma,
+            lambda1=args.lambda1,
+            lambda2=args.lambda2,
         )
         config = SimConfig(**settings)
     except ValidationError as exc:
@@ -105,7 +142,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SimError(f"invalid settings: {problems}") from exc
     torch.set_num_threads(1)  # one thread per training; --train-slots trainings at once
     print(
-        f"{config.devices} devices, {config.strategy} on {config.model}, {config.dataset} "
+        f"{config.devices} devices, {_describe(config)} on {config.model}, {config.dataset} "
         f"(alpha={config.alpha}), {config.rounds} rounds, C={config.participation}, "
         f"transport {config.transport}",
         file=sys.stderr,
@@ -149,3 +186,11 @@ def _require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SimError('--report-dir needs matplotlib: pip install "edgefl[report]"') from None
+
+
+def _describe(config: Any) -> str:
+    if config.strategy == "fedkf":
+        return f"fedkf ({config.downlink} downlink)"
+    if config.sharing == "head":
+        return f"{config.strategy} (head-only sharing)"
+    return str(config.strategy)

@@ -38,12 +38,13 @@ def make_engine(cfg: CoordinatorConfig, store: Store) -> RoundEngine:
     initial = state_arrays(template)
     return RoundEngine(
         cfg,
-        build_strategy(cfg.strategy, cfg.training),
+        build_strategy(cfg, template),
         store,
         initial_model=lambda: initial,
         architecture=template.architecture,
         fingerprint=template.fingerprint(),
         shapes={k: v.shape for k, v in initial.items()},
+        num_classes=template.num_classes,
     )
 
 
@@ -89,6 +90,7 @@ def update(
     weights: Mapping[str, np.ndarray],
     samples: int = 100,
     task: Message | None = None,
+    label_counts: tuple[int, ...] | None = None,
     **metrics: float,
 ) -> Message:
     task_id = task.message_id if task is not None else None
@@ -97,6 +99,7 @@ def update(
         task_message=task_id,
         num_samples=samples,
         sets={"weights": encode_tensors(weights, Precision.FP32)},
+        label_counts=label_counts,
         metrics=metrics,
     )
     return Message(fleet=FLEET, sender=device_id, round=round_number, body=body)

@@ -45,7 +45,7 @@ def test_toml_file_gives_every_setting(tmp_path: Path) -> None:
         0.5,
     )
     assert config.training.local_epochs == 2 and config.training.lr == pytest.approx(0.02)
-    assert config.training.batch_size == 32  # default kept
+    assert config.training.batch_size is None  # left to the strategy (32 for fedavg_oca)
     assert config.broker is not None and config.broker.url == "mqtt://broker.example:1883"
     mqtt = config.broker.mqtt_config(config.broker.url, "cid")
     assert (mqtt.host, mqtt.port, mqtt.username) == ("broker.example", 1883, "coord")

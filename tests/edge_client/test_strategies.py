@@ -17,7 +17,7 @@ from edge_client.strategies import (
     strategy_names,
 )
 from edge_client.training import TrainConfig
-from models import Classifier, build_classifier, state_arrays, state_shapes
+from models import Classifier, build_classifier, load_state_arrays, state_arrays, state_shapes
 
 
 def model(seed: int = 0) -> Classifier:
@@ -45,7 +45,7 @@ HP = {"local_epochs": 2, "batch_size": 16, "lr": 0.1, "seed": 1}
 
 
 def test_registry_names_and_unknown_strategy() -> None:
-    assert strategy_names() == ("fedavg", "fedavg_oca", "fedprox")
+    assert strategy_names() == ("fedavg", "fedavg_oca", "fedgen", "fedkf", "fedprox")
     assert isinstance(device_strategy("fedprox"), FedProx)
     with pytest.raises(TaskError, match="unknown strategy 'fedsgd'; known: fedavg, fedavg_oca"):
         device_strategy("fedsgd")
@@ -118,7 +118,8 @@ def test_a_task_without_sets_trains_the_current_model(device_data: DeviceData) -
     [
         (LocalTask("nope", HP, {}), "unknown strategy"),
         (LocalTask("fedavg", {"lr": -1.0}, {}), "invalid hyperparameters"),
-        (LocalTask("fedavg", HP, {"teacher": {}}), "needs the set 'global'"),
+        (LocalTask("fedprox", HP, {"teacher": {}}), "needs the set 'global'"),
+        (LocalTask("fedavg", HP, {"teacher": {}}), r"takes \['global', 'head'\]"),
         (
             LocalTask("fedavg", HP, {"global": {"head.weight": np.zeros((4, 200), np.float32)}}),
             "missing",
@@ -147,3 +148,72 @@ def test_mismatched_shapes_are_task_errors(device_data: DeviceData) -> None:
         local_update(net, device_data, LocalTask("fedavg", HP, {"global": received}))
 
     assert distance(state_arrays(net), before) == 0
+
+
+def test_unknown_sets_and_unsupported_uploads_are_task_errors(device_data: DeviceData) -> None:
+    received = global_arrays()
+    net = model()
+    before = state_arrays(net)
+
+    with pytest.raises(
+        TaskError, match=r"does not use the set\(s\) \['teacher'\]; it takes \['global'\]"
+    ):
+        local_update(
+            net, device_data, LocalTask("fedprox", HP, {"global": received, "teacher": received})
+        )
+    with pytest.raises(TaskError, match=r"uploads \['all'\], not 'head'"):
+        local_update(
+            net, device_data, LocalTask("fedprox", HP, {"global": received}, upload="head")
+        )
+
+    assert distance(state_arrays(net), before) == 0
+
+
+def test_every_strategy_declares_its_sets() -> None:
+    net = model()
+    config = TrainConfig()
+    full = state_shapes(net)
+
+    declared = {
+        name: {
+            set_name: (spec.required, spec.shapes == full)
+            for set_name, spec in device_strategy(name).expected_sets(net, config).items()
+        }
+        for name in strategy_names()
+    }
+
+    assert declared == {
+        "fedavg": {"global": (False, True), "head": (False, False)},
+        "fedavg_oca": {"global": (True, True)},
+        "fedprox": {"global": (True, True)},
+        "fedkf": {"student": (True, True), "teacher": (False, True)},
+        "fedgen": {
+            "global": (False, True),
+            "head": (False, False),
+            "generator": (False, False),
+            "prior": (False, False),
+        },
+    }
+    assert {name: device_strategy(name).uploads for name in strategy_names()} == {
+        "fedavg": ("all", "head"),
+        "fedavg_oca": ("all",),
+        "fedprox": ("all",),
+        "fedkf": ("all",),
+        "fedgen": ("all", "head"),
+    }
+
+
+def test_fedavg_head_sharing_keeps_the_devices_features(device_data: DeviceData) -> None:
+    received = global_arrays()
+    head = {k: v for k, v in received.items() if k.startswith("head.")}
+    net = model()
+    own = state_arrays(net, "features")
+
+    result = local_update(net, device_data, LocalTask("fedavg", HP, {"head": head}, upload="head"))
+
+    assert sorted(result.sets["weights"]) == sorted(head)
+    reference = model()
+    load_state_arrays(reference, {**own, **head})
+    expected = local_update(reference, device_data, LocalTask("fedavg", HP, {}))
+    for name, value in result.sets["weights"].items():
+        np.testing.assert_array_equal(value, expected.sets["weights"][name])

@@ -116,6 +116,36 @@ def test_an_extra_loss_changes_the_gradient() -> None:
     assert distance(weights(plain), weights(pulled)) > 1e-3
 
 
+def test_before_batch_runs_first_and_its_gradients_are_discarded() -> None:
+    class Meddle(TrainHook):
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, list[int]]] = []
+
+        def before_batch(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+            self.seen.append(("before", y.tolist()))
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 1000.0)  # must not reach the step
+
+        def extra_loss(
+            self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor
+        ) -> torch.Tensor | None:
+            self.seen.append(("extra", y.tolist()))
+            return None
+
+    x, y = data()
+    plain, meddled = model(), model()
+    config = TrainConfig(local_steps=3, batch_size=16, lr=0.05, seed=4)
+    hook = Meddle()
+
+    train_local(plain, x, y, config)
+    train_local(meddled, x, y, config, [hook])
+
+    assert distance(weights(plain), weights(meddled)) == 0
+    assert [kind for kind, _ in hook.seen] == ["before", "extra"] * 3
+    assert all(hook.seen[i][1] == hook.seen[i + 1][1] for i in range(0, 6, 2))
+    assert TrainHook().metrics() == {}
+
+
 def test_bad_inputs_are_task_errors() -> None:
     x, y = data(8)
     with pytest.raises(TaskError, match="inputs but"):
@@ -132,6 +162,12 @@ def test_defaults_and_valid_hyperparameters() -> None:
     assert config.lr == 1.0 and isinstance(config.lr, float)
     assert config.local_steps == 0 and config.weight_decay == 0.0
     assert TrainConfig.from_hyperparameters({}) == TrainConfig()
+    defaults = TrainConfig()
+    assert (defaults.gamma, defaults.lambda1, defaults.lambda2) == (1.0, 0.1, 0.1)
+    assert (defaults.generator_lr, defaults.generator_width) == (1e-3, 16)
+    assert (defaults.generator_noise_dim, defaults.generator_hidden) == (0, 256)
+    assert (defaults.generative_alpha, defaults.generator_batch_size) == (0.0, 0)
+    assert TrainConfig.from_hyperparameters({"gamma": 2, "generative_alpha": 1}).gamma == 2.0
     assert config.total_steps(17) == 2 * 3 and config.total_steps(0) == 0
 
 
@@ -151,6 +187,16 @@ def test_defaults_and_valid_hyperparameters() -> None:
         ({"mu": -0.1}, "mu"),
         ({"momentum": -0.5}, "momentum"),
         ({"weight_decay": "0"}, "weight_decay"),
+        ({"gamma": -1.0}, "gamma"),
+        ({"lambda1": -0.1}, "lambda1"),
+        ({"lambda2": float("inf")}, "lambda2"),
+        ({"generator_lr": 0.0}, "generator_lr"),
+        ({"generator_width": 0}, "generator_width"),
+        ({"generator_width": 16.0}, "generator_width: Input should be a valid integer"),
+        ({"generator_noise_dim": -1}, "generator_noise_dim"),
+        ({"generator_hidden": 0}, "generator_hidden"),
+        ({"generative_alpha": -0.5}, "generative_alpha"),
+        ({"generator_batch_size": True}, "generator_batch_size"),
     ],
 )
 def test_invalid_hyperparameters_raise_task_error(

@@ -24,6 +24,7 @@ ROUND_KEYS = {
     "bytes_down",
     "wire_bytes_up",
     "wire_bytes_down",
+    "device_train_s",
     "models",
 }
 METRIC_KEYS = {"amp", "fm", "wlp", "global_acc"}
@@ -162,6 +163,7 @@ def test_csv_columns_and_values(tmp_path: Path) -> None:
         "bytes_down",
         "wire_bytes_up",
         "wire_bytes_down",
+        "device_train_s",
         "aca_amp",
         "aca_fm",
         "aca_wlp",
@@ -186,7 +188,8 @@ def test_csv_of_empty_report_has_only_round_columns(tmp_path: Path) -> None:
     path = write_csv(RunReport(config={}), tmp_path)
 
     assert path.read_text("utf-8") == (
-        "round,wall_s,active_devices,bytes_up,bytes_down,wire_bytes_up,wire_bytes_down\n"
+        "round,wall_s,active_devices,bytes_up,bytes_down,wire_bytes_up,wire_bytes_down,"
+        "device_train_s\n"
     )
 
 

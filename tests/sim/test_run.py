@@ -27,6 +27,7 @@ def test_inproc_run_reports_every_round_with_bytes_and_both_models() -> None:
     assert [r.round for r in report.rounds] == [1, 2]
     for record in report.rounds:
         assert record.active_devices == 3
+        assert record.device_train_s is not None and record.device_train_s > 0
         assert record.bytes_up > 0 and record.bytes_down > 0
         assert record.wire_bytes_up > record.bytes_up and record.wire_bytes_down > record.bytes_down
         assert set(record.models) == {"aca", "oca"}
@@ -91,6 +92,7 @@ def test_cli_default_command_writes_json_and_report(tmp_path: Path) -> None:
         "bytes_down",
         "wire_bytes_up",
         "wire_bytes_down",
+        "device_train_s",
         "models",
     }
     assert set(data["rounds"][0]["models"]["aca"]) == {"amp", "fm", "wlp", "global_acc"}
