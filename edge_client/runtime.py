@@ -51,13 +51,21 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from edge_client.client_state import STATE_FILE, SavedState, read_state, write_state
+from edge_client.client_state import (
+    MODEL_FILE,
+    STATE_FILE,
+    SavedState,
+    read_model,
+    read_state,
+    write_model,
+    write_state,
+)
 from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.errors import ConfigError, ConnectError, TaskError
 from edge_client.strategies import WEIGHTS_SET, LocalTask, local_update, validate_task
 from edge_client.training import TrainHook
-from models import Classifier, ModelError, build_classifier
+from models import Classifier, ModelError, build_classifier, load_state_arrays, state_arrays
 from protocol import __version__ as protocol_version
 from protocol.channel import Channel
 from protocol.codec import Codec
@@ -638,6 +646,7 @@ class EdgeClient:
                     hooks=(_CancelHook(self._stop_requested),),
                     device=self._device,
                 )
+            self._save_model()
             start = time.perf_counter()
             weights = encode_tensors(result.sets[WEIGHTS_SET], task.uplink.precision)
             timings = {"decode_s": decode_s, **result.timings}
@@ -767,6 +776,30 @@ class EdgeClient:
             logger.warning("could not save the client state to %s: %s", path, exc)
             self._last_error = exc
 
+    def _save_model(self) -> None:
+        """Persist the trained model (before the update goes out); failures are logged."""
+        if self.config.state_dir is None:
+            return
+        path = self.config.state_dir / MODEL_FILE
+        try:
+            write_model(path, state_arrays(self._model), fsync=self.config.fsync_state)
+        except OSError as exc:
+            logger.warning("could not save the model to %s: %s", path, exc)
+            self._last_error = exc
+
+    def _load_model(self) -> None:
+        """Start from the model saved by the last run of this device, if it fits."""
+        assert self.config.state_dir is not None
+        path = self.config.state_dir / MODEL_FILE
+        if not path.exists():
+            return
+        try:
+            load_state_arrays(self._model, read_model(path))
+        except (OSError, ValueError, ModelError) as exc:
+            logger.warning("ignored the saved model %s: %s", path, exc)
+            return
+        logger.info("resumed the local model from %s", path)
+
     def _load_state(self) -> None:
         path = self.state_path
         if path is None or not path.exists():
@@ -787,3 +820,4 @@ class EdgeClient:
         self._handled = OrderedDict.fromkeys(saved.handled_tasks[-self.config.remember_tasks :])
         self._rounds_done = saved.rounds_done
         logger.info("resumed: %d rounds done", saved.rounds_done)
+        self._load_model()

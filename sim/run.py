@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.engine import Action, RoundClosed, RoundStarted
+from coordinator.errors import ConfigError
 from coordinator.runtime import Coordinator, save_final_models
 from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
@@ -249,9 +250,12 @@ def run_simulation(
         store: Store = (
             FileStore(root / "coordinator", fsync=False) if config.state_dir else MemoryStore()
         )
-        coordinator = Coordinator(
-            coordinator_config, make_transport(f"{config.fleet}-coordinator"), store
-        )
+        try:
+            coordinator = Coordinator(
+                coordinator_config, make_transport(f"{config.fleet}-coordinator"), store
+            )
+        except ConfigError as exc:
+            raise SimError(str(exc)) from exc
         gate = threading.BoundedSemaphore(config.train_slots)
         clients = []
         for split in federation.devices:

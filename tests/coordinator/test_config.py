@@ -112,3 +112,27 @@ def test_bad_toml_is_a_usage_error_with_one_line(tmp_path: Path) -> None:
 )
 def test_participants(c: float, registered: int, online: int, expected: int) -> None:
     assert participants(c, registered, online) == expected
+
+
+def test_mode_flags_reach_the_config() -> None:
+    kf = parse(
+        "--embedded-broker",
+        "--strategy",
+        "fedkf",
+        "--downlink",
+        "single",
+        "--final-model",
+        "aca",
+        "--gamma",
+        "0.5",
+        "--lambda1",
+        "0.2",
+        "--lambda2",
+        "0.3",
+    )
+    gen = parse("--embedded-broker", "--strategy", "fedgen", "--sharing", "head")
+
+    assert (kf.strategy, kf.downlink, kf.final_model) == ("fedkf", "single", "aca")
+    assert (kf.training.gamma, kf.training.lambda1, kf.training.lambda2) == (0.5, 0.2, 0.3)
+    assert (gen.strategy, gen.sharing) == ("fedgen", "head")
+    assert "sharing" in gen.fingerprint_fields() and "downlink" in kf.fingerprint_fields()

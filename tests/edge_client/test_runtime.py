@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from edge_client.client_state import MODEL_FILE
 from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.errors import ConfigError, ConnectError
@@ -499,9 +500,12 @@ def test_handled_tasks_survive_a_restart(
     first.stop()
     saved = json.loads((tmp_path / "state" / STATE_FILE).read_text())
     assert saved["rounds_done"] == 1 and task.message_id in saved["handled_tasks"]
-    assert [p.name for p in (tmp_path / "state").iterdir()] == [STATE_FILE]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [STATE_FILE, MODEL_FILE]
+    trained = state_arrays(first.model)
 
     second = make_client(state_dir=tmp_path / "state")
+    for name, value in state_arrays(second.model).items():  # the local model came back
+        np.testing.assert_array_equal(value, trained[name])
     coordinator.resend("model", model)
     coordinator.resend("task", task)
     coordinator.run_round(1, updates_before=1)

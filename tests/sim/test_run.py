@@ -111,3 +111,29 @@ def test_cli_bad_flags_exit_2_with_one_line() -> None:
 
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "devices" in result.stderr
+
+
+def test_cli_refuses_options_the_strategy_cannot_honour() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim",
+            "--devices",
+            "2",
+            "--rounds",
+            "1",
+            "--transport",
+            "inproc",
+            "--strategy",
+            "fedprox",
+            "--sharing",
+            "head",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 2
+    assert "strategy 'fedprox' does not support sharing 'head'" in result.stderr
