@@ -11,7 +11,14 @@ from torch import nn
 
 from models import StateMismatchError, build_classifier, load_state_arrays, state_arrays
 from sim.errors import MetricsError, SimError
-from sim.metrics import Fairness, ModelMetrics, evaluate_accuracy, evaluate_models, fairness
+from sim.metrics import (
+    Fairness,
+    ModelMetrics,
+    evaluate_accuracy,
+    evaluate_models,
+    evaluate_personal,
+    fairness,
+)
 
 # ------------------------------------------------------------------------ fairness
 
@@ -287,3 +294,26 @@ def test_evaluate_models_lenet5_smoke() -> None:
     results = evaluate_models({"aca": state_arrays(lenet)}, scratch, device_tests, None)
 
     assert_metrics_close(results["aca"], reference_metrics(lenet, device_tests, None))
+
+
+# --------------------------------------------------------------- evaluate_personal
+
+
+def test_evaluate_personal_uses_each_devices_own_model() -> None:
+    rng = np.random.default_rng(7)
+    models = [mlp(10), mlp(11), mlp(12)]
+    device_tests = [device_split(rng, n) for n in (9, 0, 14)]
+    # labels of device 2 are its own model's predictions: 100 % with its model only
+    x2 = device_tests[2][0]
+    with torch.no_grad():
+        y2 = models[2](torch.from_numpy(x2)).argmax(1).numpy()
+    device_tests[2] = (x2, y2)
+
+    result = evaluate_personal([state_arrays(m) for m in models], mlp(13), device_tests)
+
+    acc0 = evaluate_accuracy(models[0], *device_tests[0])
+    expected = fairness([acc0, math.nan, 1.0], [9, 0, 14])
+    assert result.amp == pytest.approx(expected.amp) and result.wlp == pytest.approx(expected.wlp)
+    assert result.global_acc is None
+    with pytest.raises(MetricsError, match="2 states for 3 device splits"):
+        evaluate_personal([state_arrays(m) for m in models[:2]], mlp(13), device_tests)

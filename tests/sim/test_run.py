@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from coordinator.config import TrainingSettings
@@ -137,3 +138,18 @@ def test_cli_refuses_options_the_strategy_cannot_honour() -> None:
 
     assert result.returncode == 2
     assert "strategy 'fedprox' does not support sharing 'head'" in result.stderr
+
+
+def test_class_fraction_keeps_that_share_of_every_class() -> None:
+    from sim.datasets import load_dataset
+    from sim.run import _subsample
+
+    train = load_dataset("synthetic", seed=0).train
+    kept = _subsample(train, 0.1, seed=3)
+
+    full = np.bincount(train.y, minlength=train.num_classes)
+    part = np.bincount(kept.y, minlength=train.num_classes)
+    assert np.all(np.abs(part - 0.1 * full) <= 0.5)
+    assert len(np.unique(kept.x.reshape(len(kept.y), -1), axis=0)) == len(kept.y)  # no repeats
+    again = _subsample(train, 0.1, seed=3)
+    np.testing.assert_array_equal(again.y, kept.y)
