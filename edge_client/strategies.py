@@ -50,10 +50,10 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -131,6 +131,7 @@ PRIOR_SET = "prior"
 WEIGHTS_SET = "weights"
 """Name of the uploaded tensor set: the trained state (full, or the head alone)."""
 
+_T = TypeVar("_T")
 _NO_SETS: ReceivedSets = MappingProxyType({})
 
 
@@ -215,6 +216,23 @@ def _load_set(
         load_state_arrays(module, arrays, subset=subset)
     except StateMismatchError as exc:
         raise TaskError(f"received set {name!r} does not fit the model: {exc}") from exc
+
+
+def _from_set(
+    sets: ReceivedSets, name: str, build: Callable[[Mapping[str, npt.NDArray[Any]]], _T]
+) -> _T | None:
+    """``build(sets[name])``, or None when the set was not received.
+
+    Raises:
+        TaskError: the set does not fit what ``build`` makes of it.
+    """
+    arrays = sets.get(name)
+    if arrays is None:
+        return None
+    try:
+        return build(arrays)
+    except StateMismatchError as exc:
+        raise TaskError(f"received set {name!r} does not fit: {exc}") from exc
 
 
 def _classifier(model: nn.Module, strategy: str) -> Classifier:
@@ -401,13 +419,8 @@ class FedKF(DeviceStrategy):
         if config.gamma == 0:
             _load_set(model, sets, STUDENT_SET)
             return ()
-        teacher = None
-        received = sets.get(TEACHER_SET)
-        if received is not None:  # built first: a bad teacher leaves the model unchanged
-            try:
-                teacher = frozen_teacher(classifier, received)
-            except StateMismatchError as exc:
-                raise TaskError(f"received set {TEACHER_SET!r} does not fit: {exc}") from exc
+        # built first: a bad teacher leaves the model unchanged
+        teacher = _from_set(sets, TEACHER_SET, lambda arrays: frozen_teacher(classifier, arrays))
         _load_set(model, sets, STUDENT_SET)
         if teacher is None:
             teacher = frozen_teacher(classifier)
@@ -446,13 +459,10 @@ class FedGen(_Shared):
         state: MutableMapping[str, Any],
     ) -> tuple[TrainHook, ...]:
         classifier = _classifier(model, self.name)
-        generator = None
-        received = sets.get(GENERATOR_SET)
-        if received is not None:  # built first: a bad generator leaves the model unchanged
-            try:
-                generator = received_generator(classifier, config, received)
-            except StateMismatchError as exc:
-                raise TaskError(f"received set {GENERATOR_SET!r} does not fit: {exc}") from exc
+        # built first: a bad generator leaves the model unchanged
+        generator = _from_set(
+            sets, GENERATOR_SET, lambda arrays: received_generator(classifier, config, arrays)
+        )
         prior_set = sets.get(PRIOR_SET)
         prior = label_prior(
             None if prior_set is None else prior_set[PRIOR_TENSOR], classifier.num_classes
