@@ -4,15 +4,22 @@ clients; a sniffer client sees every message on the fleet's topics."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from coordinator.config import TrainingSettings
+from coordinator.config import CoordinatorConfig, TrainingSettings
+from coordinator.runtime import Coordinator
+from edge_client.config import ClientConfig
+from edge_client.data import DeviceData
+from edge_client.runtime import EdgeClient
 from protocol.channel import Channel
-from protocol.messages import Message, ModelPayload, Update
+from protocol.messages import Ack, Message, ModelPayload, ReasonCode, RoundTask, Update
 from protocol.transport import MqttConfig, MqttTransport
+from sim.datasets import load_dataset
+from sim.partition import partition_dataset
 from sim.run import SimConfig, run_simulation
 from tests.protocol.brokers import Mosquitto
 
@@ -123,3 +130,38 @@ def test_fedgen_full_sharing_round_through_mosquitto(broker: Mosquitto, tmp_path
     assert set(sets) == {"global", "generator", "prior", "weights"}
     assert sets["weights"] == sets["global"]
     assert report.rounds[-1].models["aca"].global_acc is not None
+
+
+def test_fedgen_refuses_a_device_without_consent_and_says_why(broker: Mosquitto) -> None:
+    fleet = "consent"
+    config = CoordinatorConfig(fleet=fleet, strategy="fedgen", model="mlp", rounds=1)
+    coordinator = Coordinator(
+        config, MqttTransport(MqttConfig.from_url(broker.url, client_id="consent-coord"))
+    )
+    synthetic = load_dataset("synthetic", seed=0, train_samples=200)
+    split = partition_dataset(synthetic, 1, 1.0, seed=0).devices[0]
+    data = DeviceData(split.device_id, split.train.x, split.train.y, split.test.x, split.test.y, 10)
+    client = EdgeClient(
+        ClientConfig.from_broker_url(
+            broker.url, device_id=split.device_id, fleet=fleet, model="mlp"
+        ),
+        MqttTransport(MqttConfig.from_url(broker.url, client_id="consent-dev")),
+        data,
+    )
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    with Sniffer(broker.url, fleet) as sniffer:
+        thread.start()
+        client.start()
+        deadline = time.monotonic() + 30
+        while not sniffer.bodies(Ack) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # no round may start after the refusal
+        coordinator.stop()
+        client.stop()
+        thread.join(10)
+
+    acks = sniffer.bodies(Ack)  # one per hello (the device greets again on "starting")
+    assert acks and all(a.reason == ReasonCode.CONSENT_REQUIRED for a in acks)
+    assert not any(a.accepted for a in acks) and "--share-label-counts" in acks[0].detail
+    assert not sniffer.bodies(RoundTask) and not sniffer.bodies(Update)
+    assert split.device_id not in coordinator.engine.registry
