@@ -200,6 +200,7 @@ class RoundEngine:
         self._fingerprint = fingerprint
         self._num_classes = num_classes
         self._shapes = strategy.update_shapes(shapes)
+        self._uplink = strategy.uplink()
         self.registry = DeviceRegistry()
         self._cache: OcaCache | None = None
         self._run: RunMeta | None = None
@@ -338,7 +339,7 @@ class RoundEngine:
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
             announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
             weights = check_update_weights(update, self._shapes, announced)
-            if self.strategy.uplink().label_counts:
+            if self._uplink.label_counts:
                 check_label_counts(update, self._num_classes)
         except UpdateRejectedError as exc:
             self._counters.rejected += message.round == run.round
@@ -438,7 +439,7 @@ class RoundEngine:
             strategy=self.strategy.name,
             hyperparameters=hyper,
             deadline=run.deadline,
-            uplink=self.strategy.uplink(),
+            uplink=self._uplink,
             payloads=tuple(sets),
             model_message=model.message_id,
         )

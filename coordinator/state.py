@@ -188,8 +188,8 @@ class RunState:
         out = {}
         for key in self.store.keys(prefix.rstrip("/")):
             record = self.store.read(key)
-            if record is not None and key.startswith(prefix):
-                out[key[len(prefix) :]] = record.arrays
+            if record is not None:
+                out[key.removeprefix(prefix)] = record.arrays
         missing = [name for name in required if name not in out]
         if missing:
             raise StoreError(f"state is missing model(s) {missing} of round {round_number}")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -45,11 +45,22 @@ from coordinator.errors import ConfigError
 from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_generator
 from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
 from models import load_state_arrays as load_arrays
+from models.classifiers import HEAD_PREFIX
 from protocol.messages import Hello, UploadSpec
+from protocol.sets import (
+    GENERATOR_SET,
+    GLOBAL_SET,
+    HEAD_SET,
+    PRIOR_SET,
+    PRIOR_TENSOR,
+    STUDENT_SET,
+    TEACHER_SET,
+    WEIGHTS_SET,
+)
 
 __all__ = [
     "GLOBAL_SET",
-    "UPDATE_SET",
+    "WEIGHTS_SET",
     "Contribution",
     "FedAvg",
     "FedAvgOca",
@@ -65,15 +76,13 @@ Array = npt.NDArray[Any]
 Arrays = Mapping[str, Array]
 Scalar = bool | int | float | str
 
-UPDATE_SET = "weights"
-"""Name of the tensor set a device's update carries (its weights, fp32)."""
-GLOBAL_SET = "global"
-"""Name of the tensor set with the global model in a round's model message."""
-STUDENT_SET, TEACHER_SET = "student", "teacher"
-"""FedKF's two downlink sets (ACA and OCA)."""
-HEAD_SET, GENERATOR_SET, PRIOR_SET = "head", "generator", "prior"
-"""FedGen's sets: the aggregated head, the latent generator, the label prior."""
-HEAD_PREFIX = "head."
+
+_V = TypeVar("_V")
+
+
+def _head(state: Mapping[str, _V]) -> dict[str, _V]:
+    """The ``head.*`` entries of a model state (tensors, or their shapes)."""
+    return {k: v for k, v in state.items() if k.startswith(HEAD_PREFIX)}
 
 
 @dataclass(frozen=True)
@@ -101,18 +110,15 @@ class Strategy(abc.ABC):
     def __init__(self, config: CoordinatorConfig, template: Classifier) -> None:
         if config.sharing == "head" and not self.head_sharing:
             raise ConfigError(f"strategy {self.name!r} does not support sharing 'head'")
+        final = config.final_model or ("oca" if self.uses_oca else "aca")
+        if final == "oca" and not self.uses_oca:
+            raise ConfigError(f"strategy {self.name!r} keeps no OCA model; use final_model aca")
         self.config = config
         self.template = template
         self.head_only = config.sharing == "head"
-        self.training: TrainingSettings = config.training.with_defaults(self.training_defaults)
-
-    @property
-    def final_model(self) -> str:
+        self.final_model: str = final
         """The global model a run delivers (``aca``, or ``oca`` where one is kept)."""
-        chosen = self.config.final_model or ("oca" if self.uses_oca else "aca")
-        if chosen == "oca" and not self.uses_oca:
-            raise ConfigError(f"strategy {self.name!r} keeps no OCA model; use final_model aca")
-        return chosen
+        self.training: TrainingSettings = config.training.with_defaults(self.training_defaults)
 
     def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
         """What the task tells a device to do in ``round_number`` (1-based)."""
@@ -132,9 +138,7 @@ class Strategy(abc.ABC):
 
     def update_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """Name -> shape of the tensors an update must carry, given the model's ``shapes``."""
-        if not self.head_only:
-            return dict(shapes)
-        return {k: v for k, v in shapes.items() if k.startswith(HEAD_PREFIX)}
+        return _head(shapes) if self.head_only else dict(shapes)
 
     def refuse(self, hello: Hello) -> str | None:
         """Why this strategy cannot run with the device of ``hello`` (None: it can)."""
@@ -147,9 +151,7 @@ class Strategy(abc.ABC):
         strategies with an OCA cache, ``oca``.
         """
         aca = models["aca"]
-        if self.head_only:
-            return {HEAD_SET: {k: v for k, v in aca.items() if k.startswith(HEAD_PREFIX)}}
-        return {GLOBAL_SET: aca}
+        return {HEAD_SET: _head(aca)} if self.head_only else {GLOBAL_SET: aca}
 
     def aggregate(
         self,
@@ -248,11 +250,10 @@ class FedGen(Strategy):
 
     def __init__(self, config: CoordinatorConfig, template: Classifier) -> None:
         super().__init__(config, template)
-        self._generator_config = LatentGeneratorConfig(
-            noise_dim=self.training.generator_noise_dim or 32,
+        self._generator_config = LatentGeneratorConfig.for_classifier(
+            template,
+            noise_dim=self.training.generator_noise_dim,
             hidden_dim=self.training.generator_hidden,
-            num_classes=template.num_classes,
-            latent_dim=template.latent_dim,
         )
 
     def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
@@ -294,16 +295,12 @@ class FedGen(Strategy):
         counts: list[tuple[int, ...]] = []
         for update in updates:
             acc.add(update.weights, update.num_samples)
-            heads.append({k: v for k, v in update.weights.items() if k.startswith(HEAD_PREFIX)})
+            heads.append(_head(update.weights))
             if update.label_counts is None:  # the engine checks; kept as a guard
                 raise ValueError(f"update of {update.device_id} has no label counts")
             counts.append(update.label_counts)
         aca = self._merge(current, acc.mean())
-        with torch.random.fork_rng(devices=[]):  # a reproducible first generator
-            torch.manual_seed(self.config.seed)
-            generator = LatentGenerator(self._generator_config)
-        if GENERATOR_SET in current:
-            load_arrays(generator, current[GENERATOR_SET])
+        generator = self._generator(current)
         train_latent_generator(
             generator,
             heads,
@@ -315,8 +312,20 @@ class FedGen(Strategy):
         return {
             "aca": aca,
             GENERATOR_SET: state_arrays(generator),
-            PRIOR_SET: {"label_prior": prior.astype(np.float32)},
+            PRIOR_SET: {PRIOR_TENSOR: prior.astype(np.float32)},
         }
+
+    def _generator(self, current: Mapping[str, Arrays]) -> LatentGenerator:
+        """Last round's generator, or in round 1 a new one seeded by the run's seed."""
+        if GENERATOR_SET in current:
+            with torch.device("meta"):  # every tensor comes from the stored state
+                generator = LatentGenerator(self._generator_config)
+            generator = generator.to_empty(device="cpu")
+            load_arrays(generator, current[GENERATOR_SET])
+            return generator
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.config.seed)
+            return LatentGenerator(self._generator_config)
 
 
 _REGISTRY: dict[str, Callable[[CoordinatorConfig, Classifier], Strategy]] = {
@@ -334,7 +343,8 @@ def build_strategy(config: CoordinatorConfig, template: Classifier) -> Strategy:
 
     Raises:
         ConfigError: unknown name (the message lists the known ones), or options the
-            strategy cannot honour (``final_model oca`` without an OCA model).
+            strategy cannot honour (``final_model oca`` without an OCA model, ``sharing
+            head`` where heads alone cannot be averaged).
     """
     try:
         factory = _REGISTRY[config.strategy]
@@ -342,6 +352,4 @@ def build_strategy(config: CoordinatorConfig, template: Classifier) -> Strategy:
         raise ConfigError(
             f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}"
         ) from None
-    strategy = factory(config, template)
-    _ = strategy.final_model  # validates the choice
-    return strategy
+    return factory(config, template)

@@ -24,9 +24,9 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.errors import UpdateRejectedError
-from coordinator.strategies import UPDATE_SET
 from protocol.errors import DecodeError
 from protocol.messages import ReasonCode, Update
+from protocol.sets import WEIGHTS_SET
 
 __all__ = ["check_label_counts", "check_update_weights"]
 
@@ -55,10 +55,10 @@ def check_update_weights(
             ReasonCode.MALFORMED,
             f"num_samples {update.num_samples} outside 1..{announced_samples} (announced in hello)",
         )
-    tensor_set = update.sets.get(UPDATE_SET)
-    if tensor_set is None or set(update.sets) != {UPDATE_SET}:
+    tensor_set = update.sets.get(WEIGHTS_SET)
+    if tensor_set is None or set(update.sets) != {WEIGHTS_SET}:
         raise UpdateRejectedError(
-            ReasonCode.MALFORMED, f"an update carries exactly one set {UPDATE_SET!r}"
+            ReasonCode.MALFORMED, f"an update carries exactly one set {WEIGHTS_SET!r}"
         )
     if tensor_set.mode != "full":
         raise UpdateRejectedError(

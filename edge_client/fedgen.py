@@ -40,34 +40,24 @@ from models import (
 )
 
 __all__ = [
-    "DEFAULT_NOISE_DIM",
-    "PRIOR_TENSOR",
     "PRIOR_TOLERANCE",
     "FedGenHook",
     "label_prior",
-    "latent_generator_config",
     "latent_generator_shapes",
     "received_generator",
 ]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NOISE_DIM = 32
-"""Noise width of the latent generator when ``generator_noise_dim`` is 0."""
-PRIOR_TENSOR = "label_prior"
-"""Name of the one tensor of the label-prior set: float (num_classes,), sums to 1."""
 PRIOR_TOLERANCE = 1e-2
 """Largest accepted ``|sum(prior) - 1|`` (room for a lossy downlink precision); the
 prior is renormalised before use."""
 
 
-def latent_generator_config(model: Classifier, config: TrainConfig) -> LatentGeneratorConfig:
+def _generator_config(model: Classifier, config: TrainConfig) -> LatentGeneratorConfig:
     """The configuration of the generator the coordinator trains for ``model``."""
-    return LatentGeneratorConfig(
-        noise_dim=config.generator_noise_dim or DEFAULT_NOISE_DIM,
-        hidden_dim=config.generator_hidden,
-        num_classes=model.num_classes,
-        latent_dim=model.latent_dim,
+    return LatentGeneratorConfig.for_classifier(
+        model, noise_dim=config.generator_noise_dim, hidden_dim=config.generator_hidden
     )
 
 
@@ -75,7 +65,7 @@ def latent_generator_shapes(model: Classifier, config: TrainConfig) -> dict[str,
     """Tensor names and shapes of that generator's full state (BatchNorm buffers
     included), computed on the meta device: no memory, no random numbers used."""
     with torch.device("meta"):
-        generator = LatentGenerator(latent_generator_config(model, config))
+        generator = LatentGenerator(_generator_config(model, config))
     return state_shapes(generator)
 
 
@@ -91,7 +81,7 @@ def received_generator(
             non-finite values.
     """
     with torch.device("meta"):
-        generator = LatentGenerator(latent_generator_config(model, config))
+        generator = LatentGenerator(_generator_config(model, config))
     generator = generator.to_empty(device="cpu")
     load_state_arrays(generator, arrays)
     generator.eval()

@@ -209,8 +209,9 @@ class FedKFHook(TrainHook):
     """FedKF in the training loop: train G before each batch, distil on G's samples.
 
     Metrics (:meth:`metrics`): ``kd_loss``, the mean unweighted KL term, and
-    ``generator_loss``, the mean ``L_G`` before each generator step; none when
-    ``gamma`` is 0 (then the hook does nothing: FedAvg on the student).
+    ``generator_loss``, the mean ``L_G`` before each generator step; none before the
+    first batch. Used only with ``gamma`` > 0: with 0 the strategy trains the student
+    as FedAvg, without this hook.
     """
 
     def __init__(
@@ -234,8 +235,6 @@ class FedKFHook(TrainHook):
         self._steps = 0
 
     def before_training(self, model: nn.Module) -> None:
-        if self.config.gamma == 0:
-            return
         device = next(model.parameters()).device
         self.teacher.to(device)
         self.generator = local_image_generator(self._state, self.teacher, self.config, device)

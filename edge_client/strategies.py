@@ -63,7 +63,6 @@ from torch import nn
 from edge_client.data import DeviceData
 from edge_client.errors import TaskError
 from edge_client.fedgen import (
-    PRIOR_TENSOR,
     FedGenHook,
     label_prior,
     latent_generator_shapes,
@@ -78,6 +77,16 @@ from models import (
     load_state_arrays,
     state_arrays,
     state_shapes,
+)
+from protocol.sets import (
+    GENERATOR_SET,
+    GLOBAL_SET,
+    HEAD_SET,
+    PRIOR_SET,
+    PRIOR_TENSOR,
+    STUDENT_SET,
+    TEACHER_SET,
+    WEIGHTS_SET,
 )
 
 __all__ = [
@@ -114,22 +123,6 @@ ReceivedSets = Mapping[str, Mapping[str, npt.NDArray[Any]]]
 """Received tensor sets: set name -> tensor name -> array."""
 UploadSubset = Literal["all", "head"]
 """What a device uploads: its full state, or only its classifier head."""
-
-GLOBAL_SET = "global"
-"""Received set: the global model's full state."""
-STUDENT_SET = "student"
-"""Received set (FedKF): the student's full state (the ACA model)."""
-TEACHER_SET = "teacher"
-"""Received set (FedKF, optional): the teacher's full state (the OCA model)."""
-HEAD_SET = "head"
-"""Received set (FedGen head-only sharing): the classifier's ``head.*`` tensors."""
-GENERATOR_SET = "generator"
-"""Received set (FedGen, optional): the latent generator's full state with buffers."""
-PRIOR_SET = "prior"
-"""Received set (FedGen, optional): the label prior, one tensor named
-:data:`PRIOR_TENSOR`."""
-WEIGHTS_SET = "weights"
-"""Name of the uploaded tensor set: the trained state (full, or the head alone)."""
 
 _T = TypeVar("_T")
 _NO_SETS: ReceivedSets = MappingProxyType({})

@@ -13,6 +13,7 @@ import torch.nn.functional as F  # noqa: N812
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
+from models.classifiers import Classifier
 from models.errors import ModelInputError
 
 __all__ = ["ImageGenerator", "ImageGeneratorConfig", "LatentGenerator", "LatentGeneratorConfig"]
@@ -29,6 +30,19 @@ class LatentGeneratorConfig(BaseModel):
     latent_dim: int = Field(
         default=32, ge=1, description="Output width; must equal the classifiers' latent_dim."
     )
+
+    @classmethod
+    def for_classifier(
+        cls, classifier: Classifier, *, noise_dim: int = 0, hidden_dim: int = 0
+    ) -> LatentGeneratorConfig:
+        """The generator over ``classifier``'s latent space and classes; a width of 0
+        takes the default above (what the coordinator and the devices must agree on)."""
+        widths = {"noise_dim": noise_dim, "hidden_dim": hidden_dim}
+        return cls(
+            num_classes=classifier.num_classes,
+            latent_dim=classifier.latent_dim,
+            **{name: value for name, value in widths.items() if value},
+        )
 
 
 class LatentGenerator(nn.Module):

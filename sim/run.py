@@ -35,6 +35,7 @@ from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.runtime import EdgeClient
 from models import Classifier, build_classifier, state_arrays
+from models.classifiers import HEAD_PREFIX
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
 from sim.datasets import load_dataset
@@ -179,7 +180,7 @@ class _Recorder:
         delta = [a - b for a, b in zip(now, self._last, strict=True)]
         self._last = now
         if self._personal:  # each device: its own feature extractor + the global head
-            head = {k: v for k, v in action.models["aca"].items() if k.startswith("head.")}
+            head = {k: v for k, v in action.models["aca"].items() if k.startswith(HEAD_PREFIX)}
             states = [
                 {**state_arrays(client.model, "features"), **head} for client in self._clients
             ]
