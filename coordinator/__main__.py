@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from coordinator.config import CoordinatorConfig, build_config, load_config
 from coordinator.errors import ConfigError, CoordinatorError, StateMismatchError
 from coordinator.strategies import strategy_names
+from protocol.tensors import Precision
 
 PROG = "python -m coordinator"
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -64,6 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sharing", choices=["full", "head"], help="fedavg/fedgen: whole model or head only (full)"
+    )
+    precisions = [x.value for x in Precision]
+    p.add_argument("--precision", choices=precisions, help="transfer precision both ways (fp32)")
+    p.add_argument(
+        "--downlink-precision", choices=precisions, help="models to devices (--precision)"
+    )
+    p.add_argument("--uplink-precision", choices=precisions, help="updates (--precision)")
+    p.add_argument(
+        "--no-downlink-deltas",
+        action="store_true",
+        default=None,
+        help="always send full models (no deltas against the model a device holds)",
+    )
+    p.add_argument(
+        "--teacher-budget",
+        type=float,
+        help="fedkf dual: teacher delta bytes as a fraction of the model's (0.3)",
+    )
+    p.add_argument(
+        "--qat",
+        action="store_true",
+        default=None,
+        help="int8 devices train with fake-quantized weights",
     )
     p.add_argument("--model", help="classifier registry name (lenet5)")
     p.add_argument("--num-classes", type=int, help="classes of the model (10)")
@@ -114,6 +138,9 @@ _TOP = {
     "seed": "seed",
     "state_dir": "state_dir",
     "resume": "resume",
+    "downlink_precision": "downlink_precision",
+    "uplink_precision": "uplink_precision",
+    "teacher_budget": "teacher_budget",
 }
 _TRAINING = (
     "local_epochs",
@@ -125,6 +152,7 @@ _TRAINING = (
     "gamma",
     "lambda1",
     "lambda2",
+    "qat",
 )
 _BROKER = {
     "broker": "url",
@@ -162,6 +190,11 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         overrides["broker"] = broker
     if args.no_onnx:
         overrides["export_onnx"] = False
+    if args.no_downlink_deltas:
+        overrides["downlink_deltas"] = False
+    if args.precision is not None:
+        for field in ("downlink_precision", "uplink_precision"):
+            overrides.setdefault(field, args.precision)
     if args.config is not None:
         config = load_config(args.config, overrides)
     else:

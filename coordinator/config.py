@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from coordinator.errors import ConfigError
 from protocol.messages import ID_PATTERN
+from protocol.tensors import Precision
 from protocol.transport import MqttConfig, MqttVersion, TlsConfig, read_password
 
 __all__ = [
@@ -61,6 +62,7 @@ class TrainingSettings(_Frozen):
     generative_alpha_decay: float = Field(default=0.98, gt=0, le=1)
     generator_noise_dim: int = Field(default=0, ge=0)  # 0: the strategy's default
     generator_hidden: int = Field(default=256, ge=1)  # FedGen latent generator width
+    qat: bool = False  # int8 devices train with fake-quantized weights (matches int8 ONNX)
 
     @model_validator(mode="after")
     def _some_training(self) -> TrainingSettings:
@@ -151,6 +153,10 @@ class CoordinatorConfig(_Frozen):
     downlink: Literal["dual", "single"] = "dual"  # fedkf: ACA + OCA, or the ACA alone
     final_model: Literal["aca", "oca"] | None = None  # None: oca where kept, else aca
     sharing: Literal["full", "head"] = "full"  # fedavg/fedgen: whole model or head only
+    downlink_precision: Precision = Precision.FP32  # models to devices (a hello may ask another)
+    uplink_precision: Precision = Precision.FP32  # updates; lossy ones travel as deltas
+    downlink_deltas: bool = True  # lossy downlinks: a delta against the model a device holds
+    teacher_budget: float = Field(default=0.3, gt=0, le=1)  # fedkf dual: teacher bytes / model
     model: str = "lenet5"  # a name from models.classifier_names()
     num_classes: int = Field(default=10, ge=2)
     in_channels: int = Field(default=1, ge=1)

@@ -38,9 +38,10 @@ import numpy.typing as npt
 from coordinator.config import CoordinatorConfig, participants
 from coordinator.errors import StoreError, UpdateRejectedError
 from coordinator.registry import DeviceRegistry
-from coordinator.state import OcaCache, RunMeta, RunState, StoredUpdate
+from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies import Contribution, Strategy
+from coordinator.strategies import Arrays, Contribution, Strategy
+from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
 from protocol.messages import (
     Ack,
@@ -53,8 +54,8 @@ from protocol.messages import (
     RoundTask,
     Update,
 )
+from protocol.sets import WEIGHTS_SET
 from protocol.tensors import Precision
-from protocol.tensorset import TensorSet, encode_tensors
 from protocol.topics import Topics
 
 __all__ = [
@@ -201,6 +202,9 @@ class RoundEngine:
         self._num_classes = num_classes
         self._shapes = strategy.update_shapes(shapes)
         self._uplink = strategy.uplink()
+        self._transfers = Transfers(
+            self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
+        )
         self.registry = DeviceRegistry()
         self._cache: OcaCache | None = None
         self._run: RunMeta | None = None
@@ -260,7 +264,7 @@ class RoundEngine:
             missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
             if not missing:  # the crash came after the last update, before the close
                 return actions + self._close_round(now)
-            sets = self._downlink_sets()
+            sets = self._server_sets()
             for device_id in missing:
                 actions += self._task_messages(device_id, sets)
         elif run.phase == "finished":
@@ -307,8 +311,8 @@ class RoundEngine:
                 f"fleet runs {self._architecture} ({self._fingerprint}); device announced "
                 f"{hello.architecture} ({hello.fingerprint})",
             )
-        elif Precision.FP32 not in hello.precisions:
-            problem = (ReasonCode.UNSUPPORTED_PRECISION, "this run needs fp32 transfers")
+        elif (unsupported := self._unsupported_precision(hello)) is not None:
+            problem = (ReasonCode.UNSUPPORTED_PRECISION, unsupported)
         elif hello.num_samples < 1:
             problem = (ReasonCode.MALFORMED, "a device without training samples cannot join")
         elif (refusal := self.strategy.refuse(hello)) is not None:
@@ -318,7 +322,15 @@ class RoundEngine:
             return [self._ack(device_id, message, False, *problem)]
         if self.registry.register(hello):
             self._state.save_registry(self.registry.entries)
-            log.info("registered %s (%d samples)", device_id, hello.num_samples)
+            link = self._link(device_id)
+            log.info(
+                "registered %s (%d samples, %s down / %s up)",
+                device_id,
+                hello.num_samples,
+                link.downlink.value,
+                link.uplink.value,
+            )
+        self._transfers.announced(device_id, hello.held_base)
         actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
         run = self._require_run()
         if (
@@ -326,8 +338,27 @@ class RoundEngine:
             and device_id in run.selected
             and not self._state.has_update(device_id, run.round)
         ):
-            actions += self._task_messages(device_id, self._downlink_sets())  # it may have lost it
+            actions += self._task_messages(device_id, self._server_sets())  # it may have lost it
         return actions + self._on_tick(now)
+
+    def _unsupported_precision(self, hello: Hello) -> str | None:
+        for direction, asked, default in (
+            ("downlink", hello.downlink_precision, self.config.downlink_precision),
+            ("uplink", hello.uplink_precision, self.config.uplink_precision),
+        ):
+            if asked is None and default not in hello.precisions:
+                return (
+                    f"this fleet's {direction} precision is {default.value}; the device speaks "
+                    + (", ".join(p.value for p in hello.precisions))
+                )
+        return None
+
+    def _link(self, device_id: str) -> Link:
+        """The precisions ``device_id`` transfers in: its own request, else the fleet's."""
+        entry = self.registry.get(device_id) or {}
+        down = entry.get("downlink_precision") or self.config.downlink_precision
+        up = entry.get("uplink_precision") or self.config.uplink_precision
+        return Link(Precision(down), Precision(up))
 
     # -- update ------------------------------------------------------------------------
 
@@ -338,7 +369,8 @@ class RoundEngine:
             if self._state.has_update(device_id, message.round):
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
             announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
-            weights = check_update_weights(update, self._shapes, announced)
+            base = self._uplink_base(device_id, update)
+            weights = check_update_weights(update, self._shapes, announced, base)
             if self._uplink.label_counts:
                 check_label_counts(update, self._num_classes)
         except UpdateRejectedError as exc:
@@ -357,6 +389,8 @@ class RoundEngine:
             timings=dict(update.timings),
         )
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
+        if base is not None:
+            self._transfers.confirm(device_id, base)
         if self._cache is not None:
             self._cache.absorb(device_id, message.round)
         if not on_time:
@@ -418,28 +452,42 @@ class RoundEngine:
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
-        sets = self._downlink_sets()
+        self._transfers.new_round()
+        sets = self._server_sets()
         actions: list[Action] = self._status("running")
         for device_id in selected:
             actions += self._task_messages(device_id, sets)
         log.info("round %d: selected %d of %d online", run.round, count, len(online))
         return [*actions, RoundStarted(run.round, tuple(selected))]
 
-    def _downlink_sets(self) -> dict[str, TensorSet]:
-        sets = self.strategy.downlink({**self._models, **self.models()})
-        return {name: encode_tensors(arrays, Precision.FP32) for name, arrays in sets.items()}
+    def _server_sets(self) -> dict[str, Arrays]:
+        """The strategy's downlink for this round (arrays; each device's encoding differs)."""
+        return self.strategy.downlink({**self._models, **self.models()})
 
-    def _task_messages(self, device_id: str, sets: dict[str, TensorSet]) -> list[Action]:
+    def _uplink_base(self, device_id: str, update: Update) -> Base | None:
+        weights = update.sets.get(WEIGHTS_SET)
+        if weights is None or weights.mode != "delta":
+            return None
+        return self._transfers.uplink_base(device_id, weights.base)
+
+    def _task_messages(self, device_id: str, server_sets: Mapping[str, Arrays]) -> list[Action]:
         run = self._require_run()
         fleet, me = self.config.fleet, self.config.coordinator_id
+        link = self._link(device_id)
+        sets = self._transfers.downlink(
+            device_id, run.round, server_sets, link, self.strategy.delta_sets
+        )
         model = Message(fleet=fleet, sender=me, round=run.round, body=ModelPayload(sets=sets))
         hyper = self.strategy.hyperparameters(run.round)
         hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
+        if self.strategy.training.qat and Precision.INT8 in (link.downlink, link.uplink):
+            hyper["qat"] = True
         task = RoundTask(
             strategy=self.strategy.name,
             hyperparameters=hyper,
             deadline=run.deadline,
-            uplink=self._uplink,
+            downlink_precision=link.downlink,
+            uplink=link.upload(self._uplink, next(iter(sets))),
             payloads=tuple(sets),
             model_message=model.message_id,
         )

@@ -28,6 +28,12 @@ def _entry(hello: Hello) -> dict[str, Any]:
         "threads": hello.threads,
         "platform": hello.platform,
         "software_version": hello.software_version,
+        "downlink_precision": None
+        if hello.downlink_precision is None
+        else hello.downlink_precision.value,
+        "uplink_precision": None
+        if hello.uplink_precision is None
+        else hello.uplink_precision.value,
     }
 
 

@@ -11,6 +11,11 @@ key                        record
 ``models/rNNNNNN/NAME``    global model ``NAME`` (``aca``, ...) that round ``N`` starts from
 ``updates/DEVICE/rNNNNNN`` an accepted update of ``DEVICE`` for round ``N``: its metadata and
                            weights. Writing it is the commit point of acceptance.
+``bases/DEVICE/sent``       the model (as decoded) the device's current task gives it: round,
+                           content fingerprint, arrays; quantized transfers only
+``bases/DEVICE/held``       the same for the model the device is known to hold (it
+                           uploaded a delta against it or announced it): downlink deltas
+                           are taken against it
 ``oca``                    OCA running sum ``S = sum_k n_k w_k`` (float64), total weight and
                            which update of each device is inside the sum
 =========================  =================================================================
@@ -45,7 +50,7 @@ from coordinator.aggregate import WeightedSum
 from coordinator.errors import StateMismatchError, StoreError
 from coordinator.store import Store
 
-__all__ = ["OcaCache", "RunMeta", "RunState", "StoredUpdate"]
+__all__ = ["Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,18 @@ class StoredUpdate:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"corrupt update record: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Base:
+    """A model a device was sent (``sent``) or is known to hold (``held``), as decoded."""
+
+    round: int
+    fingerprint: str
+    arrays: dict[str, Array]
+
+
+BaseKind = Literal["sent", "held"]
 
 
 class RunState:
@@ -237,6 +254,26 @@ class RunState:
     def round_updates(self, round_number: int) -> list[str]:
         """Devices with an accepted update for ``round_number``."""
         return sorted(d for d, rounds in self.update_rounds().items() if round_number in rounds)
+
+    # -- per-device bases (quantized transfers) -----------------------------------------
+
+    def save_base(self, device_id: str, kind: BaseKind, base: Base) -> None:
+        meta = {"round": base.round, "fingerprint": base.fingerprint}
+        self.store.write(f"bases/{device_id}/{kind}", meta, base.arrays)
+
+    def load_base(self, device_id: str, kind: BaseKind) -> Base | None:
+        record = self.store.read(f"bases/{device_id}/{kind}")
+        if record is None:
+            return None
+        meta = record.meta
+        return Base(int(meta["round"]), str(meta["fingerprint"]), record.arrays)
+
+    def base_fingerprint(self, device_id: str, kind: BaseKind) -> str | None:
+        meta = self.store.read_meta(f"bases/{device_id}/{kind}")
+        return None if meta is None else str(meta["fingerprint"])
+
+    def delete_base(self, device_id: str, kind: BaseKind) -> None:
+        self.store.delete(f"bases/{device_id}/{kind}")
 
     # -- recovery ----------------------------------------------------------------------
 

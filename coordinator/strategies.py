@@ -103,6 +103,9 @@ class Strategy(abc.ABC):
     """Keep an OCA cache (every device's latest update) and an ``oca`` global model."""
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 5, "batch_size": 32}
     """Training settings a run gets where the configuration leaves them unset."""
+    delta_sets: ClassVar[Mapping[str, str]] = {}
+    """Downlink sets sent as a delta against another set of the same message, fitted into
+    ``teacher_budget`` of that set's bytes (FedKF: the teacher against the student)."""
     head_sharing: ClassVar[bool] = False
     """Whether ``sharing head`` is supported: devices upload only the prediction head,
     the server averages the heads and sends the aggregated head back as ``head``."""
@@ -211,6 +214,7 @@ class FedKF(Strategy):
     name = "fedkf"
     uses_oca = True
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 64}
+    delta_sets: ClassVar[Mapping[str, str]] = {TEACHER_SET: STUDENT_SET}
 
     def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
         t = self.training

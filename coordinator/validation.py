@@ -6,7 +6,9 @@ the device gets back in its Ack:
 ======================  ==============================================================
 reason                  when
 ======================  ==============================================================
-malformed               no ``weights`` set, not a full set, or num_samples out of range
+malformed               no ``weights`` set, neither a full nor a delta set, or
+                        num_samples out of range
+unknown_base            a delta whose base is not the model the device was sent
 fingerprint_mismatch    tensor names differ from the coordinator's model
 shape_mismatch          same names, some shape differs
 non_finite              a NaN or infinity in the weights
@@ -24,6 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.errors import UpdateRejectedError
+from coordinator.state import Base
+from protocol.deltas import apply_delta_set
 from protocol.errors import DecodeError
 from protocol.messages import ReasonCode, Update
 from protocol.sets import WEIGHTS_SET
@@ -34,7 +38,10 @@ Array = npt.NDArray[Any]
 
 
 def check_update_weights(
-    update: Update, shapes: Mapping[str, tuple[int, ...]], announced_samples: int
+    update: Update,
+    shapes: Mapping[str, tuple[int, ...]],
+    announced_samples: int,
+    base: Base | None = None,
 ) -> dict[str, Array]:
     """Decode and check the weights of ``update`` against the model's ``shapes``.
 
@@ -43,6 +50,8 @@ def check_update_weights(
         shapes: name -> shape of every tensor of the coordinator's model.
         announced_samples: the training samples the device announced in its hello; an
             update may not claim more (it would outweigh the others).
+        base: for a delta update, the model the device was sent whose fingerprint the
+            delta names (None: not known, and a delta is rejected).
 
     Returns:
         The decoded weights, float32 for floating tensors.
@@ -60,9 +69,14 @@ def check_update_weights(
         raise UpdateRejectedError(
             ReasonCode.MALFORMED, f"an update carries exactly one set {WEIGHTS_SET!r}"
         )
-    if tensor_set.mode != "full":
+    if tensor_set.mode == "delta" and base is None:
         raise UpdateRejectedError(
-            ReasonCode.MALFORMED, f"set mode {tensor_set.mode!r}; expected 'full'"
+            ReasonCode.UNKNOWN_BASE,
+            f"delta against {tensor_set.base!r}, which is not the model this device was sent",
+        )
+    if tensor_set.mode not in ("full", "delta"):
+        raise UpdateRejectedError(
+            ReasonCode.MALFORMED, f"set mode {tensor_set.mode!r}; expected 'full' or 'delta'"
         )
     names = [t.name for t in tensor_set]
     if set(names) != set(shapes):
@@ -79,7 +93,11 @@ def check_update_weights(
                 f"{tensor.name}: shape {tuple(tensor.shape)}, model has {shapes[tensor.name]}",
             )
     try:
-        arrays = tensor_set.to_arrays()
+        if tensor_set.mode == "delta":
+            assert base is not None
+            arrays = apply_delta_set(tensor_set, base.arrays)
+        else:
+            arrays = tensor_set.to_arrays()
     except (DecodeError, ValueError) as exc:
         raise UpdateRejectedError(ReasonCode.MALFORMED, f"cannot decode weights: {exc}") from exc
     for name, array in arrays.items():

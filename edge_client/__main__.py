@@ -124,6 +124,18 @@ def _add_run_parser(commands: Any) -> None:
         default=0,
         help="seed of the model's initial weights; use the coordinator's --seed (default 0)",
     )
+    precisions = ("fp32", "fp16", "bf16", "int8", "int4")
+    run.add_argument(
+        "--precision",
+        choices=precisions,
+        help="ask for this transfer precision both ways (default: the fleet's)",
+    )
+    run.add_argument(
+        "--downlink-precision", choices=precisions, help="models in this precision (--precision)"
+    )
+    run.add_argument(
+        "--uplink-precision", choices=precisions, help="updates in this precision (--precision)"
+    )
     run.add_argument(
         "--share-label-counts",
         action="store_true",
@@ -212,6 +224,8 @@ def _run_device(args: argparse.Namespace) -> int:
             threads=args.threads,
             init_seed=args.init_seed,
             share_label_counts=args.share_label_counts,
+            downlink_precision=args.downlink_precision or args.precision,
+            uplink_precision=args.uplink_precision or args.precision,
             exit_when_finished=args.exit_when_finished,
             connect_retry_s=args.connect_retry,
         )

@@ -17,6 +17,7 @@ from edge_client.errors import ConfigError
 from protocol.chunking import DEFAULT_MAX_PAYLOAD
 from protocol.errors import TransportError
 from protocol.messages import ID_PATTERN
+from protocol.tensors import Precision
 from protocol.transport.base import MqttVersion
 from protocol.transport.config import MqttConfig, TlsConfig
 
@@ -52,6 +53,11 @@ class ClientConfig(BaseModel):
     init_seed: int = Field(default=0, ge=0)
     # Seed of the local model's initial weights (the coordinator's --seed gives the same
     # ones); where only the head is shared (FedGen), the feature extractor starts here.
+    downlink_precision: Precision | None = None
+    # Precision to receive models in (announced in the hello); None: the fleet's.
+    uplink_precision: Precision | None = None
+    # Precision to upload updates in; lossy ones travel as deltas with error feedback.
+    # None: the fleet's.
     share_label_counts: bool = False
     # Consent to send per-class label counts when a task asks for them (FedGen needs
     # them). Off by default; announced in the hello.

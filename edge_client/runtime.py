@@ -65,10 +65,12 @@ from edge_client.data import DeviceData
 from edge_client.errors import ConfigError, ConnectError, TaskError
 from edge_client.strategies import WEIGHTS_SET, LocalTask, local_update, validate_task
 from edge_client.training import TrainHook
+from edge_client.transfer import TransferState
 from models import Classifier, ModelError, build_classifier, load_state_arrays, state_arrays
 from protocol import __version__ as protocol_version
 from protocol.channel import Channel
 from protocol.codec import Codec
+from protocol.deltas import UnknownBaseError
 from protocol.errors import DecodeError, EncodeError, TransportError
 from protocol.messages import (
     Ack,
@@ -81,7 +83,7 @@ from protocol.messages import (
     Update,
 )
 from protocol.tensors import Precision
-from protocol.tensorset import TensorSet, encode_tensors
+from protocol.tensorset import TensorSet
 from protocol.topics import Topics, parse_topic
 from protocol.transport.base import Transport, Will
 
@@ -237,6 +239,7 @@ class EdgeClient:
         self._seen_live_coordinator = False  # a starting / waiting / running status came
         self._memory_bytes = _total_memory_bytes()
         self._fingerprint = self._model.fingerprint()
+        self._transfer = TransferState(config.state_dir, fsync=config.fsync_state)
         self._load_state()
 
     # ------------------------------------------------------------------ public API
@@ -404,6 +407,9 @@ class EdgeClient:
             num_samples=self.data.num_samples,
             share_label_counts=self.config.share_label_counts,
             platform=platform.machine()[:64],
+            downlink_precision=self.config.downlink_precision,
+            uplink_precision=self.config.uplink_precision,
+            held_base=self._transfer.held_fingerprint,
         )
 
     def _announce(self) -> None:
@@ -561,14 +567,17 @@ class EdgeClient:
             if item is None:
                 return
             if isinstance(item, _Job):
+                announce = False
                 try:
-                    self._run(item)
+                    announce = self._run(item)
                 except Exception as exc:  # never let the worker die
                     logger.exception("task %s failed unexpectedly", item.message.message_id)
                     self._last_error = exc
                 finally:
                     with self._lock:
                         self._active.discard(item.message.message_id)
+                if announce:  # after the task left _active, so its resend is taken
+                    self._announce()
 
     def _expire_pending(self) -> float | None:
         """Drop tasks whose model did not come in time; seconds until the next expiry."""
@@ -592,32 +601,35 @@ class EdgeClient:
         """Decode the job's sets into a :class:`LocalTask`; also the decode seconds.
 
         Raises:
-            TaskError: a named payload is missing, or a set is not a full set.
+            UnknownBaseError: a set is a delta against a model this device does not hold.
+            TaskError: a named payload is missing or does not decode, or the upload asked
+                for is not supported.
         """
         start = time.perf_counter()
         arrays: dict[str, dict[str, np.ndarray]] = {}
         if job.task.model_message is not None:
-            for name in job.task.payloads or tuple(job.sets):
-                tensor_set = job.sets.get(name)
-                if tensor_set is None:
-                    have = sorted(job.sets)
-                    raise TaskError(f"the model message has no set {name!r} (has {have})")
-                if tensor_set.mode != "full":
-                    raise TaskError(
-                        f"set {name!r} is a {tensor_set.mode} set; only full sets are supported"
-                    )
-                arrays[name] = tensor_set.to_arrays()
+            names = job.task.payloads or tuple(job.sets)
+            try:
+                lossy = job.task.downlink_precision is not Precision.FP32
+                lossy = lossy or job.task.uplink.mode == "delta"
+                arrays = self._transfer.decode(job.sets, names, hold=lossy)
+            except UnknownBaseError:
+                raise
+            except DecodeError as exc:
+                raise TaskError(f"cannot decode the model message: {exc}") from exc
         uplink = job.task.uplink
-        if uplink.mode != "full" or uplink.subset not in ("all", "head"):
+        if uplink.mode not in ("full", "delta") or uplink.subset not in ("all", "head"):
             raise TaskError(
                 f"upload mode {uplink.mode!r} / subset {uplink.subset!r} is not supported "
-                "by this client (full uploads of all tensors or of the head)"
+                "by this client (full or delta uploads of all tensors or of the head)"
             )
         upload: Literal["all", "head"] = "head" if uplink.subset == "head" else "all"
         task = LocalTask(job.task.strategy, dict(job.task.hyperparameters), arrays, upload)
         return task, time.perf_counter() - start
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: _Job) -> bool:
+        """Train one task and publish its update; True when the device should announce
+        itself again (it lacks the base of a delta, and the coordinator must resend)."""
         message, task = job.message, job.task
         round_ = message.round
         with self._lock:
@@ -626,14 +638,17 @@ class EdgeClient:
             logger.warning(
                 "skipped task %s for round %d: a later round is done", message.message_id, round_
             )
-            return
+            return False
         try:
             local_task, decode_s = self._local_task(job)
             validate_task(self._model, local_task)
+        except UnknownBaseError as exc:
+            logger.warning("round %d: %s; asking for the full model", round_, exc)
+            return True
         except TaskError as exc:
             logger.warning("rejected task %s (round %d): %s", message.message_id, round_, exc)
             self._remember(message.message_id)
-            return
+            return False
         self._publish_status("training")
         logger.info("round %d: training (%s)", round_, task.strategy)
         try:
@@ -648,26 +663,28 @@ class EdgeClient:
                 )
             self._save_model()
             start = time.perf_counter()
-            weights = encode_tensors(result.sets[WEIGHTS_SET], task.uplink.precision)
+            weights = self._transfer.encode_upload(
+                result.sets[WEIGHTS_SET], task.uplink, local_task.sets
+            )
             timings = {"decode_s": decode_s, **result.timings}
             timings["encode_s"] = time.perf_counter() - start
             update = self._update_body(job, result.num_samples, weights, result.metrics, timings)
         except _CancelledError:
             logger.info("round %d: training cancelled, the device stops", round_)
-            return
+            return False
         except Exception as exc:
             logger.exception("round %d: training failed", round_)
             self._last_error = exc
             self._remember(message.message_id)
             self._publish_status("error", f"round {round_}: {type(exc).__name__}: {exc}")
-            return
+            return False
         update_message = self._message(update, round_)
         with self._lock:
             self._unacked = update_message
         if not self._publish_update(update_message):
             self._remember(message.message_id)
             self._publish_status("error", f"round {round_}: the update could not be published")
-            return
+            return False
         self._remember(message.message_id, round_=round_)
         self._publish_status("idle")
         logger.info(
@@ -677,6 +694,7 @@ class EdgeClient:
             update.metrics.get("loss", float("nan")),
             update.metrics.get("accuracy", float("nan")),
         )
+        return False
 
     def _update_body(
         self,

@@ -69,6 +69,7 @@ from edge_client.fedgen import (
     received_generator,
 )
 from edge_client.fedkf import FedKFHook, frozen_teacher
+from edge_client.qat import FakeQuantHook
 from edge_client.training import TrainConfig, TrainHook, train_local
 from models import (
     Classifier,
@@ -303,8 +304,9 @@ class DeviceStrategy(ABC):
         device: torch.device,
         extra_hooks: Sequence[TrainHook] = (),
     ) -> LocalResult:
-        """:meth:`prepare`, train with its hooks and then ``extra_hooks``, and return the
-        new state (full or the head, as ``task.upload`` asks) as the ``"weights"`` set.
+        """:meth:`prepare`, train with its hooks, then (when ``config.qat``) a
+        :class:`~edge_client.qat.FakeQuantHook`, then ``extra_hooks``, and return the new
+        state (full or the head, as ``task.upload`` asks) as the ``"weights"`` set.
 
         Raises:
             TaskError: the received sets do not fit the model (it is then unchanged).
@@ -312,7 +314,10 @@ class DeviceStrategy(ABC):
         start = time.perf_counter()
         own = self.prepare(model, task.sets, config, state)
         load_s = time.perf_counter() - start
-        result = train_local(model, data.x, data.y, config, (*own, *extra_hooks), device=device)
+        quant: tuple[TrainHook, ...] = (FakeQuantHook(),) if config.qat else ()
+        result = train_local(
+            model, data.x, data.y, config, (*own, *quant, *extra_hooks), device=device
+        )
         metrics: dict[str, float] = {}
         for hook in own:
             metrics.update(hook.metrics())

@@ -4,7 +4,10 @@
 through :class:`TrainHook` objects: FedProx adds a proximal term with
 :meth:`TrainHook.extra_loss`, FedKF trains its generator in
 :meth:`TrainHook.before_batch` and adds a distillation loss, FedGen adds a loss on
-generated latents. There is no second copy of this loop anywhere (STYLE principle 8).
+generated latents, and quantization-aware training (``TrainConfig.qat``) swaps in
+fake-quantized weights in :meth:`TrainHook.before_batch` and restores the float ones in
+:meth:`TrainHook.before_step`. There is no second copy of this loop anywhere (STYLE
+principle 8).
 
 Pure: tensors and a :class:`TrainConfig` in, a trained model and a :class:`TrainResult`
 out; no I/O, no global RNG (shuffling uses its own ``torch.Generator`` seeded from
@@ -84,6 +87,10 @@ class TrainConfig(BaseModel):
     applies the decay schedule and sends the round's value; 0: plain cross-entropy)."""
     generator_batch_size: int = Field(default=0, ge=0)
     """FedGen: generated latents per step; 0: ``batch_size``."""
+    qat: bool = False
+    """int8 quantization-aware training: weights of rank >= 2 are fake-quantized per
+    output channel (symmetric, 127 levels each side) in every forward pass; gradients
+    pass straight through to the float weights (:mod:`edge_client.qat`)."""
 
     @classmethod
     def from_hyperparameters(cls, hyperparameters: Mapping[str, object]) -> TrainConfig:
@@ -145,6 +152,11 @@ class TrainHook:
             logits: ``model(x)``, (B, num_classes), part of the autograd graph.
         """
         return None
+
+    def before_step(self, model: nn.Module) -> None:
+        """Called for every batch after ``backward()``, before the optimizer step (the
+        gradients are on the model's parameters; quantization-aware training restores its
+        float weights here)."""
 
     def after_step(self, model: nn.Module) -> None:
         """Called after every optimizer step. May raise to abort training."""
@@ -254,6 +266,8 @@ def train_local(
             if extra is not None:
                 loss = loss + extra
         loss.backward()  # type: ignore[no-untyped-call]
+        for hook in hooks:
+            hook.before_step(model)
         optimizer.step()
         with torch.no_grad():
             batch = int(yb.shape[0])

@@ -4,7 +4,7 @@ A *frame* is what travels as one MQTT payload. Two frame types share a 4-byte he
 
     offset  size  field
     0       2     magic b"FL" (0x46 0x4C)
-    2       1     version (PROTOCOL_VERSION, 1)
+    2       1     version (PROTOCOL_VERSION, 2)
     3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking)
 
 A message frame continues with exactly one zstd frame (content size and checksum

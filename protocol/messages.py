@@ -46,7 +46,7 @@ __all__ = [
     "Update",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Version of the message schemas and of the frame layout; decoders reject others."""
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -86,6 +86,22 @@ class Hello(_Body):
     share_label_counts: bool = False
     """Consent to send per-class label counts (needed by FedGen). Off by default."""
     platform: ShortText = ""
+    downlink_precision: Precision | None = None
+    """The precision the device asks models in (None: the fleet's default); one of
+    ``precisions``."""
+    uplink_precision: Precision | None = None
+    """The precision the device asks to upload in (None: the fleet's default); one of
+    ``precisions``."""
+    held_base: Fingerprint | None = None
+    """Content fingerprint of the model the device holds from its last task (the base a
+    downlink delta may be taken against), or None when it holds none."""
+
+    @model_validator(mode="after")
+    def _asks_what_it_speaks(self) -> Hello:
+        for asked in (self.downlink_precision, self.uplink_precision):
+            if asked is not None and asked not in self.precisions:
+                raise ValueError(f"precision {asked.value} asked for but not in precisions")
+        return self
 
 
 class UploadSpec(_Body):
@@ -97,6 +113,15 @@ class UploadSpec(_Body):
     """Which tensors: all, only the prediction head, or only the feature extractor."""
     label_counts: bool = False
     """Whether to attach label counts (only with the device's consent)."""
+    base: ShortText | None = None
+    """For ``mode`` delta: the received set (of this task's model message) the delta is
+    taken against, as the device decoded it; None for other modes."""
+
+    @model_validator(mode="after")
+    def _delta_has_base(self) -> UploadSpec:
+        if (self.mode == "delta") != (self.base is not None):
+            raise ValueError("a delta upload names its base set, and only a delta upload does")
+        return self
 
 
 class RoundTask(_Body):
@@ -153,6 +178,7 @@ class ReasonCode(str, Enum):
     MALFORMED = "malformed"
     UNSUPPORTED_PRECISION = "unsupported_precision"
     CONSENT_REQUIRED = "consent_required"
+    UNKNOWN_BASE = "unknown_base"
     OVERSIZE = "oversize"
     NOT_SELECTED = "not_selected"
     INTERNAL = "internal"

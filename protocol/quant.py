@@ -31,6 +31,7 @@ __all__ = [
     "fp32_to_fp16",
     "pack_nibbles",
     "quantize_affine",
+    "quantize_symmetric",
     "shuffle_bytes",
     "unpack_nibbles",
     "unshuffle_bytes",
@@ -153,6 +154,26 @@ def quantize_affine(
         np.floor(t, out=t)
     np.clip(t, 0, levels - 1, out=t)
     return t.astype(np.uint8)
+
+
+def quantize_symmetric(rows: F32, scale: F32, steps: int) -> npt.NDArray[np.int16]:
+    """Signed codes ``round(x / scale)`` in ``[-steps, steps]`` per row (round to nearest).
+
+    The zero-centred grid of deltas (see :mod:`protocol.deltas`): ``scale`` is
+    ``max|row| / steps``, so no code clips and ``|x - scale * q| <= scale / 2``. Rows
+    with scale 0 map to code 0.
+    """
+    inv = np.zeros_like(scale)
+    with np.errstate(over="ignore"):
+        np.divide(np.float32(1.0), scale, out=inv, where=scale > 0)
+    tiny = np.isinf(inv)  # subnormal scales: divide those rows instead
+    inv[tiny] = 0
+    t = np.multiply(rows, inv[:, None], dtype=np.float32)
+    if tiny.any():
+        t[tiny] = rows[tiny] / scale[tiny, None]
+    np.rint(t, out=t)
+    np.clip(t, -steps, steps, out=t)
+    return t.astype(np.int16)
 
 
 def dequantize_affine(codes: U8, offset: F32, scale: F32) -> F32:

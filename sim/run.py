@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.engine import Action, RoundClosed, RoundStarted
@@ -36,6 +36,7 @@ from edge_client.data import DeviceData
 from edge_client.runtime import EdgeClient
 from models import Classifier, build_classifier, state_arrays
 from models.classifiers import HEAD_PREFIX
+from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
 from sim.datasets import load_dataset
@@ -69,6 +70,13 @@ class SimConfig(BaseModel):
     alpha: float = Field(default=0.5, gt=0)  # Dirichlet label skew; inf = IID
     participation: float = Field(default=0.2, gt=0, le=1)
     training: TrainingSettings = TrainingSettings()
+    downlink_precision: Precision = Precision.FP32  # the fleet's, models to devices
+    uplink_precision: Precision = Precision.FP32  # the fleet's, updates (lossy: deltas)
+    device_precisions: tuple[str, ...] = ()
+    # what devices ask for, round robin over the devices: "int8" (both ways) or
+    # "int8/int4" (down/up); empty: every device takes the fleet's precisions
+    downlink_deltas: bool = True  # lossy downlinks: deltas against the model a device holds
+    teacher_budget: float = Field(default=0.3, gt=0, le=1)  # fedkf dual teacher bytes / model
     seed: int = Field(default=0, ge=0)
     transport: Literal["mqtt", "inproc"] = "mqtt"
     broker_url: str | None = None  # external broker for transport mqtt; None: embedded
@@ -79,6 +87,32 @@ class SimConfig(BaseModel):
     test_fraction: float = Field(default=0.2, ge=0, lt=1)  # local test share per device
     state_dir: Path | None = None  # coordinator and device state; a temp dir when None
     fleet: str = "sim"
+
+    @field_validator("device_precisions")
+    @classmethod
+    def _known_precisions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for token in value:
+            parse_link(token)
+        return value
+
+    def device_link(self, index: int) -> tuple[Precision | None, Precision | None]:
+        """What device ``index`` asks for (downlink, uplink); None: the fleet's."""
+        if not self.device_precisions:
+            return None, None
+        return parse_link(self.device_precisions[index % len(self.device_precisions)])
+
+
+def parse_link(token: str) -> tuple[Precision, Precision]:
+    """``"int8"`` -> (int8, int8); ``"int8/int4"`` -> (int8, int4) (downlink/uplink).
+
+    Raises:
+        ValueError: not one or two precision names.
+    """
+    parts = token.split("/")
+    names = ", ".join(p.value for p in Precision)
+    if len(parts) not in (1, 2) or any(p not in {x.value for x in Precision} for p in parts):
+        raise ValueError(f"{token!r}: give PRECISION or DOWN/UP, each one of {names}")
+    return Precision(parts[0]), Precision(parts[-1])
 
 
 def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
@@ -241,6 +275,10 @@ def run_simulation(
         seed=config.seed,
         training=config.training,
         export_onnx=False,
+        downlink_precision=config.downlink_precision,
+        uplink_precision=config.uplink_precision,
+        downlink_deltas=config.downlink_deltas,
+        teacher_budget=config.teacher_budget,
     )
     scratch = build_classifier(
         config.model, num_classes=federation.num_classes, in_channels=channels, image_size=side
@@ -259,7 +297,8 @@ def run_simulation(
             raise SimError(str(exc)) from exc
         gate = threading.BoundedSemaphore(config.train_slots)
         clients = []
-        for split in federation.devices:
+        for index, split in enumerate(federation.devices):
+            down, up = config.device_link(index)
             data = DeviceData(
                 device_id=split.device_id,
                 x=split.train.x,
@@ -276,6 +315,8 @@ def run_simulation(
                 share_label_counts=True,  # emulated devices consent (fedgen needs it)
                 init_seed=config.seed,
                 state_dir=root / "devices" / split.device_id,
+                downlink_precision=down,
+                uplink_precision=up,
             )
             transport = make_transport(f"{config.fleet}-{split.device_id}")
             clients.append(EdgeClient(client_config, transport, data, train_gate=gate))

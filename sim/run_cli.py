@@ -12,6 +12,7 @@ from typing import Any
 from coordinator.config import TrainingSettings
 from coordinator.strategies import strategy_names
 from models import classifier_names
+from protocol.tensors import Precision
 from sim.datasets import dataset_names
 from sim.errors import SimError
 
@@ -78,6 +79,27 @@ def add_run_parser(sub: Any) -> None:
     run.add_argument(
         "--lambda2", type=float, default=defaults.lambda2, help="fedkf: generator L_A weight"
     )
+    add_precision_args(run)
+    run.add_argument(
+        "--device-precisions",
+        metavar="LIST",
+        help="comma-separated precisions the devices ask for, round robin (int8,int4/int8,"
+        "fp32 ...; DOWN/UP per direction); default: all take the fleet's",
+    )
+    run.add_argument(
+        "--no-downlink-deltas",
+        action="store_true",
+        help="always send full models (no deltas against the model a device holds)",
+    )
+    run.add_argument(
+        "--teacher-budget",
+        type=float,
+        default=0.3,
+        help="fedkf dual: teacher delta bytes as a fraction of the model's",
+    )
+    run.add_argument(
+        "--qat", action="store_true", help="int8 devices train with fake-quantized weights"
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--transport", choices=["mqtt", "inproc"], default="mqtt")
     run.add_argument("--broker", metavar="URL", help="external broker for --transport mqtt")
@@ -88,6 +110,28 @@ def add_run_parser(sub: Any) -> None:
     run.add_argument("--report-dir", type=Path, help="write rounds.csv and PNG plots here")
     run.add_argument("--save-models", type=Path, help="save the final models (.pt/.onnx) here")
     run.set_defaults(handler=run_from_args)
+
+
+def add_precision_args(parser: argparse.ArgumentParser) -> None:
+    """``--precision``, ``--downlink-precision`` and ``--uplink-precision``."""
+    names = [p.value for p in Precision]
+    parser.add_argument(
+        "--precision", choices=names, default="fp32", help="transfer precision both ways"
+    )
+    parser.add_argument(
+        "--downlink-precision", choices=names, help="models to devices (default: --precision)"
+    )
+    parser.add_argument(
+        "--uplink-precision", choices=names, help="updates to the coordinator (--precision)"
+    )
+
+
+def precision_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The fleet's downlink and uplink precisions from :func:`add_precision_args` flags."""
+    return {
+        "downlink_precision": args.downlink_precision or args.precision,
+        "uplink_precision": args.uplink_precision or args.precision,
+    }
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -121,6 +165,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         "broker_url": args.broker,
         "round_timeout_s": args.round_timeout,
         "state_dir": args.state_dir,
+        **precision_settings(args),
+        "device_precisions": tuple(
+            t.strip() for t in (args.device_precisions or "").split(",") if t.strip()
+        ),
+        "downlink_deltas": not args.no_downlink_deltas,
+        "teacher_budget": args.teacher_budget,
     }
     if args.train_slots is not None:
         settings["train_slots"] = args.train_slots
@@ -135,6 +185,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             gamma=args.gamma,
             lambda1=args.lambda1,
             lambda2=args.lambda2,
+            qat=args.qat,
         )
         config = SimConfig(**settings)
     except ValidationError as exc:
@@ -190,7 +241,13 @@ def _require_matplotlib() -> None:
 
 def _describe(config: Any) -> str:
     if config.strategy == "fedkf":
-        return f"fedkf ({config.downlink} downlink)"
-    if config.sharing == "head":
-        return f"{config.strategy} (head-only sharing)"
-    return str(config.strategy)
+        name = f"fedkf ({config.downlink} downlink)"
+    elif config.sharing == "head":
+        name = f"{config.strategy} (head-only sharing)"
+    else:
+        name = str(config.strategy)
+    down, up = config.downlink_precision.value, config.uplink_precision.value
+    precision = down if down == up else f"{down} down / {up} up"
+    if config.device_precisions:
+        precision = "devices ask " + ",".join(config.device_precisions)
+    return f"{name}, {precision}"

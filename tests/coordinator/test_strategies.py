@@ -12,6 +12,7 @@ from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import build_strategy
 from models import state_arrays
+from protocol.deltas import decode_sets
 from protocol.messages import Ack, ModelPayload, ReasonCode, RoundTask
 from tests.coordinator.helpers import (
     config,
@@ -34,7 +35,7 @@ def model_sets(actions: list, device: str) -> dict[str, dict[str, np.ndarray]]:
         if action.topic.split("/")[3] == device:
             body = action.message.body
             assert isinstance(body, ModelPayload)
-            return {name: s.to_arrays() for name, s in body.sets.items()}
+            return decode_sets(body.sets)
     raise AssertionError(f"no model message for {device}")
 
 

@@ -76,6 +76,9 @@ def cases() -> dict[str, Message]:
                 num_samples=600,
                 share_label_counts=True,
                 platform="linux_aarch64",
+                downlink_precision="int8",
+                uplink_precision="int8",
+                held_base="fedcba9876543210",
             ),
         ),
         "task": Message(
@@ -88,7 +91,7 @@ def cases() -> dict[str, Message]:
                 hyperparameters={"lr": 0.01, "epochs": 2, "dual": True},
                 deadline=1_700_000_060.5,
                 downlink_precision="int8",
-                uplink=UploadSpec(precision="int8", mode="delta"),
+                uplink=UploadSpec(precision="int8", mode="delta", base="student"),
                 payloads=("student", "teacher"),
                 model_message=mid(3),
             ),

@@ -32,7 +32,7 @@ def test_golden_frames_still_decode(name: str) -> None:
     # Assert
     assert message == CASES[name]
     assert codec.decompress(frame) == (GOLDEN_DIR / f"{name}.msgpack").read_bytes()
-    assert frame[:4] == b"FL\x01\x01"
+    assert frame[:4] == b"FL\x02\x01"
 
 
 def test_chunk_frames_are_frozen_and_reassemble() -> None:
@@ -43,7 +43,7 @@ def test_chunk_frames_are_frozen_and_reassemble() -> None:
     chunks = split_frame(frame, 200, transfer_id=TRANSFER_ID)
     # Assert
     assert [p.read_bytes() for p in golden] == chunks
-    assert chunks[1][:36] == b"FL\x01\x02" + TRANSFER_ID + bytes.fromhex(
+    assert chunks[1][:36] == b"FL\x02\x02" + TRANSFER_ID + bytes.fromhex(
         "0000000100000004" + f"{len(frame):016x}"
     )
     reassembler = Reassembler()

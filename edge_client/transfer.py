@@ -1,0 +1,143 @@
+"""What a device keeps for quantized transfers, and how it decodes and encodes models.
+
+* **The model it holds.** The first set of every task (``global``, ``student`` or
+  ``head``) is the device's model. After decoding it, the device keeps it (in memory and,
+  with a state folder, in ``base.npz``) and announces its content fingerprint in its
+  hello (``held_base``): the coordinator may then send the next model as a delta against
+  it. A delta against a base the device does not hold raises
+  :class:`~protocol.deltas.UnknownBaseError`; the client then says hello again, and the
+  coordinator sends the model in full.
+* **Error feedback.** A lossy upload is ``trained - received`` plus the residual the
+  previous upload's quantization lost; the new residual is kept (``residual.npz``), so
+  the sum of what the coordinator receives tracks the sum of the true deltas within one
+  quantization step, however many rounds pass.
+
+Numpy only; no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edge_client.client_state import read_model, write_model
+from protocol.arrays import content_fingerprint
+from protocol.deltas import decode_sets, encode_delta
+from protocol.errors import EncodeError
+from protocol.messages import UploadSpec
+from protocol.tensorset import TensorSet, encode_tensors
+
+__all__ = ["BASE_FILE", "RESIDUAL_FILE", "TransferState"]
+
+logger = logging.getLogger(__name__)
+
+Array = npt.NDArray[Any]
+Arrays = dict[str, Array]
+
+BASE_FILE = "base.npz"
+"""The model the device holds from its last task (the base of downlink deltas)."""
+RESIDUAL_FILE = "residual.npz"
+"""The uplink quantization residual (error feedback)."""
+
+
+class TransferState:
+    """A device's held model and uplink residual, persisted in ``state_dir`` if given."""
+
+    def __init__(self, state_dir: Path | None = None, *, fsync: bool = True) -> None:
+        self._dir = state_dir
+        self._fsync = fsync
+        self._held: Arrays | None = None
+        self._held_fingerprint: str | None = None
+        self._residual: Arrays | None = None
+        if state_dir is not None:
+            self._held = self._read(BASE_FILE)
+            self._residual = self._read(RESIDUAL_FILE)
+            if self._held is not None:
+                self._held_fingerprint = content_fingerprint(self._held)
+
+    @property
+    def held_fingerprint(self) -> str | None:
+        """Content fingerprint of the model held (None: none)."""
+        return self._held_fingerprint
+
+    @property
+    def residual(self) -> Arrays | None:
+        """The uplink residual carried to the next upload (a copy), or None."""
+        return None if self._residual is None else {k: v.copy() for k, v in self._residual.items()}
+
+    def decode(
+        self, sets: Mapping[str, TensorSet], names: Sequence[str], *, hold: bool = True
+    ) -> dict[str, Arrays]:
+        """Decode the task's sets ``names`` (deltas resolved); with ``hold``, keep the first
+        as the held model (tasks with lossy transfers; fp32 ones need no base).
+
+        Raises:
+            UnknownBaseError: a delta against a model this device does not hold.
+            DecodeError: a set is missing or does not fit its base.
+        """
+        out = decode_sets(sets, names, self._held)
+        if names and hold:
+            model = out[names[0]]
+            self._held = {k: v.copy() for k, v in model.items()}
+            self._held_fingerprint = content_fingerprint(self._held)
+            self._write(BASE_FILE, self._held)
+        return out
+
+    def encode_upload(
+        self, weights: Mapping[str, Array], spec: UploadSpec, received: Mapping[str, Arrays]
+    ) -> TensorSet:
+        """The ``weights`` set of an update, as ``spec`` asks.
+
+        A delta upload is taken against the received set ``spec.base`` (as decoded) and
+        carries the residual of the previous delta upload (when it has the same tensors);
+        the new residual replaces it.
+
+        Raises:
+            EncodeError: the base set was not received, does not fit, or a value cannot
+                be encoded.
+        """
+        if spec.mode != "delta":
+            return encode_tensors(weights, spec.precision)
+        assert spec.base is not None  # UploadSpec checks it
+        base = received.get(spec.base)
+        if base is None:
+            raise EncodeError(f"the upload's base set {spec.base!r} was not received")
+        residual = self._residual if _fits(self._residual, weights) else None
+        encoded = encode_delta(
+            weights, base, content_fingerprint(base), spec.precision, residual=residual
+        )
+        self._residual = encoded.residual
+        self._write(RESIDUAL_FILE, self._residual)
+        return encoded.tensors
+
+    # -- persistence -------------------------------------------------------------------
+
+    def _read(self, name: str) -> Arrays | None:
+        assert self._dir is not None
+        path = self._dir / name
+        if not path.exists():
+            return None
+        try:
+            return read_model(path)
+        except (OSError, ValueError) as exc:
+            logger.warning("ignored the unreadable %s: %s", path, exc)
+            return None
+
+    def _write(self, name: str, arrays: Mapping[str, Array]) -> None:
+        if self._dir is None:
+            return
+        try:
+            write_model(self._dir / name, arrays, fsync=self._fsync)
+        except OSError as exc:
+            logger.warning("could not save %s: %s", self._dir / name, exc)
+
+
+def _fits(residual: Mapping[str, Array] | None, weights: Mapping[str, Array]) -> bool:
+    if residual is None or residual.keys() != weights.keys():
+        return False
+    return all(np.shape(residual[k]) == np.shape(weights[k]) for k in weights)
