@@ -89,7 +89,10 @@ class TransferState:
         return out
 
     def encode_upload(
-        self, weights: Mapping[str, Array], spec: UploadSpec, received: Mapping[str, Arrays]
+        self,
+        weights: Mapping[str, Array],
+        spec: UploadSpec,
+        received: Mapping[str, Mapping[str, Array]],
     ) -> TensorSet:
         """The ``weights`` set of an update, as ``spec`` asks.
 

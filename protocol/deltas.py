@@ -217,6 +217,7 @@ def decode_sets(
             out[name] = tensors.to_arrays()
             continue
         ref = tensors.base or ""
+        base: Mapping[str, Array] | None
         if ref.startswith(SET_BASE_PREFIX):
             base = out.get(ref.removeprefix(SET_BASE_PREFIX))
         else:
