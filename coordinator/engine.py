@@ -391,6 +391,8 @@ class RoundEngine:
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
         if base is not None:
             self._transfers.confirm(device_id, base)
+        elif not self._link(device_id).lossless:
+            self._transfers.updated(device_id, message.round)
         if self._cache is not None:
             self._cache.absorb(device_id, message.round)
         if not on_time:

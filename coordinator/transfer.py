@@ -12,7 +12,7 @@ The round engine decides *what* a device gets (the strategy's sets); this module
 * **What each device holds.** For a device with a lossy precision in either direction
   the model as the device will decode it is stored (``bases/DEVICE/sent``) before the
   task goes out; it becomes ``held`` once the device proves it holds it (an update
-  against it, or a hello announcing its fingerprint). A device that announces something
+  for that task, or a hello announcing its fingerprint). A device that announces something
   else loses its ``held`` base and gets a full model next time.
 * **Uplink.** A lossy uplink is a delta against the task's model as the device decoded
   it; :meth:`Transfers.uplink_base` returns the stored ``sent`` model it must name. The
@@ -145,6 +145,12 @@ class Transfers:
         if sent is None or fingerprint is None or sent.fingerprint != fingerprint:
             return None
         return sent
+
+    def updated(self, device_id: str, round_number: int) -> None:
+        """``device_id`` answered its task of ``round_number``: it holds what it was sent."""
+        sent = self._state.load_base(device_id, "sent")
+        if sent is not None and sent.round == round_number:
+            self.confirm(device_id, sent)
 
     def confirm(self, device_id: str, base: Base) -> None:
         """``device_id`` proved it holds ``base`` (a model it was sent)."""

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.client_state import MODEL_FILE
+from edge_client.client_state import MODEL_FILE, read_model
 from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.errors import ConfigError, ConnectError
 from edge_client.runtime import STATE_FILE, EdgeClient
+from edge_client.transfer import RESIDUAL_FILE
 from models import build_classifier, state_arrays, state_shapes
 from protocol import (
     Ack,
@@ -33,8 +34,12 @@ from protocol import (
     RoundTask,
     Topics,
     Update,
+    UploadSpec,
     encode_tensors,
 )
+from protocol.arrays import content_fingerprint
+from protocol.deltas import apply_delta_set, encode_delta
+from protocol.tensors import Encoding
 from protocol.transport import MemoryBroker, MemoryTransport
 
 FLEET = "lab"
@@ -572,3 +577,66 @@ def test_bad_configurations_are_config_errors(broker: MemoryBroker) -> None:
     )
     assert config.broker.client_id == DEVICE and config.broker.port == 8883
     assert config.broker.tls is not None and config.broker.username == "u"
+
+
+def test_a_delta_against_an_unknown_base_makes_the_device_ask_for_the_full_model(
+    coordinator: Coordinator, make_client: Callable[..., EdgeClient]
+) -> None:
+    client = make_client()
+    coordinator.wait_for(Hello, 1)
+    other = {k: v + 1 for k, v in global_arrays().items()}
+    stale = encode_delta(global_arrays(), other, content_fingerprint(other), "int8").tensors
+    model = coordinator.send("model", ModelPayload(sets={"global": stale}), 0)
+    task = RoundTask(
+        strategy="fedavg",
+        hyperparameters=HP,
+        deadline=time.time() + 60,
+        downlink_precision="int8",
+        payloads=("global",),
+        model_message=model.message_id,
+    )
+    task_message = coordinator.send("task", task, 0)
+
+    hellos = coordinator.wait_for(Hello, 2)  # it says hello again, holding no base
+    assert hellos[-1].held_base is None
+    assert coordinator.bodies(Update) == []
+    full = coordinator.send_model(0)  # the coordinator resends: same task, full model
+    resent = task.model_copy(update={"model_message": full.message_id})
+    coordinator.resend("task", task_message.model_copy(update={"body": resent}))
+
+    (update,) = coordinator.wait_for(Update, 1)
+    assert update.task_message == task_message.message_id and client.rounds_done == 1
+
+
+def test_a_lossy_device_uploads_a_delta_and_keeps_its_base_and_residual(
+    tmp_path: Path, coordinator: Coordinator, make_client: Callable[..., EdgeClient]
+) -> None:
+    state = tmp_path / "state"
+    client = make_client(state_dir=state, uplink_precision="int4")
+    model = coordinator.send_model(0)
+    spec = UploadSpec(precision="int4", mode="delta", base="global")
+    task = RoundTask(
+        strategy="fedavg",
+        hyperparameters=HP,
+        deadline=time.time() + 60,
+        uplink=spec,
+        payloads=("global",),
+        model_message=model.message_id,
+    )
+    coordinator.send("task", task, 0)
+
+    (update,) = coordinator.wait_for(Update, 1)
+    weights = update.sets["weights"]
+    sent = global_arrays()
+    assert weights.mode == "delta" and weights.base == content_fingerprint(sent)
+    assert {t.encoding for t in weights if len(t.shape) >= 2} == {Encoding.INT4_CH}
+    rebuilt = apply_delta_set(weights, sent)
+    trained = state_arrays(client.model)
+    residual = read_model(state / RESIDUAL_FILE)
+    for name, value in trained.items():  # what the coordinator rebuilds + residual = trained
+        np.testing.assert_allclose(rebuilt[name] + residual[name], value, atol=1e-5)
+    client.stop()
+    restarted = make_client(state_dir=state, uplink_precision="int4")
+    coordinator.wait_for(Hello, 2)
+    assert coordinator.bodies(Hello)[-1].held_base == content_fingerprint(sent)
+    assert restarted.model is not None

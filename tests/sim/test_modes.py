@@ -64,6 +64,11 @@ class Sniffer:
                     names.setdefault(set_name, set()).update(t.name for t in tensor_set)
         return names
 
+    def snapshot(self) -> list[tuple[str, Message]]:
+        """Every (topic, message) seen so far."""
+        with self._lock:
+            return list(self.messages)
+
     def bodies(self, kind: type) -> list:
         with self._lock:
             return [m.body for _, m in self.messages if isinstance(m.body, kind)]
