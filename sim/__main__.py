@@ -8,6 +8,9 @@ Commands:
     partition   split a dataset across K devices (Dirichlet(alpha) label skew, per-device
                 train/test split) and write one ``dev-NNN.npz`` per device plus
                 ``summary.json`` into ``--out``.
+    budget      the bytes a configuration moves (per device and round, per round, whole
+                run; payload and wire) next to fp32 FedAvg, without running the fleet;
+                ``--link`` adds transfer times (see docs/budget.md).
 
 Exit codes: 0 success; 1 an output file could not be written, or the run failed (broker
 unreachable, a device or the coordinator failed); 2 bad arguments, a dataset that cannot
@@ -29,6 +32,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from sim.datasets import dataset_names, load_dataset
+from sim.budget_cli import add_budget_parser
 from sim.errors import SimError
 from sim.partition import label_counts, mean_label_entropy, partition_dataset, save_device_file
 from sim.run_cli import add_run_parser
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--min-samples", type=int, default=10, help="minimum samples per device")
     part.add_argument("--test-fraction", type=float, default=0.2, help="local test share")
     part.set_defaults(handler=_partition_from_args)
+    add_budget_parser(sub)
     return parser
 
 
@@ -173,7 +178,7 @@ def run_partition(
     return summary
 
 
-COMMANDS = ("run", "partition")
+COMMANDS = ("run", "partition", "budget")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,596 @@
+"""Traffic budget of a run: the bytes each device sends and receives, without the fleet.
+
+:func:`estimate` answers "how many bytes does this configuration move?" for the settings
+of a :class:`~sim.run.SimConfig`, in seconds rather than the minutes a full emulation
+takes, and with the very encoders a run uses. It drives the real
+:class:`~coordinator.engine.RoundEngine` (the strategy, the per-device transfers, the
+selection) with a fake clock and emulates each device at the message level, as
+:class:`~edge_client.runtime.EdgeClient` behaves: it announces itself (retained
+``online`` status and a :class:`~protocol.messages.Hello` with the precisions it asks
+for), decodes its model message with a :class:`~edge_client.transfer.TransferState`,
+trains with :func:`~edge_client.strategies.local_update` for a few SGD steps on its
+share of the run's dataset (so that deltas quantize and compress as trained ones do),
+encodes its upload with error feedback and sends an :class:`~protocol.messages.Update`.
+
+Every message is measured as the transports of ``python -m sim`` count it:
+:class:`~protocol.codec.Codec` frame, :func:`~protocol.chunking.split_frame` at the
+sender's maximum payload, :func:`~protocol.transport.wire.publish_packet_size` per MQTT
+publish (QoS 1, MQTT 3.1.1). *Up* is what devices publish; *down* is what is delivered
+to devices (their inbox and the coordinator's retained status). Devices join one after
+the other once the coordinator is up, as in the emulator; see docs/budget.md.
+
+Transfer times over a link (:data:`LINK_PROFILES`, :func:`transfer_time`) are wire bytes
+at the link's rate plus its latency once per direction and device-round.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import os
+import platform
+import re
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.engine import Action, Finished, Publish, Received, RoundEngine
+from coordinator.errors import ConfigError
+from coordinator.runtime import build_model
+from coordinator.store import MemoryStore
+from coordinator.strategies import Strategy, build_strategy
+from edge_client.data import DeviceData
+from edge_client.errors import TaskError
+from edge_client.strategies import WEIGHTS_SET, LocalTask, local_update
+from edge_client.training import TrainConfig
+from edge_client.transfer import TransferState
+from models import Classifier, build_classifier, state_arrays
+from protocol import __version__ as protocol_version
+from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
+from protocol.codec import Codec
+from protocol.errors import DecodeError, EncodeError
+from protocol.messages import (
+    Ack,
+    CoordinatorStatus,
+    DeviceStatus,
+    Hello,
+    Message,
+    ModelPayload,
+    RoundTask,
+    Update,
+)
+from protocol.tensors import Precision
+from protocol.topics import Topics
+from protocol.transport.wire import MqttVersion, publish_packet_size
+from sim.errors import SimError
+from sim.run import SimConfig, _federation
+
+__all__ = [
+    "DEFAULT_TRAIN_STEPS",
+    "LINK_PROFILES",
+    "Budget",
+    "Bytes",
+    "LinkProfile",
+    "TransferTime",
+    "budget_json",
+    "estimate",
+    "link_profile",
+    "reference_config",
+    "transfer_time",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRAIN_STEPS = 10
+"""Local SGD steps an emulated device runs per round (fewer if its task asks fewer)."""
+QOS = 1  # every publish of the runtimes (protocol.channel.Channel's default)
+MQTT_VERSION = MqttVersion.V311  # the transports' default
+REPORTED_RSS = 256 * 2**20
+"""Resident memory an emulated device reports in its statuses, bytes (a 4-byte value)."""
+
+
+# -- links ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A device's network link: sustained application rates and one-way latency."""
+
+    name: str
+    up_bps: float
+    """Device -> broker, bits per second."""
+    down_bps: float
+    """Broker -> device, bits per second."""
+    latency_s: float
+    """Paid once per transfer (per direction and device-round), seconds."""
+
+
+LINK_PROFILES: Mapping[str, LinkProfile] = {
+    p.name: p
+    for p in (
+        # name      up bit/s     down bit/s   latency  assumption (docs/budget.md)
+        LinkProfile("nb-iot", 20e3, 25e3, 2.0),  # Cat-NB1: 26/62 kbit/s peak; 1.6-10 s
+        LinkProfile("lte-m", 250e3, 300e3, 0.2),  # Cat-M1 half duplex: ~375/300 kbit/s peak
+        LinkProfile("4g", 5e6, 20e6, 0.05),  # LTE, typical user throughput
+        LinkProfile("5g", 20e6, 100e6, 0.02),  # 5G NR sub-6 GHz, typical user throughput
+        LinkProfile("wifi", 20e6, 50e6, 0.02),  # 802.11n/ac behind a broadband uplink
+    )
+}
+"""Named links (``--link``); the figures are rules of thumb, see docs/budget.md."""
+
+_ALIASES = {"nbiot": "nb-iot", "ltem": "lte-m", "catm1": "lte-m", "lte": "4g", "wlan": "wifi"}
+_RATE = re.compile(r"^(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmg]?)(?:bit/s|bps|b/s)?$", re.IGNORECASE)
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def link_profile(text: str) -> LinkProfile:
+    """The link named ``text`` (a :data:`LINK_PROFILES` name, case and ``-`` ignored), or
+    a rate in bits per second both ways with no latency (``250000``, ``250k``, ``1.5M``).
+
+    Raises:
+        SimError: neither a known name nor a positive rate.
+    """
+    key = re.sub(r"[\s_-]", "", text.strip().lower())
+    key = _ALIASES.get(key, key)
+    for profile in LINK_PROFILES.values():
+        if key == profile.name.replace("-", ""):
+            return profile
+    match = _RATE.match(text.strip())
+    if match is not None:
+        rate = float(match.group(1)) * _SCALE[match.group(2).lower()]
+        if math.isfinite(rate) and rate > 0:
+            return LinkProfile(text.strip(), rate, rate, 0.0)
+    names = ", ".join(LINK_PROFILES)
+    raise SimError(f"unknown link {text!r}: give one of {names}, or bits per second (250k)")
+
+
+# -- byte counts ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Bytes in both directions: MQTT payloads and whole PUBLISH packets (wire)."""
+
+    up: int = 0
+    down: int = 0
+    wire_up: int = 0
+    wire_down: int = 0
+
+    def __add__(self, other: Bytes) -> Bytes:
+        return Bytes(
+            self.up + other.up,
+            self.down + other.down,
+            self.wire_up + other.wire_up,
+            self.wire_down + other.wire_down,
+        )
+
+    def per(self, count: int) -> Bytes:
+        """These counts divided by ``count``, rounded to whole bytes."""
+        n = max(1, count)
+        return Bytes(*(round(v / n) for v in self.to_dict().values()))
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "up": self.up,
+            "down": self.down,
+            "wire_up": self.wire_up,
+            "wire_down": self.wire_down,
+        }
+
+
+@dataclass(frozen=True)
+class TransferTime:
+    """Seconds one device-round spends on the link (training time not included)."""
+
+    up: float
+    down: float
+
+    @property
+    def total(self) -> float:
+        return self.up + self.down
+
+    def to_dict(self) -> dict[str, float]:
+        return {"up": self.up, "down": self.down, "total": self.total}
+
+
+def transfer_time(counts: Bytes, link: LinkProfile) -> TransferTime:
+    """``wire bytes * 8 / rate + latency`` per direction (no latency without bytes)."""
+    up = counts.wire_up * 8 / link.up_bps + (link.latency_s if counts.wire_up else 0.0)
+    down = counts.wire_down * 8 / link.down_bps + (link.latency_s if counts.wire_down else 0.0)
+    return TransferTime(up, down)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one configuration moves over the whole run."""
+
+    config: SimConfig
+    train_steps: int
+    """Local SGD steps each emulated device ran per round (0: as its task asked)."""
+    device_rounds: int
+    """Selected (device, round) pairs: a model and task down, an update up."""
+    selected: Bytes
+    """Bytes of the selected device-rounds: model, task and the update's ack down;
+    training / idle statuses and the update up."""
+    total: Bytes
+    """Everything, also each device's announce (online status, hello and its ack), the
+    coordinator statuses devices receive and the final offline statuses."""
+    by_kind: dict[str, Bytes] = field(default_factory=dict)
+    """``total`` split by message kind (``model``, ``update``, ``hello`` ...)."""
+
+    @property
+    def per_device_round(self) -> Bytes:
+        """Mean over the selected device-rounds."""
+        return self.selected.per(self.device_rounds)
+
+    @property
+    def per_round(self) -> Bytes:
+        """The fleet's total over the number of rounds."""
+        return self.total.per(self.config.rounds)
+
+
+def reference_config(config: SimConfig) -> SimConfig:
+    """The fp32 FedAvg run with ``config``'s model, fleet, rounds and data."""
+    return config.model_copy(
+        update={
+            "strategy": "fedavg",
+            "sharing": "full",
+            "downlink": "dual",
+            "final_model": None,
+            "downlink_precision": Precision.FP32,
+            "uplink_precision": Precision.FP32,
+            "device_precisions": (),
+        }
+    )
+
+
+_SIM_ONLY = {"transport", "broker_url", "train_slots", "state_dir", "round_timeout_s"}
+
+
+def budget_json(
+    budget: Budget, reference: Budget, link: LinkProfile | None = None
+) -> dict[str, Any]:
+    """The JSON object of ``python -m sim budget --json`` (see docs/budget.md)."""
+
+    def part(b: Budget) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "device_rounds": b.device_rounds,
+            "per_device_round": b.per_device_round.to_dict(),
+            "per_round": b.per_round.to_dict(),
+            "total": b.total.to_dict(),
+            "by_kind": {k: v.to_dict() for k, v in sorted(b.by_kind.items())},
+        }
+        if link is not None:
+            out["seconds_per_device_round"] = transfer_time(b.per_device_round, link).to_dict()
+        return out
+
+    config = budget.config.model_dump(mode="json", exclude=_SIM_ONLY)
+    result: dict[str, Any] = {"config": {**config, "train_steps": budget.train_steps}}
+    result.update(part(budget))
+    result["reference"] = {
+        "config": reference.config.model_dump(
+            mode="json", include={"strategy", "sharing", "downlink_precision", "uplink_precision"}
+        ),
+        **part(reference),
+    }
+    result["ratio"] = {
+        key: round(value / ref, 4) if ref else None
+        for (key, value), ref in zip(
+            budget.total.to_dict().items(), reference.total.to_dict().values(), strict=True
+        )
+    }
+    if link is not None:
+        result["link"] = {
+            "name": link.name,
+            "up_bps": link.up_bps,
+            "down_bps": link.down_bps,
+            "latency_s": link.latency_s,
+        }
+    return result
+
+
+# -- the emulation -------------------------------------------------------------------------
+
+
+def estimate(config: SimConfig, *, train_steps: int = DEFAULT_TRAIN_STEPS) -> Budget:
+    """The bytes the run ``config`` would move, measured on real messages.
+
+    Args:
+        config: the run (its transport, broker and thread settings do not matter).
+        train_steps: local SGD steps each emulated device runs per round to make its
+            weights (at most what its task asks); 0: all the task asks.
+
+    Raises:
+        SimError: unknown model or strategy, options the strategy cannot honour, a
+            dataset that cannot be loaded or partitioned, or a device that cannot run
+            its task.
+    """
+    if train_steps < 0:
+        raise SimError(f"train_steps must be >= 0, got {train_steps}")
+    return _Emulation(config, train_steps).run()
+
+
+def _software_version() -> str:
+    try:
+        return importlib.metadata.version("edgefl")[:64]
+    except importlib.metadata.PackageNotFoundError:
+        return protocol_version
+
+
+def _machine_memory() -> int:
+    try:
+        return max(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+@dataclass
+class _Device:
+    """One emulated edge client: what EdgeClient keeps between messages."""
+
+    data: DeviceData
+    model: Classifier
+    downlink: Precision | None
+    uplink: Precision | None
+    transfer: TransferState = field(default_factory=TransferState)
+    learning: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, ModelPayload] = field(default_factory=dict)
+    stopped: bool = False
+
+    @property
+    def device_id(self) -> str:
+        return self.data.device_id
+
+
+class _Emulation:
+    """One run: the engine, the emulated devices and the byte counters."""
+
+    def __init__(self, config: SimConfig, train_steps: int) -> None:
+        self.config = config
+        self.train_steps = train_steps
+        self.codec = Codec()
+        self.topics = Topics(config.fleet)
+        federation, channels, side = _federation(config)
+        coordinator = CoordinatorConfig(
+            fleet=config.fleet,
+            strategy=config.strategy,
+            downlink=config.downlink,
+            final_model=config.final_model,
+            sharing=config.sharing,
+            model=config.model,
+            num_classes=federation.num_classes,
+            in_channels=channels,
+            image_size=side,
+            rounds=config.rounds,
+            participation=config.participation,
+            min_devices=config.devices,
+            round_timeout_s=config.round_timeout_s,
+            seed=config.seed,
+            training=config.training,
+            export_onnx=False,
+            downlink_precision=config.downlink_precision,
+            uplink_precision=config.uplink_precision,
+            downlink_deltas=config.downlink_deltas,
+            teacher_budget=config.teacher_budget,
+        )
+        try:  # as coordinator.runtime.Coordinator builds its engine
+            template = build_model(coordinator)
+            strategy: Strategy = build_strategy(coordinator, template)
+        except ConfigError as exc:
+            raise SimError(str(exc)) from exc
+        initial = state_arrays(template)
+        self.engine = RoundEngine(
+            coordinator,
+            strategy,
+            MemoryStore(),
+            initial_model=lambda: initial,
+            architecture=template.architecture,
+            fingerprint=template.fingerprint(),
+            shapes={name: a.shape for name, a in initial.items()},
+            num_classes=template.num_classes,
+        )
+        self.devices: dict[str, _Device] = {}
+        for index, split in enumerate(federation.devices):
+            down, up = config.device_link(index)
+            data = DeviceData(
+                device_id=split.device_id,
+                x=split.train.x,
+                y=split.train.y,
+                x_test=split.test.x,
+                y_test=split.test.y,
+                num_classes=federation.num_classes,
+            )
+            with torch.random.fork_rng(devices=[]):  # as EdgeClient builds its model
+                torch.manual_seed(config.seed)
+                model = build_classifier(
+                    config.model,
+                    num_classes=federation.num_classes,
+                    in_channels=channels,
+                    image_size=side,
+                )
+            self.devices[split.device_id] = _Device(data, model, down, up)
+        self._joined: list[_Device] = []
+        self._retained: Message | None = None  # the coordinator's retained status
+        self._inbox: deque[tuple[_Device, Message, bool]] = deque()  # (to, message, selected)
+        self._update_ids: set[str] = set()
+        self._finished = False
+        self._now = time.time()
+        self._hello_extras = {
+            "memory_bytes": _machine_memory(),
+            "software_version": _software_version(),
+            "platform": platform.machine()[:64],
+        }
+        self.selected = Bytes()
+        self.total = Bytes()
+        self.by_kind: dict[str, Bytes] = {}
+        self.device_rounds = 0
+
+    def run(self) -> Budget:
+        self._execute(self.engine.start(self._clock()))
+        for device in self.devices.values():  # devices join one by one, as in the sim
+            self._joined.append(device)
+            if self._retained is not None:
+                self._inbox.append((device, self._retained, False))
+            self._announce(device)
+            self._drain()
+        if not self._finished:
+            raise SimError("the emulated run stopped before its last round (a bug)")
+        return Budget(
+            self.config,
+            self.train_steps,
+            self.device_rounds,
+            self.selected,
+            self.total,
+            self.by_kind,
+        )
+
+    def _clock(self) -> float:
+        self._now += 0.001
+        return self._now
+
+    # -- counting ------------------------------------------------------------------------
+
+    def _count(self, topic: str, message: Message, *, up: bool, selected: bool) -> None:
+        """Count ``message`` published on ``topic`` once, as the transports count it."""
+        parts = split_frame(self.codec.encode(message), DEFAULT_MAX_PAYLOAD)
+        payload = sum(len(p) for p in parts)
+        wire = sum(publish_packet_size(topic, len(p), QOS, MQTT_VERSION) for p in parts)
+        counts = Bytes(up=payload, wire_up=wire) if up else Bytes(down=payload, wire_down=wire)
+        self.total += counts
+        self.by_kind[message.kind] = self.by_kind.get(message.kind, Bytes()) + counts
+        if selected:
+            self.selected += counts
+
+    # -- the coordinator side ------------------------------------------------------------
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Finished):
+                self._finished = True
+            if not isinstance(action, Publish):
+                continue
+            message = action.message
+            if action.topic == self.topics.coordinator_status:
+                self._retained = message
+                receivers = list(self._joined)
+            else:
+                device_id = action.topic.split("/")[3]  # fl/{fleet}/to/{device}/{leaf}
+                receivers = [self.devices[device_id]]
+            for device in receivers:
+                if not device.stopped:
+                    self._inbox.append((device, message, self._in_round(message)))
+
+    def _in_round(self, message: Message) -> bool:
+        body = message.body
+        if isinstance(body, Ack):
+            return body.ref in self._update_ids
+        return isinstance(body, (ModelPayload, RoundTask))
+
+    def _publish(self, device: _Device, leaf: str, message: Message, *, selected: bool) -> None:
+        """``device`` publishes ``message`` on its topic ``leaf``; the engine receives it."""
+        topic = self.topics.device(device.device_id, leaf)  # type: ignore[arg-type]
+        self._count(topic, message, up=True, selected=selected)
+        if not self._finished:  # the coordinator is gone once the run finished
+            self._execute(self.engine.handle(Received(device.device_id, message, self._clock())))
+
+    def _message(self, device: _Device, body: Any, round_: int = -1) -> Message:
+        return Message(fleet=self.config.fleet, sender=device.device_id, body=body, round=round_)
+
+    # -- the device side (as edge_client.runtime.EdgeClient) -----------------------------
+
+    def _drain(self) -> None:
+        while self._inbox:
+            device, message, selected = self._inbox.popleft()
+            body = message.body
+            topic = (
+                self.topics.coordinator_status
+                if isinstance(body, CoordinatorStatus)
+                else self.topics.to_device(device.device_id, message.kind)  # type: ignore[arg-type]
+            )
+            self._count(topic, message, up=False, selected=selected)
+            if isinstance(body, CoordinatorStatus):
+                if body.state == "starting":
+                    self._announce(device)
+                elif body.state == "finished" and not device.stopped:
+                    device.stopped = True
+                    self._status(device, "offline")
+            elif isinstance(body, ModelPayload):
+                device.models[message.message_id] = body
+            elif isinstance(body, RoundTask):
+                self._train(device, message, body)
+
+    def _status(self, device: _Device, state: str, *, selected: bool = False) -> None:
+        body = DeviceStatus(state=state, rss_bytes=REPORTED_RSS)  # type: ignore[arg-type]
+        self._publish(device, "status", self._message(device, body), selected=selected)
+
+    def _announce(self, device: _Device) -> None:
+        self._status(device, "online")
+        hello = Hello(
+            device_id=device.device_id,
+            architecture=self.config.model,
+            fingerprint=device.model.fingerprint(),
+            precisions=tuple(Precision),
+            threads=1,
+            num_samples=device.data.num_samples,
+            share_label_counts=True,  # emulated devices consent, as in the sim
+            downlink_precision=device.downlink,
+            uplink_precision=device.uplink,
+            held_base=device.transfer.held_fingerprint,
+            **self._hello_extras,
+        )
+        self._publish(device, "hello", self._message(device, hello), selected=False)
+
+    def _train(self, device: _Device, message: Message, task: RoundTask) -> None:
+        round_ = message.round
+        payload = device.models.pop(task.model_message or "", None)
+        if payload is None:
+            raise SimError(f"{device.device_id}: task without its model message (a bug)")
+        self.device_rounds += 1
+        try:
+            start = time.perf_counter()
+            names = task.payloads or tuple(payload.sets)
+            lossy = task.downlink_precision is not Precision.FP32 or task.uplink.mode == "delta"
+            arrays = device.transfer.decode(payload.sets, names, hold=lossy)
+            decode_s = time.perf_counter() - start
+            upload = "head" if task.uplink.subset == "head" else "all"
+            hyper = self._emulated_steps(dict(task.hyperparameters), device.data.num_samples)
+            local = LocalTask(task.strategy, hyper, arrays, upload)
+            self._status(device, "training", selected=True)
+            result = local_update(device.model, device.data, local, device.learning)
+            start = time.perf_counter()
+            weights = device.transfer.encode_upload(
+                result.sets[WEIGHTS_SET], task.uplink, local.sets
+            )
+            encode_s = time.perf_counter() - start
+        except (TaskError, DecodeError, EncodeError) as exc:
+            raise SimError(f"{device.device_id} cannot run its round {round_} task: {exc}") from exc
+        counts = None
+        if task.uplink.label_counts:
+            counts = tuple(int(c) for c in device.data.label_counts())
+        update = Update(
+            task_message=message.message_id,
+            num_samples=result.num_samples,
+            sets={WEIGHTS_SET: weights},
+            label_counts=counts,
+            metrics={k: v for k, v in result.metrics.items() if math.isfinite(v)},
+            timings={"decode_s": decode_s, **result.timings, "encode_s": encode_s},
+        )
+        sent = self._message(device, update, round_)
+        self._update_ids.add(sent.message_id)
+        self._publish(device, "update", sent, selected=True)
+        self._status(device, "idle", selected=True)
+
+    def _emulated_steps(self, hyper: dict[str, Any], num_samples: int) -> dict[str, Any]:
+        """The task's hyperparameters with at most ``train_steps`` local steps."""
+        if self.train_steps == 0:
+            return hyper
+        asked = TrainConfig.from_hyperparameters(hyper).total_steps(num_samples)
+        if asked > self.train_steps:
+            hyper["local_steps"] = self.train_steps
+        return hyper

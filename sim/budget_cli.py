@@ -1,0 +1,212 @@
+"""The ``budget`` command of ``python -m sim``: bytes per device and round, no fleet run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from coordinator.config import TrainingSettings
+from coordinator.strategies import strategy_names
+from models import classifier_names
+from sim.budget import (
+    DEFAULT_TRAIN_STEPS,
+    LINK_PROFILES,
+    Budget,
+    LinkProfile,
+    budget_json,
+    estimate,
+    link_profile,
+    reference_config,
+    transfer_time,
+)
+from sim.datasets import dataset_names
+from sim.errors import SimError
+from sim.report import human_bytes
+from sim.run import SimConfig
+from sim.run_cli import add_precision_args, precision_settings
+
+__all__ = ["add_budget_parser", "budget_from_args", "format_budget"]
+
+EXIT_OK = 0
+
+
+def add_budget_parser(sub: Any) -> None:
+    """Add the ``budget`` command to the subparsers ``sub``."""
+    parser = sub.add_parser(
+        "budget",
+        help="bytes per device and round of a configuration, next to fp32 FedAvg",
+        description="Measure the bytes a configuration moves, up and down, per device and "
+        "round, per round and for the whole run, MQTT payload and wire, next to the fp32 "
+        "FedAvg reference, without running the fleet: the real coordinator engine and "
+        "encoders, emulated devices training a few SGD steps (docs/budget.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", choices=classifier_names(), default="lenet5")
+    parser.add_argument("--strategy", choices=strategy_names(), default="fedavg")
+    parser.add_argument("--sharing", choices=["full", "head"], default="full")
+    parser.add_argument("--downlink", choices=["dual", "single"], default="dual", help="fedkf")
+    add_precision_args(parser)
+    parser.add_argument(
+        "--device-precisions",
+        metavar="LIST",
+        help="precisions the devices ask for, round robin (int8,fp32,int8/int4 ...)",
+    )
+    parser.add_argument("--no-downlink-deltas", action="store_true", help="always send full models")
+    parser.add_argument(
+        "--teacher-budget", type=float, default=0.3, help="fedkf dual: teacher / model bytes"
+    )
+    parser.add_argument("--devices", type=int, default=50, help="devices K")
+    parser.add_argument("--participation", type=float, default=0.2, help="fraction C per round")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dataset", choices=dataset_names(), default="synthetic")
+    parser.add_argument("--data-dir", type=Path, help="folder with the dataset's files")
+    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha; inf = IID")
+    parser.add_argument("--local-epochs", type=int, help="epochs E the tasks ask")
+    parser.add_argument("--local-steps", type=int, help="local mini-batches the tasks ask")
+    parser.add_argument("--batch-size", type=int, help="batch size B")
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=DEFAULT_TRAIN_STEPS,
+        help="SGD steps each emulated device runs per round (at most what its task asks; "
+        "0: all of it)",
+    )
+    parser.add_argument(
+        "--link",
+        metavar="NAME|BITS_PER_S",
+        help=f"add transfer times over a link: {', '.join(LINK_PROFILES)}, or a rate (250k)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=budget_from_args)
+
+
+def budget_from_args(args: argparse.Namespace) -> int:
+    """Handler of ``python -m sim budget``."""
+    import torch
+
+    link = None if args.link is None else link_profile(args.link)  # bad links fail first
+    try:
+        training = TrainingSettings(
+            local_epochs=args.local_epochs,
+            local_steps=args.local_steps,
+            batch_size=args.batch_size,
+        )
+        config = SimConfig(
+            devices=args.devices,
+            rounds=args.rounds,
+            strategy=args.strategy,
+            downlink=args.downlink,
+            sharing=args.sharing,
+            model=args.model,
+            dataset=args.dataset,
+            data_dir=args.data_dir,
+            alpha=math.inf if math.isinf(args.alpha) else args.alpha,
+            participation=args.participation,
+            training=training,
+            seed=args.seed,
+            **precision_settings(args),
+            device_precisions=tuple(
+                t.strip() for t in (args.device_precisions or "").split(",") if t.strip()
+            ),
+            downlink_deltas=not args.no_downlink_deltas,
+            teacher_budget=args.teacher_budget,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SimError(f"invalid settings: {problems}") from exc
+    torch.set_num_threads(1)
+    budget = estimate(config, train_steps=args.train_steps)
+    reference_settings = reference_config(config)
+    reference = (
+        budget
+        if reference_settings == config
+        else estimate(reference_settings, train_steps=args.train_steps)
+    )
+    if args.json:
+        print(json.dumps(budget_json(budget, reference, link), indent=1))
+    else:
+        print(format_budget(budget, reference, link))
+    return EXIT_OK
+
+
+def _describe(config: SimConfig) -> str:
+    if config.strategy == "fedkf":
+        name = f"fedkf {config.downlink}"
+    elif config.sharing == "head":
+        name = f"{config.strategy} head"
+    else:
+        name = str(config.strategy)
+    down, up = config.downlink_precision.value, config.uplink_precision.value
+    precision = down if down == up else f"{down}/{up}"
+    if config.device_precisions:
+        precision = ",".join(config.device_precisions)
+    return f"{name} {precision}"
+
+
+def format_budget(budget: Budget, reference: Budget, link: LinkProfile | None = None) -> str:
+    """The human-readable table: the configuration, the reference and their ratio."""
+    config = budget.config
+    head = _describe(config)
+    ref = _describe(reference.config)
+    lines = [
+        f"{config.model} on {config.dataset}: {config.devices} devices, C={config.participation}, "
+        f"{config.rounds} rounds, seed {config.seed}; {budget.device_rounds} device-rounds "
+        f"(reference {reference.device_rounds}); weights from "
+        + (f"{budget.train_steps} local SGD steps" if budget.train_steps else "full local training")
+        + " per device-round",
+    ]
+    rows: list[tuple[str, str, str, str]] = [("", head, ref, "ratio")]
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.3f}" if b else "-"
+
+    scopes = (
+        ("per device-round", budget.per_device_round, reference.per_device_round),
+        ("per round", budget.per_round, reference.per_round),
+        ("whole run", budget.total, reference.total),
+    )
+    for scope, mine, theirs in scopes:
+        for index, (key, label) in enumerate(
+            (("up", "up"), ("down", "down"), ("wire_up", "wire up"), ("wire_down", "wire down"))
+        ):
+            a, b = getattr(mine, key), getattr(theirs, key)
+            name = f"{scope if index == 0 else '':<17}{label}"
+            rows.append((name, human_bytes(a), human_bytes(b), ratio(a, b)))
+    if link is not None:
+        mine_t = transfer_time(budget.per_device_round, link)
+        theirs_t = transfer_time(reference.per_device_round, link)
+        lines.append(
+            f"link {link.name}: {_rate(link.up_bps)} up, {_rate(link.down_bps)} down, "
+            f"{link.latency_s:g} s latency per transfer"
+        )
+        for index, key in enumerate(("up", "down", "total")):
+            a, b = getattr(mine_t, key), getattr(theirs_t, key)
+            name = f"{'s/device-round' if index == 0 else '':<17}{key}"
+            rows.append((name, _seconds(a), _seconds(b), ratio(a, b)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = [
+        f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}"
+        for r in rows
+    ]
+    return "\n".join([lines[0], *table[:13], *lines[1:], *table[13:]])
+
+
+def _rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def _seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    return f"{s:.2f} s"
