@@ -136,3 +136,25 @@ def test_mode_flags_reach_the_config() -> None:
     assert (kf.training.gamma, kf.training.lambda1, kf.training.lambda2) == (0.5, 0.2, 0.3)
     assert (gen.strategy, gen.sharing) == ("fedgen", "head")
     assert "sharing" in gen.fingerprint_fields() and "downlink" in kf.fingerprint_fields()
+
+
+def test_precision_flags_reach_the_config() -> None:
+    both = parse("--embedded-broker", "--precision", "int8")
+    mixed = parse(
+        "--embedded-broker",
+        "--precision",
+        "int8",
+        "--uplink-precision",
+        "int4",
+        "--no-downlink-deltas",
+        "--teacher-budget",
+        "0.2",
+        "--qat",
+    )
+    plain = parse("--embedded-broker")
+
+    assert (both.downlink_precision, both.uplink_precision) == ("int8", "int8")
+    assert (mixed.downlink_precision, mixed.uplink_precision) == ("int8", "int4")
+    assert not mixed.downlink_deltas and mixed.teacher_budget == 0.2 and mixed.training.qat
+    assert (plain.downlink_precision, plain.uplink_precision) == ("fp32", "fp32")
+    assert plain.downlink_deltas and not plain.training.qat
