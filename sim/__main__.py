@@ -31,8 +31,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from sim.datasets import dataset_names, load_dataset
 from sim.budget_cli import add_budget_parser
+from sim.datasets import dataset_names, load_dataset
 from sim.errors import SimError
 from sim.partition import label_counts, mean_label_entropy, partition_dataset, save_device_file
 from sim.run_cli import add_run_parser

@@ -33,21 +33,22 @@ import platform
 import re
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Literal
 
 import torch
 
 from coordinator.config import CoordinatorConfig
-from coordinator.engine import Action, Finished, Publish, Received, RoundEngine
+from coordinator.engine import Action, Finished, Publish, Received, RoundClosed, RoundEngine
 from coordinator.errors import ConfigError
 from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
 from edge_client.data import DeviceData
 from edge_client.errors import TaskError
-from edge_client.strategies import WEIGHTS_SET, LocalTask, local_update
+from edge_client.strategies import WEIGHTS_SET, LocalTask, UploadSubset, local_update
 from edge_client.training import TrainConfig
 from edge_client.transfer import TransferState
 from models import Classifier, build_classifier, state_arrays
@@ -66,7 +67,7 @@ from protocol.messages import (
     Update,
 )
 from protocol.tensors import Precision
-from protocol.topics import Topics
+from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.errors import SimError
 from sim.run import SimConfig, _federation
@@ -78,7 +79,6 @@ __all__ = [
     "Bytes",
     "LinkProfile",
     "TransferTime",
-    "budget_json",
     "estimate",
     "link_profile",
     "reference_config",
@@ -87,7 +87,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRAIN_STEPS = 10
+DEFAULT_TRAIN_STEPS = 5
 """Local SGD steps an emulated device runs per round (fewer if its task asks fewer)."""
 QOS = 1  # every publish of the runtimes (protocol.channel.Channel's default)
 MQTT_VERSION = MqttVersion.V311  # the transports' default
@@ -110,21 +110,41 @@ class LinkProfile:
     latency_s: float
     """Paid once per transfer (per direction and device-round), seconds."""
 
+    def __post_init__(self) -> None:
+        rates = (self.up_bps, self.down_bps)
+        if not all(math.isfinite(r) and r > 0 for r in rates) or not self.latency_s >= 0:
+            raise SimError(f"link {self.name!r}: rates must be > 0 and latency >= 0")
 
-LINK_PROFILES: Mapping[str, LinkProfile] = {
-    p.name: p
-    for p in (
-        # name      up bit/s     down bit/s   latency  assumption (docs/budget.md)
-        LinkProfile("nb-iot", 20e3, 25e3, 2.0),  # Cat-NB1: 26/62 kbit/s peak; 1.6-10 s
-        LinkProfile("lte-m", 250e3, 300e3, 0.2),  # Cat-M1 half duplex: ~375/300 kbit/s peak
-        LinkProfile("4g", 5e6, 20e6, 0.05),  # LTE, typical user throughput
-        LinkProfile("5g", 20e6, 100e6, 0.02),  # 5G NR sub-6 GHz, typical user throughput
-        LinkProfile("wifi", 20e6, 50e6, 0.02),  # 802.11n/ac behind a broadband uplink
-    )
-}
-"""Named links (``--link``); the figures are rules of thumb, see docs/budget.md."""
 
-_ALIASES = {"nbiot": "nb-iot", "ltem": "lte-m", "catm1": "lte-m", "lte": "4g", "wlan": "wifi"}
+# Sustained application-level rates a single device can expect (not the radio's peak), and
+# the one-way latency of a small message; rules of thumb, reasons in docs/budget.md.
+#
+# ======  ==========  ===========  =======  ===============================================
+# name    up bit/s    down bit/s   latency  based on
+# ======  ==========  ===========  =======  ===============================================
+# nb-iot  20 k        25 k         2 s      3GPP Rel-13 Cat-NB1: peak ~62 k up (multi-tone),
+#                                           ~26 k down; 3GPP latency target 10 s
+# lte-m   250 k       300 k        0.2 s    Cat-M1 half-duplex FDD: peak ~375 k up, ~300 k
+#                                           down; 100-200 ms round trips in the field
+# 4g      5 M         20 M         50 ms    LTE, typical user throughput in operator reports
+# 5g      20 M        100 M        20 ms    5G NR sub-6 GHz, typical user throughput
+# wifi    20 M        50 M         20 ms    802.11n/ac behind a consumer broadband uplink
+# ======  ==========  ===========  =======  ===============================================
+LINK_PROFILES: Mapping[str, LinkProfile] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            LinkProfile("nb-iot", 20e3, 25e3, 2.0),
+            LinkProfile("lte-m", 250e3, 300e3, 0.2),
+            LinkProfile("4g", 5e6, 20e6, 0.05),
+            LinkProfile("5g", 20e6, 100e6, 0.02),
+            LinkProfile("wifi", 20e6, 50e6, 0.02),
+        )
+    }
+)
+"""Named links of ``--link`` (see the table above)."""
+
+_ALIASES = {"catnb1": "nbiot", "catm1": "ltem", "lte": "4g", "wlan": "wifi"}
 _RATE = re.compile(r"^(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmg]?)(?:bit/s|bps|b/s)?$", re.IGNORECASE)
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
 
@@ -136,10 +156,10 @@ def link_profile(text: str) -> LinkProfile:
     Raises:
         SimError: neither a known name nor a positive rate.
     """
-    key = re.sub(r"[\s_-]", "", text.strip().lower())
+    key = _normal(text)
     key = _ALIASES.get(key, key)
     for profile in LINK_PROFILES.values():
-        if key == profile.name.replace("-", ""):
+        if key == _normal(profile.name):
             return profile
     match = _RATE.match(text.strip())
     if match is not None:
@@ -148,6 +168,10 @@ def link_profile(text: str) -> LinkProfile:
             return LinkProfile(text.strip(), rate, rate, 0.0)
     names = ", ".join(LINK_PROFILES)
     raise SimError(f"unknown link {text!r}: give one of {names}, or bits per second (250k)")
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[\s_-]", "", name.lower())
 
 
 # -- byte counts ---------------------------------------------------------------------------
@@ -250,61 +274,22 @@ def reference_config(config: SimConfig) -> SimConfig:
     )
 
 
-_SIM_ONLY = {"transport", "broker_url", "train_slots", "state_dir", "round_timeout_s"}
-
-
-def budget_json(
-    budget: Budget, reference: Budget, link: LinkProfile | None = None
-) -> dict[str, Any]:
-    """The JSON object of ``python -m sim budget --json`` (see docs/budget.md)."""
-
-    def part(b: Budget) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "device_rounds": b.device_rounds,
-            "per_device_round": b.per_device_round.to_dict(),
-            "per_round": b.per_round.to_dict(),
-            "total": b.total.to_dict(),
-            "by_kind": {k: v.to_dict() for k, v in sorted(b.by_kind.items())},
-        }
-        if link is not None:
-            out["seconds_per_device_round"] = transfer_time(b.per_device_round, link).to_dict()
-        return out
-
-    config = budget.config.model_dump(mode="json", exclude=_SIM_ONLY)
-    result: dict[str, Any] = {"config": {**config, "train_steps": budget.train_steps}}
-    result.update(part(budget))
-    result["reference"] = {
-        "config": reference.config.model_dump(
-            mode="json", include={"strategy", "sharing", "downlink_precision", "uplink_precision"}
-        ),
-        **part(reference),
-    }
-    result["ratio"] = {
-        key: round(value / ref, 4) if ref else None
-        for (key, value), ref in zip(
-            budget.total.to_dict().items(), reference.total.to_dict().values(), strict=True
-        )
-    }
-    if link is not None:
-        result["link"] = {
-            "name": link.name,
-            "up_bps": link.up_bps,
-            "down_bps": link.down_bps,
-            "latency_s": link.latency_s,
-        }
-    return result
-
-
 # -- the emulation -------------------------------------------------------------------------
 
 
-def estimate(config: SimConfig, *, train_steps: int = DEFAULT_TRAIN_STEPS) -> Budget:
+def estimate(
+    config: SimConfig,
+    *,
+    train_steps: int = DEFAULT_TRAIN_STEPS,
+    on_round: Callable[[int], None] | None = None,
+) -> Budget:
     """The bytes the run ``config`` would move, measured on real messages.
 
     Args:
         config: the run (its transport, broker and thread settings do not matter).
         train_steps: local SGD steps each emulated device runs per round to make its
             weights (at most what its task asks); 0: all the task asks.
+        on_round: called with the number of each round as it closes (progress).
 
     Raises:
         SimError: unknown model or strategy, options the strategy cannot honour, a
@@ -313,7 +298,7 @@ def estimate(config: SimConfig, *, train_steps: int = DEFAULT_TRAIN_STEPS) -> Bu
     """
     if train_steps < 0:
         raise SimError(f"train_steps must be >= 0, got {train_steps}")
-    return _Emulation(config, train_steps).run()
+    return _Emulation(config, train_steps, on_round).run()
 
 
 def _software_version() -> str:
@@ -328,6 +313,9 @@ def _machine_memory() -> int:
         return max(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (OSError, ValueError, AttributeError):
         return 0
+
+
+_State = Literal["online", "training", "idle", "offline"]  # the statuses devices send here
 
 
 @dataclass
@@ -351,9 +339,12 @@ class _Device:
 class _Emulation:
     """One run: the engine, the emulated devices and the byte counters."""
 
-    def __init__(self, config: SimConfig, train_steps: int) -> None:
+    def __init__(
+        self, config: SimConfig, train_steps: int, on_round: Callable[[int], None] | None
+    ) -> None:
         self.config = config
         self.train_steps = train_steps
+        self._on_round = on_round
         self.codec = Codec()
         self.topics = Topics(config.fleet)
         federation, channels, side = _federation(config)
@@ -417,7 +408,7 @@ class _Emulation:
             self.devices[split.device_id] = _Device(data, model, down, up)
         self._joined: list[_Device] = []
         self._retained: Message | None = None  # the coordinator's retained status
-        self._inbox: deque[tuple[_Device, Message, bool]] = deque()  # (to, message, selected)
+        self._inbox: deque[tuple[_Device, str, Message, bool]] = deque()  # to, topic, ..., selected
         self._update_ids: set[str] = set()
         self._finished = False
         self._now = time.time()
@@ -436,7 +427,8 @@ class _Emulation:
         for device in self.devices.values():  # devices join one by one, as in the sim
             self._joined.append(device)
             if self._retained is not None:
-                self._inbox.append((device, self._retained, False))
+                status_topic = self.topics.coordinator_status
+                self._inbox.append((device, status_topic, self._retained, False))
             self._announce(device)
             self._drain()
         if not self._finished:
@@ -473,18 +465,20 @@ class _Emulation:
         for action in actions:
             if isinstance(action, Finished):
                 self._finished = True
+            elif isinstance(action, RoundClosed) and self._on_round is not None:
+                self._on_round(action.round)
             if not isinstance(action, Publish):
                 continue
-            message = action.message
-            if action.topic == self.topics.coordinator_status:
+            message, topic = action.message, action.topic
+            device_id = parse_topic(topic).device_id  # None: the coordinator's status
+            if device_id is None:
                 self._retained = message
                 receivers = list(self._joined)
             else:
-                device_id = action.topic.split("/")[3]  # fl/{fleet}/to/{device}/{leaf}
                 receivers = [self.devices[device_id]]
             for device in receivers:
                 if not device.stopped:
-                    self._inbox.append((device, message, self._in_round(message)))
+                    self._inbox.append((device, topic, message, self._in_round(message)))
 
     def _in_round(self, message: Message) -> bool:
         body = message.body
@@ -492,9 +486,8 @@ class _Emulation:
             return body.ref in self._update_ids
         return isinstance(body, (ModelPayload, RoundTask))
 
-    def _publish(self, device: _Device, leaf: str, message: Message, *, selected: bool) -> None:
-        """``device`` publishes ``message`` on its topic ``leaf``; the engine receives it."""
-        topic = self.topics.device(device.device_id, leaf)  # type: ignore[arg-type]
+    def _publish(self, device: _Device, topic: str, message: Message, *, selected: bool) -> None:
+        """``device`` publishes ``message`` on ``topic``; the engine receives it."""
         self._count(topic, message, up=True, selected=selected)
         if not self._finished:  # the coordinator is gone once the run finished
             self._execute(self.engine.handle(Received(device.device_id, message, self._clock())))
@@ -506,13 +499,8 @@ class _Emulation:
 
     def _drain(self) -> None:
         while self._inbox:
-            device, message, selected = self._inbox.popleft()
+            device, topic, message, selected = self._inbox.popleft()
             body = message.body
-            topic = (
-                self.topics.coordinator_status
-                if isinstance(body, CoordinatorStatus)
-                else self.topics.to_device(device.device_id, message.kind)  # type: ignore[arg-type]
-            )
             self._count(topic, message, up=False, selected=selected)
             if isinstance(body, CoordinatorStatus):
                 if body.state == "starting":
@@ -525,9 +513,10 @@ class _Emulation:
             elif isinstance(body, RoundTask):
                 self._train(device, message, body)
 
-    def _status(self, device: _Device, state: str, *, selected: bool = False) -> None:
-        body = DeviceStatus(state=state, rss_bytes=REPORTED_RSS)  # type: ignore[arg-type]
-        self._publish(device, "status", self._message(device, body), selected=selected)
+    def _status(self, device: _Device, state: _State, *, selected: bool = False) -> None:
+        body = DeviceStatus(state=state, rss_bytes=REPORTED_RSS)
+        topic = self.topics.device(device.device_id, "status")
+        self._publish(device, topic, self._message(device, body), selected=selected)
 
     def _announce(self, device: _Device) -> None:
         self._status(device, "online")
@@ -544,7 +533,8 @@ class _Emulation:
             held_base=device.transfer.held_fingerprint,
             **self._hello_extras,
         )
-        self._publish(device, "hello", self._message(device, hello), selected=False)
+        topic = self.topics.device(device.device_id, "hello")
+        self._publish(device, topic, self._message(device, hello), selected=False)
 
     def _train(self, device: _Device, message: Message, task: RoundTask) -> None:
         round_ = message.round
@@ -558,7 +548,7 @@ class _Emulation:
             lossy = task.downlink_precision is not Precision.FP32 or task.uplink.mode == "delta"
             arrays = device.transfer.decode(payload.sets, names, hold=lossy)
             decode_s = time.perf_counter() - start
-            upload = "head" if task.uplink.subset == "head" else "all"
+            upload: UploadSubset = "head" if task.uplink.subset == "head" else "all"
             hyper = self._emulated_steps(dict(task.hyperparameters), device.data.num_samples)
             local = LocalTask(task.strategy, hyper, arrays, upload)
             self._status(device, "training", selected=True)
@@ -583,7 +573,7 @@ class _Emulation:
         )
         sent = self._message(device, update, round_)
         self._update_ids.add(sent.message_id)
-        self._publish(device, "update", sent, selected=True)
+        self._publish(device, self.topics.device(device.device_id, "update"), sent, selected=True)
         self._status(device, "idle", selected=True)
 
     def _emulated_steps(self, hyper: dict[str, Any], num_samples: int) -> dict[str, Any]:

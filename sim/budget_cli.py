@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,6 @@ from sim.budget import (
     LINK_PROFILES,
     Budget,
     LinkProfile,
-    budget_json,
     estimate,
     link_profile,
     reference_config,
@@ -30,7 +31,7 @@ from sim.report import human_bytes
 from sim.run import SimConfig
 from sim.run_cli import add_precision_args, precision_settings
 
-__all__ = ["add_budget_parser", "budget_from_args", "format_budget"]
+__all__ = ["add_budget_parser", "budget_from_args", "budget_json", "format_budget"]
 
 EXIT_OK = 0
 
@@ -120,19 +121,78 @@ def budget_from_args(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise SimError(f"invalid settings: {problems}") from exc
-    torch.set_num_threads(1)
-    budget = estimate(config, train_steps=args.train_steps)
-    reference_settings = reference_config(config)
-    reference = (
-        budget
-        if reference_settings == config
-        else estimate(reference_settings, train_steps=args.train_steps)
-    )
+    torch.set_num_threads(1)  # the emulated devices train one after the other
+    budget = estimate(config, train_steps=args.train_steps, on_round=_progress("budget", config))
+    settings = reference_config(config)
+    reference = budget
+    if settings != config:
+        progress = _progress("reference", settings)
+        reference = estimate(settings, train_steps=args.train_steps, on_round=progress)
     if args.json:
         print(json.dumps(budget_json(budget, reference, link), indent=1))
     else:
         print(format_budget(budget, reference, link))
     return EXIT_OK
+
+
+def _progress(label: str, config: SimConfig) -> Callable[[int], None] | None:
+    """A progress line on stderr while rounds close (only on a terminal)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(round_number: int) -> None:
+        end = "\r" if round_number < config.rounds else "\r\033[K"
+        print(f"{label}: round {round_number}/{config.rounds}", end=end, file=sys.stderr)
+        sys.stderr.flush()
+
+    return show
+
+
+_SIM_ONLY = {"transport", "broker_url", "train_slots", "state_dir", "round_timeout_s"}
+
+
+def budget_json(
+    budget: Budget, reference: Budget, link: LinkProfile | None = None
+) -> dict[str, Any]:
+    """The JSON object of ``python -m sim budget --json`` (see docs/budget.md)."""
+
+    def part(b: Budget) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "device_rounds": b.device_rounds,
+            "per_device_round": b.per_device_round.to_dict(),
+            "per_round": b.per_round.to_dict(),
+            "total": b.total.to_dict(),
+            "by_kind": {k: v.to_dict() for k, v in sorted(b.by_kind.items())},
+        }
+        if link is not None:
+            out["seconds_per_device_round"] = transfer_time(b.per_device_round, link).to_dict()
+        return out
+
+    config = budget.config.model_dump(mode="json", exclude=_SIM_ONLY)
+    if math.isinf(config["alpha"]):
+        config["alpha"] = "inf"  # JSON has no infinity
+    result: dict[str, Any] = {"config": {**config, "train_steps": budget.train_steps}}
+    result.update(part(budget))
+    result["reference"] = {
+        "config": reference.config.model_dump(
+            mode="json", include={"strategy", "sharing", "downlink_precision", "uplink_precision"}
+        ),
+        **part(reference),
+    }
+    result["ratio"] = {
+        key: round(value / ref, 4) if ref else None
+        for (key, value), ref in zip(
+            budget.total.to_dict().items(), reference.total.to_dict().values(), strict=True
+        )
+    }
+    if link is not None:
+        result["link"] = {
+            "name": link.name,
+            "up_bps": link.up_bps,
+            "down_bps": link.down_bps,
+            "latency_s": link.latency_s,
+        }
+    return result
 
 
 def _describe(config: SimConfig) -> str:
@@ -149,52 +209,57 @@ def _describe(config: SimConfig) -> str:
     return f"{name} {precision}"
 
 
+_FIELDS = (("up", "up"), ("down", "down"), ("wire_up", "wire up"), ("wire_down", "wire down"))
+
+
 def format_budget(budget: Budget, reference: Budget, link: LinkProfile | None = None) -> str:
     """The human-readable table: the configuration, the reference and their ratio."""
     config = budget.config
-    head = _describe(config)
-    ref = _describe(reference.config)
-    lines = [
+    steps = f"{budget.train_steps} local SGD steps" if budget.train_steps else "all local steps"
+    out = [
         f"{config.model} on {config.dataset}: {config.devices} devices, C={config.participation}, "
-        f"{config.rounds} rounds, seed {config.seed}; {budget.device_rounds} device-rounds "
-        f"(reference {reference.device_rounds}); weights from "
-        + (f"{budget.train_steps} local SGD steps" if budget.train_steps else "full local training")
-        + " per device-round",
+        f"{config.rounds} rounds, seed {config.seed}: {budget.device_rounds} device-rounds "
+        f"(reference {reference.device_rounds})",
+        f"weights from {steps} per device-round; MQTT payload and wire bytes",
     ]
-    rows: list[tuple[str, str, str, str]] = [("", head, ref, "ratio")]
-
-    def ratio(a: float, b: float) -> str:
-        return f"{a / b:.3f}" if b else "-"
-
+    rows = [("", _describe(config), _describe(reference.config), "ratio")]
     scopes = (
         ("per device-round", budget.per_device_round, reference.per_device_round),
         ("per round", budget.per_round, reference.per_round),
         ("whole run", budget.total, reference.total),
     )
     for scope, mine, theirs in scopes:
-        for index, (key, label) in enumerate(
-            (("up", "up"), ("down", "down"), ("wire_up", "wire up"), ("wire_down", "wire down"))
-        ):
+        for index, (key, label) in enumerate(_FIELDS):
             a, b = getattr(mine, key), getattr(theirs, key)
-            name = f"{scope if index == 0 else '':<17}{label}"
-            rows.append((name, human_bytes(a), human_bytes(b), ratio(a, b)))
+            rows.append((_label(scope, index, label), human_bytes(a), human_bytes(b), _ratio(a, b)))
     if link is not None:
         mine_t = transfer_time(budget.per_device_round, link)
         theirs_t = transfer_time(reference.per_device_round, link)
-        lines.append(
-            f"link {link.name}: {_rate(link.up_bps)} up, {_rate(link.down_bps)} down, "
-            f"{link.latency_s:g} s latency per transfer"
-        )
         for index, key in enumerate(("up", "down", "total")):
             a, b = getattr(mine_t, key), getattr(theirs_t, key)
-            name = f"{'s/device-round' if index == 0 else '':<17}{key}"
-            rows.append((name, _seconds(a), _seconds(b), ratio(a, b)))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+            name = _label("s/device-round", index, key)
+            rows.append((name, _seconds(a), _seconds(b), _ratio(a, b)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     table = [
         f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}"
         for r in rows
     ]
-    return "\n".join([lines[0], *table[:13], *lines[1:], *table[13:]])
+    out += table[: 1 + len(scopes) * len(_FIELDS)]
+    if link is not None:
+        out.append(
+            f"link {link.name}: {_rate(link.up_bps)} up, {_rate(link.down_bps)} down, "
+            f"{link.latency_s:g} s latency per transfer (one each way per device-round)"
+        )
+        out += table[1 + len(scopes) * len(_FIELDS) :]
+    return "\n".join(out)
+
+
+def _label(scope: str, index: int, what: str) -> str:
+    return f"{scope if index == 0 else '':<17}{what}"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "-"
 
 
 def _rate(bps: float) -> str:
@@ -209,4 +274,4 @@ def _seconds(s: float) -> str:
         return f"{s / 3600:.1f} h"
     if s >= 60:
         return f"{s / 60:.1f} min"
-    return f"{s:.2f} s"
+    return f"{s:.3g} s"
