@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--teacher-budget",
         type=float,
-        help="fedkf dual: teacher delta bytes as a fraction of the model's (0.3)",
+        help="fedkf dual: teacher delta bytes as a fraction of the model's (0.25)",
     )
     p.add_argument(
         "--qat",

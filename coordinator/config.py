@@ -156,7 +156,7 @@ class CoordinatorConfig(_Frozen):
     downlink_precision: Precision = Precision.FP32  # models to devices (a hello may ask another)
     uplink_precision: Precision = Precision.FP32  # updates; lossy ones travel as deltas
     downlink_deltas: bool = True  # lossy downlinks: a delta against the model a device holds
-    teacher_budget: float = Field(default=0.3, gt=0, le=1)  # fedkf dual: teacher bytes / model
+    teacher_budget: float = Field(default=0.25, gt=0, le=1)  # fedkf dual: teacher bytes / model
     model: str = "lenet5"  # a name from models.classifier_names()
     num_classes: int = Field(default=10, ge=2)
     in_channels: int = Field(default=1, ge=1)

@@ -28,7 +28,14 @@ from typing import Any
 import numpy.typing as npt
 
 from coordinator.state import Base, RunState
-from protocol.deltas import Encoded, encode_delta, encode_full, fit_delta, set_base
+from protocol.deltas import (
+    Encoded,
+    compressed_size,
+    encode_delta,
+    encode_full,
+    fit_delta,
+    set_base,
+)
 from protocol.messages import UploadSpec
 from protocol.tensors import Precision
 from protocol.tensorset import TensorSet
@@ -66,11 +73,11 @@ class Transfers:
     Args:
         state: where the per-device bases persist.
         deltas: send a delta against the model a device holds where possible.
-        teacher_budget: bytes of a set sent as a delta against another set, as a fraction
-            of that other set's full encoding at the device's precision.
+        teacher_budget: compressed bytes of a set sent as a delta against another set, as
+            a fraction of that other set's as sent (full or delta).
     """
 
-    def __init__(self, state: RunState, *, deltas: bool = True, teacher_budget: float = 0.3):
+    def __init__(self, state: RunState, *, deltas: bool = True, teacher_budget: float = 0.25):
         self._state = state
         self._deltas = deltas
         self._teacher_budget = teacher_budget
@@ -97,21 +104,19 @@ class Transfers:
             EncodeError: a value cannot be encoded at the link's precision.
         """
         precision = link.downlink
-        out: dict[str, TensorSet] = {}
-        received: dict[str, dict[str, Array]] = {}
+        done: dict[str, Encoded] = {}
         for position, (name, arrays) in enumerate(sets.items()):
             if position == 0:
                 encoded = self._model(device_id, round_number, name, arrays, link)
-            elif name in against and against[name] in received:
-                other = against[name]
-                full = self._full(round_number, other, sets[other], precision)
-                budget = max(1, int(self._teacher_budget * full.tensors.nbytes))
-                encoded = fit_delta(arrays, received[other], set_base(other), precision, budget)
+            elif name in against and against[name] in done:
+                other = done[against[name]]
+                budget = max(1, int(self._teacher_budget * compressed_size(other.tensors)))
+                ref = set_base(against[name])
+                encoded = fit_delta(arrays, other.received, ref, precision, budget)
             else:
                 encoded = self._full(round_number, name, arrays, precision)
-            out[name] = encoded.tensors
-            received[name] = encoded.received
-        return out
+            done[name] = encoded
+        return {name: encoded.tensors for name, encoded in done.items()}
 
     def _model(
         self, device_id: str, round_number: int, name: str, arrays: Arrays, link: Link

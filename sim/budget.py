@@ -433,6 +433,14 @@ class _Emulation:
             self._drain()
         if not self._finished:
             raise SimError("the emulated run stopped before its last round (a bug)")
+        log.info(
+            "%s %s: %d device-rounds, %d B up, %d B down",
+            self.config.strategy,
+            self.config.downlink_precision.value,
+            self.device_rounds,
+            self.total.up,
+            self.total.down,
+        )
         return Budget(
             self.config,
             self.train_steps,

@@ -59,7 +59,7 @@ def add_budget_parser(sub: Any) -> None:
     )
     parser.add_argument("--no-downlink-deltas", action="store_true", help="always send full models")
     parser.add_argument(
-        "--teacher-budget", type=float, default=0.3, help="fedkf dual: teacher / model bytes"
+        "--teacher-budget", type=float, default=0.25, help="fedkf dual: teacher / model bytes"
     )
     parser.add_argument("--devices", type=int, default=50, help="devices K")
     parser.add_argument("--participation", type=float, default=0.2, help="fraction C per round")
@@ -248,7 +248,7 @@ def format_budget(budget: Budget, reference: Budget, link: LinkProfile | None = 
     if link is not None:
         out.append(
             f"link {link.name}: {_rate(link.up_bps)} up, {_rate(link.down_bps)} down, "
-            f"{link.latency_s:g} s latency per transfer (one each way per device-round)"
+            f"{link.latency_s:g} s latency (once each way per device-round)"
         )
         out += table[1 + len(scopes) * len(_FIELDS) :]
     return "\n".join(out)

@@ -76,7 +76,7 @@ class SimConfig(BaseModel):
     # what devices ask for, round robin over the devices: "int8" (both ways) or
     # "int8/int4" (down/up); empty: every device takes the fleet's precisions
     downlink_deltas: bool = True  # lossy downlinks: deltas against the model a device holds
-    teacher_budget: float = Field(default=0.3, gt=0, le=1)  # fedkf dual teacher bytes / model
+    teacher_budget: float = Field(default=0.25, gt=0, le=1)  # fedkf dual teacher bytes / model
     seed: int = Field(default=0, ge=0)
     transport: Literal["mqtt", "inproc"] = "mqtt"
     broker_url: str | None = None  # external broker for transport mqtt; None: embedded

@@ -94,7 +94,7 @@ def add_run_parser(sub: Any) -> None:
     run.add_argument(
         "--teacher-budget",
         type=float,
-        default=0.3,
+        default=0.25,
         help="fedkf dual: teacher delta bytes as a fraction of the model's",
     )
     run.add_argument(
