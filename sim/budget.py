@@ -40,7 +40,6 @@ from typing import Any, Literal
 
 import torch
 
-from coordinator.config import CoordinatorConfig
 from coordinator.engine import Action, Finished, Publish, Received, RoundClosed, RoundEngine
 from coordinator.errors import ConfigError
 from coordinator.runtime import build_model
@@ -70,7 +69,7 @@ from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.errors import SimError
-from sim.run import SimConfig, _federation
+from sim.run import SimConfig, build_federation
 
 __all__ = [
     "DEFAULT_TRAIN_STEPS",
@@ -347,29 +346,8 @@ class _Emulation:
         self._on_round = on_round
         self.codec = Codec()
         self.topics = Topics(config.fleet)
-        federation, channels, side = _federation(config)
-        coordinator = CoordinatorConfig(
-            fleet=config.fleet,
-            strategy=config.strategy,
-            downlink=config.downlink,
-            final_model=config.final_model,
-            sharing=config.sharing,
-            model=config.model,
-            num_classes=federation.num_classes,
-            in_channels=channels,
-            image_size=side,
-            rounds=config.rounds,
-            participation=config.participation,
-            min_devices=config.devices,
-            round_timeout_s=config.round_timeout_s,
-            seed=config.seed,
-            training=config.training,
-            export_onnx=False,
-            downlink_precision=config.downlink_precision,
-            uplink_precision=config.uplink_precision,
-            downlink_deltas=config.downlink_deltas,
-            teacher_budget=config.teacher_budget,
-        )
+        federation, channels, side = build_federation(config)
+        coordinator = config.coordinator_config(federation.num_classes, channels, side)
         try:  # as coordinator.runtime.Coordinator builds its engine
             template = build_model(coordinator)
             strategy: Strategy = build_strategy(coordinator, template)

@@ -29,7 +29,7 @@ from sim.datasets import dataset_names
 from sim.errors import SimError
 from sim.report import human_bytes
 from sim.run import SimConfig
-from sim.run_cli import add_precision_args, precision_settings
+from sim.run_cli import add_precision_args, describe, precision_settings
 
 __all__ = ["add_budget_parser", "budget_from_args", "budget_json", "format_budget"]
 
@@ -195,20 +195,6 @@ def budget_json(
     return result
 
 
-def _describe(config: SimConfig) -> str:
-    if config.strategy == "fedkf":
-        name = f"fedkf {config.downlink}"
-    elif config.sharing == "head":
-        name = f"{config.strategy} head"
-    else:
-        name = str(config.strategy)
-    down, up = config.downlink_precision.value, config.uplink_precision.value
-    precision = down if down == up else f"{down}/{up}"
-    if config.device_precisions:
-        precision = ",".join(config.device_precisions)
-    return f"{name} {precision}"
-
-
 _FIELDS = (("up", "up"), ("down", "down"), ("wire_up", "wire up"), ("wire_down", "wire down"))
 
 
@@ -222,7 +208,7 @@ def format_budget(budget: Budget, reference: Budget, link: LinkProfile | None = 
         f"(reference {reference.device_rounds})",
         f"weights from {steps} per device-round; MQTT payload and wire bytes",
     ]
-    rows = [("", _describe(config), _describe(reference.config), "ratio")]
+    rows = [("", describe(config, compact=True), describe(reference.config, compact=True), "ratio")]
     scopes = (
         ("per device-round", budget.per_device_round, reference.per_device_round),
         ("per round", budget.per_round, reference.per_round),

@@ -45,7 +45,7 @@ from sim.metrics import evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
 from sim.report import RoundRecord, RunReport
 
-__all__ = ["SimConfig", "run_simulation"]
+__all__ = ["SimConfig", "build_federation", "run_simulation"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,31 @@ class SimConfig(BaseModel):
             parse_link(token)
         return value
 
+    def coordinator_config(self, num_classes: int, channels: int, side: int) -> CoordinatorConfig:
+        """The coordinator's settings for this emulation (data shape from the federation)."""
+        return CoordinatorConfig(
+            fleet=self.fleet,
+            strategy=self.strategy,
+            downlink=self.downlink,
+            final_model=self.final_model,
+            sharing=self.sharing,
+            model=self.model,
+            num_classes=num_classes,
+            in_channels=channels,
+            image_size=side,
+            rounds=self.rounds,
+            participation=self.participation,
+            min_devices=self.devices,
+            round_timeout_s=self.round_timeout_s,
+            seed=self.seed,
+            training=self.training,
+            export_onnx=False,
+            downlink_precision=self.downlink_precision,
+            uplink_precision=self.uplink_precision,
+            downlink_deltas=self.downlink_deltas,
+            teacher_budget=self.teacher_budget,
+        )
+
     def device_link(self, index: int) -> tuple[Precision | None, Precision | None]:
         """What device ``index`` asks for (downlink, uplink); None: the fleet's."""
         if not self.device_precisions:
@@ -128,7 +153,7 @@ def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
     return ArrayDataset(data.x[index], data.y[index], data.num_classes, f"{data.name}[{fraction}]")
 
 
-def _federation(config: SimConfig) -> tuple[Federation, int, int]:
+def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
     splits = load_dataset(config.dataset, config.data_dir, seed=config.seed)
     if config.class_fraction < 1:
         train = _subsample(splits.train, config.class_fraction, config.seed)
@@ -257,29 +282,8 @@ def run_simulation(
         TransportError / BrokerError: the broker cannot be started or reached.
     """
     started = time.perf_counter()
-    federation, channels, side = _federation(config)
-    coordinator_config = CoordinatorConfig(
-        fleet=config.fleet,
-        strategy=config.strategy,
-        downlink=config.downlink,
-        final_model=config.final_model,
-        sharing=config.sharing,
-        model=config.model,
-        num_classes=federation.num_classes,
-        in_channels=channels,
-        image_size=side,
-        rounds=config.rounds,
-        participation=config.participation,
-        min_devices=config.devices,
-        round_timeout_s=config.round_timeout_s,
-        seed=config.seed,
-        training=config.training,
-        export_onnx=False,
-        downlink_precision=config.downlink_precision,
-        uplink_precision=config.uplink_precision,
-        downlink_deltas=config.downlink_deltas,
-        teacher_budget=config.teacher_budget,
-    )
+    federation, channels, side = build_federation(config)
+    coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
     scratch = build_classifier(
         config.model, num_classes=federation.num_classes, in_channels=channels, image_size=side
     )

@@ -193,7 +193,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SimError(f"invalid settings: {problems}") from exc
     torch.set_num_threads(1)  # one thread per training; --train-slots trainings at once
     print(
-        f"{config.devices} devices, {_describe(config)} on {config.model}, {config.dataset} "
+        f"{config.devices} devices, {describe(config)} on {config.model}, {config.dataset} "
         f"(alpha={config.alpha}), {config.rounds} rounds, C={config.participation}, "
         f"transport {config.transport}",
         file=sys.stderr,
@@ -239,15 +239,17 @@ def _require_matplotlib() -> None:
         raise SimError('--report-dir needs matplotlib: pip install "edgefl[report]"') from None
 
 
-def _describe(config: Any) -> str:
+def describe(config: Any, *, compact: bool = False) -> str:
+    """The strategy, its mode and the precisions of ``config``, for progress output."""
     if config.strategy == "fedkf":
-        name = f"fedkf ({config.downlink} downlink)"
+        name = f"fedkf {config.downlink}" if compact else f"fedkf ({config.downlink} downlink)"
     elif config.sharing == "head":
-        name = f"{config.strategy} (head-only sharing)"
+        name = f"{config.strategy} head" if compact else f"{config.strategy} (head-only sharing)"
     else:
         name = str(config.strategy)
     down, up = config.downlink_precision.value, config.uplink_precision.value
-    precision = down if down == up else f"{down} down / {up} up"
+    precision = down if down == up else (f"{down}/{up}" if compact else f"{down} down / {up} up")
     if config.device_precisions:
-        precision = "devices ask " + ",".join(config.device_precisions)
-    return f"{name}, {precision}"
+        asked = ",".join(config.device_precisions)
+        precision = asked if compact else f"devices ask {asked}"
+    return f"{name} {precision}" if compact else f"{name}, {precision}"
