@@ -342,15 +342,15 @@ class RoundEngine:
         return actions + self._on_tick(now)
 
     def _unsupported_precision(self, hello: Hello) -> str | None:
+        """Why the fleet's default precisions do not suit a device that asks for none."""
+        speaks = ", ".join(p.value for p in hello.precisions)
         for direction, asked, default in (
             ("downlink", hello.downlink_precision, self.config.downlink_precision),
             ("uplink", hello.uplink_precision, self.config.uplink_precision),
         ):
             if asked is None and default not in hello.precisions:
-                return (
-                    f"this fleet's {direction} precision is {default.value}; the device speaks "
-                    + (", ".join(p.value for p in hello.precisions))
-                )
+                fleet = f"this fleet's {direction} precision is {default.value}"
+                return f"{fleet}; the device speaks {speaks}"
         return None
 
     def _link(self, device_id: str) -> Link:

@@ -18,23 +18,9 @@ _OFFLINE_STATES = frozenset({"offline"})
 
 
 def _entry(hello: Hello) -> dict[str, Any]:
-    return {
-        "architecture": hello.architecture,
-        "fingerprint": hello.fingerprint,
-        "num_samples": hello.num_samples,
-        "precisions": [p.value for p in hello.precisions],
-        "share_label_counts": hello.share_label_counts,
-        "memory_bytes": hello.memory_bytes,
-        "threads": hello.threads,
-        "platform": hello.platform,
-        "software_version": hello.software_version,
-        "downlink_precision": None
-        if hello.downlink_precision is None
-        else hello.downlink_precision.value,
-        "uplink_precision": None
-        if hello.uplink_precision is None
-        else hello.uplink_precision.value,
-    }
+    """What is kept of a hello: everything but the id and the model the device holds
+    (which changes every round and lives with the transfers)."""
+    return hello.model_dump(mode="json", exclude={"kind", "device_id", "held_base"})
 
 
 class DeviceRegistry:

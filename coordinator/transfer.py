@@ -123,7 +123,7 @@ class Transfers:
     ) -> Encoded:
         precision = link.downlink
         held = None
-        if self._deltas and precision is not Precision.FP32 and not link.lossless:
+        if self._deltas and precision is not Precision.FP32:
             held = self._state.load_base(device_id, "held")
             if held is not None and held.arrays.keys() != arrays.keys():
                 held = None  # another model subset (e.g. a changed sharing mode)

@@ -87,7 +87,7 @@ from protocol.tensorset import TensorSet
 from protocol.topics import Topics, parse_topic
 from protocol.transport.base import Transport, Will
 
-__all__ = ["STATE_FILE", "EdgeClient"]
+__all__ = ["STATE_FILE", "EdgeClient", "device_hello"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,33 @@ def _software_version() -> str:
         return importlib.metadata.version("edgefl")[:64]
     except importlib.metadata.PackageNotFoundError:
         return protocol_version
+
+
+def device_hello(
+    config: ClientConfig,
+    *,
+    fingerprint: str,
+    num_samples: int,
+    held_base: str | None,
+    memory_bytes: int | None = None,
+) -> Hello:
+    """The hello a device with ``config`` announces itself with (``memory_bytes``: the
+    machine's physical memory when None). The sim's budget tool sends the same."""
+    return Hello(
+        device_id=config.device_id,
+        architecture=config.model,
+        fingerprint=fingerprint,
+        precisions=tuple(Precision),
+        memory_bytes=_total_memory_bytes() if memory_bytes is None else memory_bytes,
+        threads=config.threads,
+        software_version=_software_version(),
+        num_samples=num_samples,
+        share_label_counts=config.share_label_counts,
+        platform=platform.machine()[:64],
+        downlink_precision=config.downlink_precision,
+        uplink_precision=config.uplink_precision,
+        held_base=held_base,
+    )
 
 
 class EdgeClient:
@@ -396,20 +423,12 @@ class EdgeClient:
         return Message(fleet=self.config.fleet, sender=self.device_id, body=body, round=round_)
 
     def _hello(self) -> Hello:
-        return Hello(
-            device_id=self.device_id,
-            architecture=self.config.model,
+        return device_hello(
+            self.config,
             fingerprint=self._fingerprint,
-            precisions=tuple(Precision),
-            memory_bytes=self._memory_bytes,
-            threads=self.config.threads,
-            software_version=_software_version(),
             num_samples=self.data.num_samples,
-            share_label_counts=self.config.share_label_counts,
-            platform=platform.machine()[:64],
-            downlink_precision=self.config.downlink_precision,
-            uplink_precision=self.config.uplink_precision,
             held_base=self._transfer.held_fingerprint,
+            memory_bytes=self._memory_bytes,
         )
 
     def _announce(self) -> None:

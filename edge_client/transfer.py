@@ -65,11 +65,6 @@ class TransferState:
         """Content fingerprint of the model held (None: none)."""
         return self._held_fingerprint
 
-    @property
-    def residual(self) -> Arrays | None:
-        """The uplink residual carried to the next upload (a copy), or None."""
-        return None if self._residual is None else {k: v.copy() for k, v in self._residual.items()}
-
     def decode(
         self, sets: Mapping[str, TensorSet], names: Sequence[str], *, hold: bool = True
     ) -> dict[str, Arrays]:

@@ -25,7 +25,7 @@ Every function returns, besides the tensor set, exactly what the receiver will d
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ import numpy.typing as npt
 import zstandard
 
 from protocol import quant
-from protocol.arrays import content_fingerprint, delta_arrays
+from protocol.arrays import apply_delta, content_fingerprint, delta_arrays
 from protocol.errors import DecodeError, EncodeError
 from protocol.tensors import EncodedTensor, Encoding, Precision, encode_array, encoding_for
 from protocol.tensorset import TensorSet, encode_tensors
@@ -75,9 +75,10 @@ class Encoded:
     tensors: TensorSet
     received: dict[str, Array]
     """The arrays the receiver ends up with (float32 floats), base included for deltas."""
-    residual: dict[str, Array]
-    """What the encoding lost: sent values minus decoded values (zeros for exact
-    tensors); a sender with error feedback adds it to its next delta."""
+    residual: dict[str, Array] = field(default_factory=dict)
+    """For a delta, what the encoding lost: sent values minus decoded values (zeros for
+    exact tensors); a sender with error feedback adds it to its next delta. Empty for a
+    full set."""
 
     @property
     def fingerprint(self) -> str:
@@ -92,9 +93,7 @@ def encode_full(arrays: Arrays, precision: Precision | str) -> Encoded:
         EncodeError: as :func:`protocol.tensorset.encode_tensors`.
     """
     tensors = encode_tensors(arrays, precision)
-    received = tensors.to_arrays()
-    residual = {name: _loss(np.asarray(arrays[name]), received[name]) for name in received}
-    return Encoded(tensors, received, residual)
+    return Encoded(tensors, tensors.to_arrays())
 
 
 def encode_delta(
@@ -136,9 +135,8 @@ def encode_delta(
     tensors = tuple(_encode_one(name, value, precision, keep) for name, value in delta.items())
     encoded = TensorSet(mode="delta", base=base_ref, tensors=tensors)
     decoded = encoded.to_arrays()
-    received = _add(base, decoded)
     lost = {name: _loss(delta[name], decoded[name]) for name in decoded}
-    return Encoded(encoded, received, lost)
+    return Encoded(encoded, apply_delta(base, decoded), lost)
 
 
 def fit_delta(
@@ -179,14 +177,7 @@ def apply_delta_set(tensors: TensorSet, base: Arrays) -> dict[str, Array]:
     """
     if tensors.mode != "delta":
         raise DecodeError(f"a {tensors.mode} set is not a delta")
-    decoded = tensors.to_arrays()
-    if decoded.keys() != base.keys():
-        diff = sorted(set(decoded) ^ set(base))[:5]
-        raise DecodeError(f"delta and base tensor names differ: {diff}")
-    for name, value in decoded.items():
-        if value.shape != np.shape(base[name]):
-            raise DecodeError(f"tensor {name!r}: delta shape {value.shape} != base shape")
-    return _add(base, decoded)
+    return apply_delta(base, tensors.to_arrays())
 
 
 class UnknownBaseError(DecodeError):
@@ -209,7 +200,6 @@ def decode_sets(
         DecodeError: a set is missing, or a delta does not fit its base.
     """
     out: dict[str, dict[str, Array]] = {}
-    held_fingerprint = None if held is None else content_fingerprint(held)
     for name in names if names is not None else tuple(sets):
         tensors = sets.get(name)
         if tensors is None:
@@ -222,7 +212,7 @@ def decode_sets(
         if ref.startswith(SET_BASE_PREFIX):
             base = out.get(ref.removeprefix(SET_BASE_PREFIX))
         else:
-            base = held if ref == held_fingerprint else None
+            base = held if held is not None and ref == content_fingerprint(held) else None
         if base is None:
             raise UnknownBaseError(f"set {name!r} is a delta against {ref!r}, not held here")
         out[name] = apply_delta_set(tensors, base)
@@ -281,16 +271,6 @@ def compressed_size(tensors: TensorSet) -> int:
     what the set adds to a compressed message."""
     compressor = zstandard.ZstdCompressor(level=3)
     return len(compressor.compress(b"".join(t.data + t.scale + t.offset for t in tensors)))
-
-
-def _add(base: Arrays, decoded: Mapping[str, Array]) -> dict[str, Array]:
-    out: dict[str, Array] = {}
-    for name, value in decoded.items():
-        if value.dtype.kind == "f":
-            out[name] = np.add(base[name], value, dtype=np.float32)
-        else:
-            out[name] = value
-    return out
 
 
 def _loss(sent: Array, decoded: Array) -> Array:

@@ -25,11 +25,8 @@ at the link's rate plus its latency once per direction and device-round.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import math
-import os
-import platform
 import re
 import time
 from collections import deque
@@ -45,13 +42,14 @@ from coordinator.errors import ConfigError
 from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
+from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.errors import TaskError
+from edge_client.runtime import device_hello
 from edge_client.strategies import WEIGHTS_SET, LocalTask, UploadSubset, local_update
 from edge_client.training import TrainConfig
 from edge_client.transfer import TransferState
 from models import Classifier, build_classifier, state_arrays
-from protocol import __version__ as protocol_version
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError
@@ -59,7 +57,6 @@ from protocol.messages import (
     Ack,
     CoordinatorStatus,
     DeviceStatus,
-    Hello,
     Message,
     ModelPayload,
     RoundTask,
@@ -300,20 +297,6 @@ def estimate(
     return _Emulation(config, train_steps, on_round).run()
 
 
-def _software_version() -> str:
-    try:
-        return importlib.metadata.version("edgefl")[:64]
-    except importlib.metadata.PackageNotFoundError:
-        return protocol_version
-
-
-def _machine_memory() -> int:
-    try:
-        return max(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (OSError, ValueError, AttributeError):
-        return 0
-
-
 _State = Literal["online", "training", "idle", "offline"]  # the statuses devices send here
 
 
@@ -323,8 +306,7 @@ class _Device:
 
     data: DeviceData
     model: Classifier
-    downlink: Precision | None
-    uplink: Precision | None
+    config: ClientConfig
     transfer: TransferState = field(default_factory=TransferState)
     learning: dict[str, Any] = field(default_factory=dict)
     models: dict[str, ModelPayload] = field(default_factory=dict)
@@ -383,18 +365,21 @@ class _Emulation:
                     in_channels=channels,
                     image_size=side,
                 )
-            self.devices[split.device_id] = _Device(data, model, down, up)
+            client = ClientConfig(
+                device_id=split.device_id,
+                fleet=config.fleet,
+                model=config.model,
+                share_label_counts=True,  # emulated devices consent, as in the sim
+                downlink_precision=down,
+                uplink_precision=up,
+            )
+            self.devices[split.device_id] = _Device(data, model, client)
         self._joined: list[_Device] = []
         self._retained: Message | None = None  # the coordinator's retained status
         self._inbox: deque[tuple[_Device, str, Message, bool]] = deque()  # to, topic, ..., selected
         self._update_ids: set[str] = set()
         self._finished = False
         self._now = time.time()
-        self._hello_extras = {
-            "memory_bytes": _machine_memory(),
-            "software_version": _software_version(),
-            "platform": platform.machine()[:64],
-        }
         self.selected = Bytes()
         self.total = Bytes()
         self.by_kind: dict[str, Bytes] = {}
@@ -506,18 +491,11 @@ class _Emulation:
 
     def _announce(self, device: _Device) -> None:
         self._status(device, "online")
-        hello = Hello(
-            device_id=device.device_id,
-            architecture=self.config.model,
+        hello = device_hello(
+            device.config,
             fingerprint=device.model.fingerprint(),
-            precisions=tuple(Precision),
-            threads=1,
             num_samples=device.data.num_samples,
-            share_label_counts=True,  # emulated devices consent, as in the sim
-            downlink_precision=device.downlink,
-            uplink_precision=device.uplink,
             held_base=device.transfer.held_fingerprint,
-            **self._hello_extras,
         )
         topic = self.topics.device(device.device_id, "hello")
         self._publish(device, topic, self._message(device, hello), selected=False)
