@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, help="persistent state and final models")
     p.add_argument("--resume", action="store_true", default=None, help="continue a crashed run")
     p.add_argument("--no-onnx", action="store_true", default=None, help="skip the .onnx export")
+    p.add_argument(
+        "--broadcast-model",
+        action="store_true",
+        default=None,
+        help="after each round publish the final model on fl/FLEET/broadcast/model for "
+        "devices that serve it (python -m edge_client follow / --serve-onnx)",
+    )
     p.add_argument("--username", help="MQTT user name")
     p.add_argument("--password-file", type=Path, help="file holding the MQTT password")
     p.add_argument("--tls-ca", type=Path, help="CA bundle (enables TLS)")
@@ -141,6 +148,7 @@ _TOP = {
     "downlink_precision": "downlink_precision",
     "uplink_precision": "uplink_precision",
     "teacher_budget": "teacher_budget",
+    "broadcast_model": "broadcast_model",
 }
 _TRAINING = (
     "local_epochs",

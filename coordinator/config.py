@@ -170,12 +170,18 @@ class CoordinatorConfig(_Frozen):
     state_dir: Path | None = None  # persistent state; None keeps it in memory (no --resume)
     resume: bool = False  # continue the run persisted in state_dir
     export_onnx: bool = True  # also save the final models as .onnx next to the .pt
+    broadcast_model: bool = False  # after each round, the final model on broadcast/model
     broker: BrokerSettings | None = None  # connection settings (CLI only; the sim passes its own)
 
     @model_validator(mode="after")
     def _resume_needs_state(self) -> CoordinatorConfig:
         if self.resume and self.state_dir is None:
             raise ValueError("resume needs a state_dir")
+        if self.broadcast_model and self.sharing == "head":
+            raise ValueError(
+                "broadcast_model needs sharing full: with head sharing the fleet has no "
+                "common feature extractor to serve"
+            )
         return self
 
     def fingerprint_fields(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from coordinator.store import Store
 from coordinator.strategies import Arrays, Contribution, Strategy
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
+from protocol.deltas import encode_full
 from protocol.messages import (
     Ack,
     CoordinatorStatus,
@@ -54,7 +55,7 @@ from protocol.messages import (
     RoundTask,
     Update,
 )
-from protocol.sets import WEIGHTS_SET
+from protocol.sets import GLOBAL_SET, WEIGHTS_SET
 from protocol.tensors import Precision
 from protocol.topics import Topics
 
@@ -115,6 +116,7 @@ class Publish:
     topic: str
     message: Message
     retain: bool = False
+    latest: bool = False  # retained when it fits in one frame (protocol.channel.Channel.send)
 
 
 @dataclass(frozen=True)
@@ -553,9 +555,26 @@ class RoundEngine:
             train_accuracy=_weighted_metric(stats, "accuracy"),
             device_train_s=_mean_metric(stats, "train_s"),
         )
+        actions: list[Action] = [closed]
+        if self.config.broadcast_model:
+            actions.append(self._broadcast(closing, models[self.strategy.final_model]))
         if finished:
-            return [closed, *self._status("finished"), self._finished()]
-        return [closed, *self._on_tick(now)]
+            return [*actions, *self._status("finished"), self._finished()]
+        return [*actions, *self._on_tick(now)]
+
+    def _broadcast(self, round_number: int, model: Arrays) -> Publish:
+        """The fleet's model for devices that serve it (``broadcast_model``): one full set
+        ``global`` at the fleet's downlink precision, retained when it fits one frame."""
+        body = ModelPayload(
+            sets={GLOBAL_SET: encode_full(model, self.config.downlink_precision).tensors}
+        )
+        message = Message(
+            fleet=self.config.fleet,
+            sender=self.config.coordinator_id,
+            round=round_number,
+            body=body,
+        )
+        return Publish(self.topics.broadcast_model, message, latest=True)
 
     def _finished(self) -> Finished:
         return Finished(self.models(), self.strategy.final_model)

@@ -246,7 +246,9 @@ class Coordinator:
 
     def _publish(self, action: Publish) -> None:
         try:
-            self.channel.send(action.topic, action.message, retain=action.retain)
+            self.channel.send(
+                action.topic, action.message, retain=action.retain, latest=action.latest
+            )
         except (TransportError, EncodeError) as exc:
             log.error("could not publish %s to %s: %s", action.message.kind, action.topic, exc)
 

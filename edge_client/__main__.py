@@ -1,28 +1,36 @@
 """Command line of the edge client: ``python -m edge_client [<command>] ...``.
 
 Commands:
-    run     (the default when the first argument is an option) run a device: connect
-            to the broker, announce, train the coordinator's tasks on the local data
-            file and upload the updates until stopped (SIGTERM / SIGINT) or, with
-            ``--exit-when-finished``, until the coordinator's run is finished::
+    run       (the default when the first argument is an option) run a training device:
+              connect to the broker, announce, train the coordinator's tasks on the local
+              data file and upload the updates until stopped (SIGTERM / SIGINT) or, with
+              ``--exit-when-finished``, until the coordinator's run is finished::
 
-                python -m edge_client --broker mqtt://127.0.0.1:1883 --fleet f \
-                    --device-id dev-000 --data dev-000.npz --state-dir st
+                  python -m edge_client --broker mqtt://127.0.0.1:1883 --fleet f \
+                      --device-id dev-000 --data dev-000.npz --state-dir st
 
-    infer   classify images from a ``.npy`` file with an ONNX model; prints one JSON
-            object ``{"predictions": [...], "batch": N, "latency_ms": ...}`` to stdout
-            and optionally saves the predictions (or logits) as ``.npy``.
+    follow    run an inference-only device (no torch): keep ``--serve-onnx`` current with
+              the model the coordinator broadcasts after each round (``--broadcast-model``).
+    infer     classify images from a ``.npy`` file with an ONNX model; prints one JSON
+              object ``{"predictions": [...], "batch": N, "latency_ms": ...}`` to stdout
+              and optionally saves the predictions (or logits) as ``.npy``.
+    template  write the ONNX template (fp32 or int8) a device renders the fleet's model
+              into (needs torch and onnx: the ``server`` extra).
+    bundle    build an offline install bundle for a board (see edge_client.bundle).
 
-Each command imports what it needs when it runs, so ``infer`` never imports torch.
-``run`` logs to stderr (INFO; ``-v``: DEBUG) and logs the peak RSS on exit.
+``run`` and ``follow`` take ``--config FILE.toml`` (edge_client.device_config): every flag
+is a key, flags given on the command line win. Each command imports what it needs when it
+runs, so ``follow`` and ``infer`` never import torch. ``run`` and ``follow`` log to stderr
+(INFO; ``-v``: DEBUG), in journald's format under systemd (``--log-format``), and log the
+peak RSS on exit.
 
 Exit codes:
-    0   success (``run``: stopped by a signal or because the coordinator finished)
+    0   success (``run`` / ``follow``: stopped by a signal, or the coordinator finished)
     1   runtime failure: the broker stayed unreachable for ``--connect-retry`` seconds,
-        or an unexpected error (logged with its traceback)
-    2   usage error, a bad data file / configuration / model name, or (``infer``) the
-        model / input could not be read or did not match; one line on stderr, no
-        traceback
+        a bundle download failed, or an unexpected error (logged with its traceback)
+    2   usage error, a bad data file / configuration / model name, not enough memory for
+        training, or (``infer``) the model / input could not be read or did not match;
+        one line on stderr, no traceback (systemd units do not restart on it)
 """
 
 from __future__ import annotations
@@ -30,14 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -46,14 +53,19 @@ from protocol.transport.config import PASSWORD_ENV
 
 if TYPE_CHECKING:
     from edge_client.config import ClientConfig
-    from edge_client.data import DeviceData
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-COMMANDS = ("run", "infer")
+COMMANDS = ("run", "follow", "infer", "template", "bundle")
+CONFIGURABLE = ("run", "follow")
+"""Commands that take ``--config``."""
+MEMORY_CHECK_BATCH = 64
+"""Batch size the start-up memory check assumes: the largest default of the strategies
+(FedKF's B = 64); a task's own batch size is what training then uses."""
 
 _Handler = Callable[[argparse.Namespace], int]
+_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 
 
 class _CliError(Exception):
@@ -68,16 +80,153 @@ class _Terminated(BaseException):
     """Raised in the main thread by the SIGTERM / SIGINT handler of ``run``."""
 
 
-def _build_parser() -> argparse.ArgumentParser:
+class _Service(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="python -m edge_client",
         description="Edge federated-learning client. Without a command, the options "
         "are those of 'run' (python -m edge_client run --help).",
     )
     commands = parser.add_subparsers(dest="command", metavar="<command>")
-    _add_run_parser(commands)
+    subparsers = {
+        "run": _add_run_parser(commands),
+        "follow": _add_follow_parser(commands),
+        "infer": _add_infer_parser(commands),
+        "template": _add_template_parser(commands),
+        "bundle": _add_bundle_parser(commands),
+    }
+    return parser, subparsers
 
-    infer = commands.add_parser(
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    """Flags ``run`` and ``follow`` share: config file, broker, identity, serving, logs."""
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="TOML file of settings: every flag is a key (--device-id: device_id); "
+        "flags given here win",
+    )
+    p.add_argument(
+        "--broker",
+        default="mqtt://127.0.0.1:1883",
+        help="broker URL, mqtt://host[:port] or mqtts://host[:port] (default %(default)s)",
+    )
+    p.add_argument("--fleet", default="default", help="fleet name (default %(default)s)")
+    p.add_argument("--device-id", help="device id")
+    p.add_argument("--state-dir", type=Path, help="folder for the client state")
+    p.add_argument(
+        "--connect-retry",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="keep retrying the first connection this long (default 60)",
+    )
+    p.add_argument("--username", help="MQTT user name")
+    p.add_argument("--password-file", type=Path, help="file holding the MQTT password")
+    p.add_argument(
+        "--password-env",
+        default=PASSWORD_ENV,
+        metavar="NAME",
+        help="environment variable holding the MQTT password when no --password-file is "
+        "given (default %(default)s)",
+    )
+    p.add_argument("--tls-ca", type=Path, help="CA certificates (PEM) to verify the broker")
+    p.add_argument("--tls-cert", type=Path, help="client certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
+    p.add_argument(
+        "--tls-insecure", action="store_true", help="skip the broker host name check (tests only)"
+    )
+    p.add_argument("--mqtt-version", choices=("3.1.1", "5"), default="3.1.1", help="default 3.1.1")
+    p.add_argument(
+        "--serve-onnx",
+        type=Path,
+        help="keep this ONNX file current with the fleet's broadcast model (with --onnx-template)",
+    )
+    p.add_argument(
+        "--onnx-template",
+        type=Path,
+        help="ONNX template the served model is written into (python -m edge_client template)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: info)")
+    p.add_argument(
+        "--log-format",
+        choices=("auto", "text", "journald"),
+        default="auto",
+        help="journald: one line per record with a syslog priority prefix; auto: journald "
+        "when stderr is the journal (default auto)",
+    )
+
+
+def _add_run_parser(commands: Any) -> argparse.ArgumentParser:
+    run: argparse.ArgumentParser = commands.add_parser(
+        "run",
+        help="run a training device (the default command)",
+        description="Run an edge device: train the coordinator's tasks on a local data "
+        "file and upload the updates, until SIGTERM / SIGINT.",
+    )
+    _add_connection_args(run)
+    run.add_argument("--data", type=Path, help="device data .npz file (required)")
+    run.add_argument(
+        "--threads", type=int, default=1, help="torch threads for training (default 1)"
+    )
+    run.add_argument("--model", default="lenet5", help="classifier name (default lenet5)")
+    run.add_argument(
+        "--init-seed",
+        type=int,
+        default=0,
+        help="seed of the model's initial weights; use the coordinator's --seed (default 0)",
+    )
+    run.add_argument(
+        "--precision",
+        choices=_PRECISIONS,
+        help="ask for this transfer precision both ways (default: the fleet's)",
+    )
+    run.add_argument(
+        "--downlink-precision", choices=_PRECISIONS, help="models in this precision (--precision)"
+    )
+    run.add_argument(
+        "--uplink-precision", choices=_PRECISIONS, help="updates in this precision (--precision)"
+    )
+    run.add_argument(
+        "--share-label-counts",
+        action="store_true",
+        help="consent to send per-class label counts when a task asks (FedGen)",
+    )
+    run.add_argument(
+        "--exit-when-finished",
+        action="store_true",
+        help="exit when the coordinator's run is finished (not when it stops or crashes)",
+    )
+    run.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        metavar="MB",
+        help="memory the client may use; refuse to start when training cannot fit "
+        "(default: the cgroup limit, e.g. systemd's MemoryMax, or the free memory)",
+    )
+    run.set_defaults(handler=_run_device)
+    return run
+
+
+def _add_follow_parser(commands: Any) -> argparse.ArgumentParser:
+    follow: argparse.ArgumentParser = commands.add_parser(
+        "follow",
+        help="run an inference-only device: keep a local ONNX model current",
+        description="Keep --serve-onnx current with the model the coordinator broadcasts "
+        "after each round (coordinator --broadcast-model); trains nothing, needs no torch.",
+    )
+    _add_connection_args(follow)
+    follow.set_defaults(handler=_run_follow)
+    return follow
+
+
+def _add_infer_parser(commands: Any) -> argparse.ArgumentParser:
+    infer: argparse.ArgumentParser = commands.add_parser(
         "infer",
         help="classify images with an ONNX model",
         description="Classify float32 images (N, C, H, W) or one image (C, H, W) "
@@ -93,163 +242,214 @@ def _build_parser() -> argparse.ArgumentParser:
         "--logits", action="store_true", help="save logits (float32) instead of predictions"
     )
     infer.set_defaults(handler=_run_infer)
-    return parser
+    return infer
 
 
-def _add_run_parser(commands: Any) -> None:
-    run = commands.add_parser(
-        "run",
-        help="run a device (the default command)",
-        description="Run an edge device: train the coordinator's tasks on a local data "
-        "file and upload the updates, until SIGTERM / SIGINT.",
+def _add_template_parser(commands: Any) -> argparse.ArgumentParser:
+    template: argparse.ArgumentParser = commands.add_parser(
+        "template",
+        help="write the ONNX template a serving device renders the fleet's model into",
+        description="Export the classifier's graph as an ONNX template (fp32, or int8 "
+        "with dynamic activation quantization) for --onnx-template. Needs torch and onnx "
+        "(pip install 'edgefl[server]'); the device needs neither.",
     )
-    run.add_argument(
-        "--broker",
-        default="mqtt://127.0.0.1:1883",
-        help="broker URL, mqtt://host[:port] or mqtts://host[:port] (default %(default)s)",
+    template.add_argument("--model", default="lenet5", help="classifier name (default lenet5)")
+    template.add_argument("--num-classes", type=int, default=10, help="default 10")
+    template.add_argument("--in-channels", type=int, default=1, help="default 1")
+    template.add_argument("--image-size", type=int, default=28, help="default 28")
+    template.add_argument("--precision", choices=("fp32", "int8"), default="fp32")
+    template.add_argument("--out", required=True, type=Path, help="template file to write")
+    template.set_defaults(handler=_run_template)
+    return template
+
+
+def _add_bundle_parser(commands: Any) -> argparse.ArgumentParser:
+    from edge_client.bundle import PLATFORMS, TORCH_INDEXES
+
+    bundle: argparse.ArgumentParser = commands.add_parser(
+        "bundle",
+        help="build an offline install bundle for a board",
+        description="Download the wheels a board needs (pip's cross-platform download), "
+        "build the project's wheel and write the config, a systemd unit and install.sh "
+        "into --out; install.sh then installs with no network.",
     )
-    run.add_argument("--fleet", default="default", help="fleet name (default %(default)s)")
-    run.add_argument("--device-id", help="device id (default: the data file's device_id)")
-    run.add_argument("--data", required=True, type=Path, help="device data .npz file")
-    run.add_argument(
-        "--state-dir", type=Path, help="folder for the client state (handled tasks, rounds)"
+    bundle.add_argument("--out", required=True, type=Path, help="bundle folder (new or empty)")
+    bundle.add_argument(
+        "--profile",
+        choices=("train", "infer"),
+        default="train",
+        help="train: the training client (torch); infer: onnxruntime only (default train)",
     )
-    run.add_argument(
-        "--threads", type=int, default=1, help="torch threads for training (default 1)"
+    bundle.add_argument(
+        "--platform",
+        default="native",
+        help=f"target: {', '.join(PLATFORMS)} or native, this machine (default native)",
     )
-    run.add_argument("--model", default="lenet5", help="classifier name (default lenet5)")
-    run.add_argument(
-        "--init-seed",
-        type=int,
-        default=0,
-        help="seed of the model's initial weights; use the coordinator's --seed (default 0)",
+    bundle.add_argument(
+        "--python-version",
+        metavar="X.Y",
+        help="the board's Python (default: this interpreter's; Raspberry Pi OS 12: 3.11, "
+        "JetPack 6: 3.10)",
     )
-    precisions = ("fp32", "fp16", "bf16", "int8", "int4")
-    run.add_argument(
-        "--precision",
-        choices=precisions,
-        help="ask for this transfer precision both ways (default: the fleet's)",
+    bundle.add_argument(
+        "--torch-index",
+        metavar="URL|NAME",
+        help="where torch comes from, required for --profile train: "
+        f"{', '.join(f'{k} ({v})' for k, v in TORCH_INDEXES.items())}, "
+        "'default' (pip's configured index and find-links), the URL of an index, or "
+        "a folder of wheels (a Jetson's torch wheel for its JetPack, downloaded by hand)",
     )
-    run.add_argument(
-        "--downlink-precision", choices=precisions, help="models in this precision (--precision)"
+    bundle.add_argument(
+        "--torch-version", metavar="VERSION", help="pin torch (default: the newest the index has)"
     )
-    run.add_argument(
-        "--uplink-precision", choices=precisions, help="updates in this precision (--precision)"
+    bundle.add_argument("--config", type=Path, help="device config (TOML) to include")
+    bundle.add_argument(
+        "--onnx-template", type=Path, help="ONNX template to include (for serve_onnx)"
     )
-    run.add_argument(
-        "--share-label-counts",
-        action="store_true",
-        help="consent to send per-class label counts when a task asks (FedGen)",
+    bundle.add_argument(
+        "--memory-max",
+        help="systemd MemoryMax of the service (default: 1G train, 256M infer)",
     )
-    run.add_argument(
-        "--exit-when-finished",
-        action="store_true",
-        help="exit when the coordinator's run is finished (not when it stops or crashes)",
+    bundle.add_argument(
+        "--cpu-quota", default="300%", help="systemd CPUQuota of the service (default 300%%)"
     )
-    run.add_argument(
-        "--connect-retry",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="keep retrying the first connection this long (default 60)",
-    )
-    run.add_argument("--username", help="MQTT user name")
-    run.add_argument(
-        "--password-file",
-        type=Path,
-        help=f"file holding the MQTT password (else the {PASSWORD_ENV} environment variable)",
-    )
-    run.add_argument("--tls-ca", type=Path, help="CA certificates (PEM) to verify the broker")
-    run.add_argument("--tls-cert", type=Path, help="client certificate (PEM)")
-    run.add_argument("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
-    run.add_argument(
-        "--tls-insecure", action="store_true", help="skip the broker host name check (tests only)"
-    )
-    run.add_argument(
-        "--mqtt-version", choices=("3.1.1", "5"), default="3.1.1", help="default 3.1.1"
-    )
-    run.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: info)")
-    run.set_defaults(handler=_run_device)
+    bundle.set_defaults(handler=_run_bundle)
+    return bundle
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    from edge_client.logs import configure_logging
+
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO, fmt=args.log_format)
 
 
 def _password(args: argparse.Namespace) -> str | None:
     from protocol.transport import read_password
 
     try:
-        password = read_password(args.password_file)
+        password = read_password(args.password_file, args.password_env)
     except OSError as exc:
         raise _CliError(f"cannot read password file {args.password_file}: {exc}") from exc
     return None if password is None else password.get_secret_value()
 
 
-def _run_device(args: argparse.Namespace) -> int:
-    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    # Lazy: torch and the runtime are loaded only by this command.
+def _client_config(args: argparse.Namespace, device_id: str, **fields: Any) -> ClientConfig:
+    """The client configuration from the connection flags and ``fields``.
+
+    Raises:
+        _CliError: a flag or file is invalid.
+    """
     from edge_client.config import ClientConfig
-    from edge_client.data import load_device_data
     from protocol.transport import MqttVersion, TlsConfig
 
-    if args.threads < 1:
-        raise _CliError(f"--threads must be >= 1, got {args.threads}")
     if args.connect_retry < 0:
         raise _CliError(f"--connect-retry must be >= 0, got {args.connect_retry}")
     tls_given = args.tls_ca or args.tls_cert or args.tls_key or args.tls_insecure
     if tls_given and not str(args.broker).startswith("mqtts://"):
         raise _CliError("--tls-* options need an mqtts:// broker URL")
-    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert)):
+    for flag, path in (
+        ("--tls-ca", args.tls_ca),
+        ("--tls-cert", args.tls_cert),
+        ("--tls-key", args.tls_key),
+        ("--onnx-template", args.onnx_template),
+    ):
         if path is not None and not path.is_file():
             raise _CliError(f"{flag}: no such file {path}")
-    if args.tls_key is not None and not args.tls_key.is_file():
-        raise _CliError(f"--tls-key: no such file {args.tls_key}")
+    tls = None
+    if tls_given:
+        tls = TlsConfig(
+            ca_file=args.tls_ca,
+            cert_file=args.tls_cert,
+            key_file=args.tls_key,
+            insecure=args.tls_insecure,
+        )
     try:
-        data = load_device_data(args.data)
-        tls = None
-        if tls_given:
-            tls = TlsConfig(
-                ca_file=args.tls_ca,
-                cert_file=args.tls_cert,
-                key_file=args.tls_key,
-                insecure=args.tls_insecure,
-            )
-        config = ClientConfig.from_broker_url(
+        return ClientConfig.from_broker_url(
             args.broker,
-            device_id=args.device_id or data.device_id,
+            device_id=device_id,
             tls=tls,
             username=args.username,
             password=_password(args),
             mqtt_version=MqttVersion(args.mqtt_version),
             fleet=args.fleet,
-            model=args.model,
             state_dir=args.state_dir,
-            threads=args.threads,
-            init_seed=args.init_seed,
-            share_label_counts=args.share_label_counts,
-            downlink_precision=args.downlink_precision or args.precision,
-            uplink_precision=args.uplink_precision or args.precision,
-            exit_when_finished=args.exit_when_finished,
             connect_retry_s=args.connect_retry,
+            serve_onnx=args.serve_onnx,
+            onnx_template=args.onnx_template,
+            **fields,
         )
     except (EdgeClientError, ValueError) as exc:  # pydantic's ValidationError too
         raise _CliError(str(exc)) from exc
+
+
+def _run_device(args: argparse.Namespace) -> int:
+    if args.data is None:
+        raise _CliError("--data (or data in the config file) is required")
+    if args.threads < 1:
+        raise _CliError(f"--threads must be >= 1, got {args.threads}")
+    _configure_logging(args)
+    # Lazy: torch and the runtime are loaded only by this command.
+    from edge_client.data import load_device_data
+
     try:
-        return _serve(config, data)
-    finally:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        logging.getLogger("edge_client").info("peak RSS %.1f MB", peak / 1024)
-
-
-def _serve(config: ClientConfig, data: DeviceData) -> int:
+        data = load_device_data(args.data)
+    except EdgeClientError as exc:
+        raise _CliError(str(exc)) from exc
+    config = _client_config(
+        args,
+        args.device_id or data.device_id,
+        model=args.model,
+        threads=args.threads,
+        init_seed=args.init_seed,
+        share_label_counts=args.share_label_counts,
+        downlink_precision=args.downlink_precision or args.precision,
+        uplink_precision=args.uplink_precision or args.precision,
+        exit_when_finished=args.exit_when_finished,
+    )
     import torch
 
-    from edge_client.errors import ConnectError
+    from edge_client.resources import check_memory, estimate_training
     from edge_client.runtime import EdgeClient
     from protocol.transport import MqttTransport
 
     torch.set_num_threads(config.threads)
     try:
         client = EdgeClient(config, MqttTransport(config.broker), data)
+        model = client.model
+        estimate = estimate_training(model, model.input_shape, MEMORY_CHECK_BATCH)
+        budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
+        check_memory(estimate, budget_bytes=budget, what=f"{config.model} training")
     except EdgeClientError as exc:
         raise _CliError(str(exc)) from exc
+    logging.getLogger("edge_client").info(
+        "memory check passed: %s; %d torch thread(s)", estimate.describe(), config.threads
+    )
+    return _serve(client)
+
+
+def _run_follow(args: argparse.Namespace) -> int:
+    if args.device_id is None:
+        raise _CliError("--device-id (or device_id in the config file) is required")
+    if args.serve_onnx is None or args.onnx_template is None:
+        raise _CliError("follow needs --serve-onnx and --onnx-template (or the config keys)")
+    _configure_logging(args)
+    from edge_client.serving import Follower, ModelRefresher
+    from protocol.transport import MqttTransport
+
+    config = _client_config(args, args.device_id)
+    assert config.serve_onnx is not None and config.onnx_template is not None
+    try:
+        refresher = ModelRefresher(config.onnx_template, config.serve_onnx)
+    except EdgeClientError as exc:
+        raise _CliError(str(exc)) from exc
+    return _serve(Follower(config, MqttTransport(config.broker), refresher))
+
+
+def _serve(service: _Service) -> int:
+    """Start ``service`` and run until it stops or SIGTERM / SIGINT arrives; log the
+    peak RSS on the way out."""
+    from edge_client.errors import ConnectError
+
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -262,8 +462,8 @@ def _serve(config: ClientConfig, data: DeviceData) -> int:
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, on_signal)
-        client.start()
-        while not client.wait(0.5):
+        service.start()
+        while not service.wait(0.5):
             pass
     except _Terminated as exc:
         logging.getLogger("edge_client").info("%s received; stopping", exc)
@@ -271,9 +471,71 @@ def _serve(config: ClientConfig, data: DeviceData) -> int:
         raise _RunError(str(exc)) from exc
     finally:
         stopping = True
-        client.stop()
+        service.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        from edge_client.serving import peak_rss_bytes
+
+        logging.getLogger("edge_client").info("peak RSS %.1f MB", peak_rss_bytes() / 2**20)
+    return EXIT_OK
+
+
+def _run_template(args: argparse.Namespace) -> int:
+    try:
+        import torch
+
+        from models import ModelError, build_classifier
+        from models.onnx_export import export_template
+    except ImportError as exc:
+        raise _CliError(
+            f"template needs torch and onnx ({exc}); pip install 'edgefl[server]'"
+        ) from exc
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = build_classifier(
+                args.model,
+                num_classes=args.num_classes,
+                in_channels=args.in_channels,
+                image_size=args.image_size,
+            )
+        data = export_template(
+            model, model.input_shape, precision=args.precision, model_name=args.model
+        )
+    except ModelError as exc:
+        raise _CliError(str(exc)) from exc
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_bytes(data)
+    except OSError as exc:
+        raise _CliError(f"cannot write {args.out}: {exc}") from exc
+    print(f"wrote {args.out} ({args.precision} template of {args.model}, {len(data)} bytes)")
+    return EXIT_OK
+
+
+def _run_bundle(args: argparse.Namespace) -> int:
+    from edge_client.bundle import BundleError, BundleOptions, DownloadError, build_bundle
+
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        options = BundleOptions(
+            out=args.out,
+            profile=args.profile,
+            platform=args.platform,
+            python_version=args.python_version,
+            torch_index=args.torch_index,
+            torch_version=args.torch_version,
+            config=args.config,
+            onnx_template=args.onnx_template,
+            memory_max=args.memory_max,
+            cpu_quota=args.cpu_quota,
+        )
+        report = build_bundle(options, progress=print)
+    except DownloadError as exc:
+        raise _RunError(str(exc)) from exc
+    except BundleError as exc:
+        raise _CliError(str(exc)) from exc
+    print(report.summary())
     return EXIT_OK
 
 
@@ -318,8 +580,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0] not in (*COMMANDS, "-h", "--help"):
         arguments.insert(0, "run")  # the default command
-    parser = _build_parser()
-    args = parser.parse_args(arguments)
+    parser, subparsers = _build_parser()
+    try:
+        args = parser.parse_args(arguments)
+        if args.command in CONFIGURABLE and args.config is not None:
+            args = _with_config_file(parser, subparsers[args.command], arguments, args.config)
+    except _CliError as exc:
+        _print_error(exc)
+        return EXIT_USAGE
     handler: _Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)
@@ -332,6 +600,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _RunError as exc:
         _print_error(exc)
         return EXIT_FAILURE
+
+
+def _with_config_file(
+    parser: argparse.ArgumentParser,
+    command: argparse.ArgumentParser,
+    arguments: list[str],
+    path: Path,
+) -> argparse.Namespace:
+    """Parse ``arguments`` again with the file's settings as the command's defaults, so
+    flags given on the command line win over the file.
+
+    Raises:
+        _CliError: the file cannot be read or holds invalid settings.
+    """
+    from edge_client.device_config import load_device_file
+
+    try:
+        values = load_device_file(path)
+    except EdgeClientError as exc:
+        raise _CliError(str(exc)) from exc
+    dests = {action.dest for action in command._actions}
+    command.set_defaults(**{key: value for key, value in values.items() if key in dests})
+    return parser.parse_args(arguments)
 
 
 def _print_error(exc: Exception) -> None:

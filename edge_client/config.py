@@ -11,7 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 from edge_client.errors import ConfigError
 from protocol.chunking import DEFAULT_MAX_PAYLOAD
@@ -83,6 +91,18 @@ class ClientConfig(BaseModel):
     # Handled task message ids remembered (and persisted) to ignore redeliveries.
     max_payload: int = Field(default=DEFAULT_MAX_PAYLOAD, ge=1024)
     # Largest MQTT payload published, bytes; larger updates are chunked.
+    serve_onnx: Path | None = None
+    # Keep this ONNX file current with the fleet's model, broadcast after each round by a
+    # coordinator run with --broadcast-model (python -m edge_client infer serves it).
+    onnx_template: Path | None = None
+    # The ONNX template the served model is written into (python -m edge_client
+    # template); given together with serve_onnx.
+
+    @model_validator(mode="after")
+    def _serving_needs_template(self) -> ClientConfig:
+        if (self.serve_onnx is None) != (self.onnx_template is None):
+            raise ValueError("serve_onnx and onnx_template are given together")
+        return self
 
     @classmethod
     def from_broker_url(

@@ -18,6 +18,11 @@ they occur::
     │                                       upload mode this client does not support.
     ├── ConfigError (also ValueError)      a client setting is invalid (broker URL,
     │                                       TLS files, ids, limits).
+    ├── OnnxTemplateError (also ValueError) an ONNX template cannot be read (malformed,
+    │                                       truncated or oversized protobuf, not a
+    │                                       template, unsupported content) or rendered
+    │                                       (a weight missing, of the wrong shape or
+    │                                       non-finite; the message names the tensor).
     └── ConnectError                        the broker could not be reached (or refused
                                             the session) within the configured time.
 
@@ -34,6 +39,7 @@ __all__ = [
     "DataError",
     "EdgeClientError",
     "InferenceError",
+    "OnnxTemplateError",
     "TaskError",
 ]
 
@@ -66,6 +72,15 @@ class TaskError(EdgeClientError, ValueError):
 
 class ConfigError(EdgeClientError, ValueError):
     """A client setting is invalid (broker URL, TLS settings, ids, limits)."""
+
+
+class OnnxTemplateError(EdgeClientError, ValueError):
+    """An ONNX template is unreadable or unsupported, or the weights do not fit it.
+
+    Raised by :mod:`edge_client.onnx_model` before any output is produced: a render
+    either returns the whole new model or raises. The message names the offending
+    tensor where there is one.
+    """
 
 
 class ConnectError(EdgeClientError):

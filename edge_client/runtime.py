@@ -62,7 +62,8 @@ from edge_client.client_state import (
 )
 from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
-from edge_client.errors import ConfigError, ConnectError, TaskError
+from edge_client.errors import ConfigError, ConnectError, EdgeClientError, TaskError
+from edge_client.serving import ModelRefresher, connect_with_retry, rss_bytes
 from edge_client.strategies import WEIGHTS_SET, LocalTask, local_update, validate_task
 from edge_client.training import TrainHook
 from edge_client.transfer import TransferState
@@ -135,16 +136,6 @@ class _CancelHook(TrainHook):
     def after_step(self, model: nn.Module) -> None:
         if self._event.is_set():
             raise _CancelledError
-
-
-def _rss_bytes() -> int | None:
-    """Current resident set size of this process in bytes (Linux), else None."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            pages = int(statm.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 
 def _total_memory_bytes() -> int:
@@ -267,6 +258,11 @@ class EdgeClient:
         self._memory_bytes = _total_memory_bytes()
         self._fingerprint = self._model.fingerprint()
         self._transfer = TransferState(config.state_dir, fsync=config.fsync_state)
+        self._refresher: ModelRefresher | None = None
+        if config.serve_onnx is not None and config.onnx_template is not None:
+            self._refresher = ModelRefresher(
+                config.onnx_template, config.serve_onnx, fsync=config.fsync_state
+            )
         self._load_state()
 
     # ------------------------------------------------------------------ public API
@@ -319,7 +315,11 @@ class EdgeClient:
                 raise RuntimeError("an EdgeClient can be started once")
             self._started = True
             try:
-                connected = self._connect_with_retry()
+                status = self._message(DeviceStatus(state="offline"))
+                will = Will(self._status_topic, self._channel.codec.encode(status), retain=True)
+                connected = connect_with_retry(
+                    self.transport, self.config, will, self._stop_requested
+                )
             except ConnectError:
                 self._stopped.set()
                 raise
@@ -334,6 +334,12 @@ class EdgeClient:
                     self._on_coordinator_status,
                     on_error=self._on_bad_payload,
                 )
+                if self._refresher is not None:
+                    self._channel.subscribe(
+                        self._topics.broadcast_model,
+                        self._on_broadcast_model,
+                        on_error=self._on_bad_payload,
+                    )
             except TransportError as exc:
                 self.transport.disconnect()
                 self._stopped.set()
@@ -382,39 +388,6 @@ class EdgeClient:
 
     # ------------------------------------------------------------------ connection
 
-    def _connect_with_retry(self) -> bool:
-        """Connect with backoff; False if a stop was requested before a session.
-
-        Raises:
-            ConnectError: no session within ``connect_retry_s``.
-        """
-        cfg = self.config
-        status = Message(fleet=cfg.fleet, sender=self.device_id, body=DeviceStatus(state="offline"))
-        will = Will(self._status_topic, self._channel.codec.encode(status), qos=1, retain=True)
-        deadline = time.monotonic() + cfg.connect_retry_s
-        delay = cfg.connect_backoff_s
-        attempt = 0
-        while True:
-            if self._stop_requested.is_set():
-                return False
-            attempt += 1
-            try:
-                self.transport.connect(will=will, timeout=cfg.broker.connect_timeout_s)
-                return True
-            except TransportError as exc:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ConnectError(
-                        f"no connection to the broker after {attempt} attempts in "
-                        f"{cfg.connect_retry_s:.0f} s: {exc}"
-                    ) from exc
-                wait = min(delay, remaining)
-                logger.warning(
-                    "connect attempt %d failed (%s); retry in %.1f s", attempt, exc, wait
-                )
-                self._stop_requested.wait(wait)
-                delay = min(delay * 2, cfg.connect_backoff_max_s)
-
     @property
     def _status_topic(self) -> str:
         return self._topics.device(self.device_id, "status")
@@ -442,7 +415,7 @@ class EdgeClient:
             logger.warning("could not send the hello: %s", exc)
 
     def _publish_status(self, state: DeviceState, detail: str = "") -> None:
-        body = DeviceStatus(state=state, detail=detail[:_DETAIL_MAX], rss_bytes=_rss_bytes())
+        body = DeviceStatus(state=state, detail=detail[:_DETAIL_MAX], rss_bytes=rss_bytes())
         try:
             self._channel.send(self._status_topic, self._message(body), retain=True)
         except (TransportError, EncodeError) as exc:
@@ -550,6 +523,18 @@ class EdgeClient:
                 ack.reason.value,
                 ack.detail,
             )
+
+    def _on_broadcast_model(self, topic: str, message: Message) -> None:
+        """Refresh the served ONNX model (on the transport's thread: a render and a file
+        write, milliseconds for the small models devices serve)."""
+        assert self._refresher is not None
+        if message.fleet != self.config.fleet:
+            logger.warning("ignored a model of fleet %r on %s", message.fleet, topic)
+            return
+        try:
+            self._refresher.apply(message)
+        except (EdgeClientError, DecodeError, OSError) as exc:
+            logger.error("round %d: the served model was not refreshed: %s", message.round, exc)
 
     def _on_coordinator_status(self, topic: str, message: Message) -> None:
         status = message.body
@@ -683,7 +668,7 @@ class EdgeClient:
             self._save_model()
             start = time.perf_counter()
             weights = self._transfer.encode_upload(
-                result.sets[WEIGHTS_SET], task.uplink, local_task.sets
+                result.sets[WEIGHTS_SET], task.uplink, local_task.sets, commit=False
             )
             timings = {"decode_s": decode_s, **result.timings}
             timings["encode_s"] = time.perf_counter() - start
@@ -701,9 +686,15 @@ class EdgeClient:
         with self._lock:
             self._unacked = update_message
         if not self._publish_update(update_message):
+            if self._stop_requested.is_set():
+                # Abandoned, not failed: the task stays unhandled and the error feedback
+                # unchanged, so a restarted device trains it again if the round is open.
+                logger.info("round %d: upload abandoned, the device stops", round_)
+                return False
             self._remember(message.message_id)
             self._publish_status("error", f"round {round_}: the update could not be published")
             return False
+        self._transfer.commit_upload()
         self._remember(message.message_id, round_=round_)
         self._publish_status("idle")
         logger.info(

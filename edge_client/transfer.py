@@ -54,6 +54,7 @@ class TransferState:
         self._held: Arrays | None = None
         self._held_fingerprint: str | None = None
         self._residual: Arrays | None = None
+        self._staged: Arrays | None = None  # the residual of an update not yet sent
         if state_dir is not None:
             self._held = self._read(BASE_FILE)
             self._residual = self._read(RESIDUAL_FILE)
@@ -88,12 +89,16 @@ class TransferState:
         weights: Mapping[str, Array],
         spec: UploadSpec,
         received: Mapping[str, Mapping[str, Array]],
+        *,
+        commit: bool = True,
     ) -> TensorSet:
         """The ``weights`` set of an update, as ``spec`` asks.
 
         A delta upload is taken against the received set ``spec.base`` (as decoded) and
         carries the residual of the previous delta upload (when it has the same tensors);
-        the new residual replaces it.
+        the new residual replaces it, at once or, with ``commit=False``, when
+        :meth:`commit_upload` says the update was sent (an update never sent leaves the
+        error feedback as it was).
 
         Raises:
             EncodeError: the base set was not received, does not fit, or a value cannot
@@ -109,9 +114,17 @@ class TransferState:
         encoded = encode_delta(
             weights, base, content_fingerprint(base), spec.precision, residual=residual
         )
-        self._residual = encoded.residual
-        self._write(RESIDUAL_FILE, self._residual)
+        self._staged = encoded.residual
+        if commit:
+            self.commit_upload()
         return encoded.tensors
+
+    def commit_upload(self) -> None:
+        """Keep (and persist) the residual of the last delta encoded: it was sent."""
+        if self._staged is None:
+            return
+        self._residual, self._staged = self._staged, None
+        self._write(RESIDUAL_FILE, self._residual)
 
     # -- persistence -------------------------------------------------------------------
 

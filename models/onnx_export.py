@@ -7,18 +7,25 @@ run on the device by :class:`edge_client.infer.OnnxClassifier`, which needs only
 and onnxruntime. :func:`onnx_parity` and :func:`top1_agreement` measure what the export
 and the quantization cost in accuracy.
 
+Devices that receive the fleet's weights after every round but have neither torch nor
+onnx get a *template* instead (:func:`export_template`, fp32 or dynamically quantized
+int8): an ONNX model whose initializers keep their ``state_dict`` names, into which
+:class:`edge_client.onnx_model.OnnxTemplate` writes new weights with numpy alone.
+
 Every function takes and returns bytes / arrays; files are used only internally, in a
 temporary directory, where onnxruntime's quantizer requires paths.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -29,6 +36,7 @@ from onnxruntime.quantization import (
     CalibrationMethod,
     QuantFormat,
     QuantType,
+    quantize_dynamic,
     quantize_static,
 )
 from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -39,7 +47,9 @@ from models.errors import ModelError
 __all__ = [
     "INPUT_NAME",
     "OUTPUT_NAME",
+    "TEMPLATE_INT8_SCHEME",
     "export_onnx",
+    "export_template",
     "onnx_parity",
     "quantize_onnx_int8",
     "top1_agreement",
@@ -52,7 +62,33 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
 """Name of the graph output of every exported model: float32 logits (batch, classes)."""
 
+TEMPLATE_INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
+"""``edgefl.quantization`` of every int8 template: the weight quantization it carries.
+
+onnxruntime's ``quantize_dynamic`` with int8 symmetric min/max weights, no reduced range,
+per tensor for ``ConvInteger`` and per output column for ``MatMulInteger``; see
+:func:`export_template`. :mod:`edge_client.onnx_model` reproduces exactly this scheme and
+refuses templates that name another.
+"""
+
 _BATCH_DIM = "batch"
+# Metadata of a template (ModelProto.metadata_props); edge_client.onnx_model reads them.
+_META_TEMPLATE = "edgefl.template"
+_META_PRECISION = "edgefl.precision"
+_META_MODEL = "edgefl.model"
+_META_QUANTIZATION = "edgefl.quantization"
+_META_TRANSPOSED = "edgefl.transposed"
+_FLOAT_TYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.DOUBLE,
+        onnx.TensorProto.BFLOAT16,
+    }
+)
+# Ops whose weights an int8 template quantizes: Conv -> ConvInteger, and MatMul (which
+# includes every Gemm: quantize_dynamic rewrites Gemm as MatMul + Add) -> MatMulInteger.
+_INT8_OP_TYPES = ("Conv", "MatMul")
 _CALIBRATION_BATCH = 64  # images per calibration step of the int8 quantizer
 _RUN_CHUNK = 1024  # images per onnxruntime call when scoring large arrays
 
@@ -80,44 +116,124 @@ def export_onnx(model: nn.Module, input_shape: tuple[int, int, int], *, opset: i
         ModelError: the shape is invalid, the exporter failed, or the exported model
             fails ``onnx.checker.check_model`` or lacks a symbolic batch dimension.
     """
-    if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
-        raise ModelError(f"input_shape must be (C, H, W) with positive sizes, got {input_shape}")
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    dummy = torch.zeros((1, *input_shape), dtype=torch.float32, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        with tempfile.TemporaryDirectory(prefix="edgefl-export-") as tmp, warnings.catch_warnings():
-            # The TorchScript exporter is deprecated in favour of dynamo; see docstring.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            # F.group_norm checks a size in Python; traced as a constant, as it should be.
-            warnings.filterwarnings(
-                "ignore", "Converting a tensor to a Python boolean", module=r"torch\.nn\.functional"
-            )
-            path = Path(tmp) / "model.onnx"
-            torch.onnx.export(
-                model,
-                (dummy,),
-                path,
-                dynamo=False,
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                dynamic_axes={INPUT_NAME: {0: _BATCH_DIM}, OUTPUT_NAME: {0: _BATCH_DIM}},
-                opset_version=opset,
-                do_constant_folding=True,
-            )
-            data = path.read_bytes()
-    except Exception as exc:
-        raise ModelError(f"ONNX export of {type(model).__name__} failed: {exc}") from exc
-    finally:
-        model.train(was_training)
-    proto = _load_checked(data, what="exported model")
-    batch_dim = proto.graph.input[0].type.tensor_type.shape.dim[0]
-    if not batch_dim.dim_param:
-        raise ModelError("exported model has a fixed batch dimension; expected a symbolic one")
+    data = _torchscript_export(
+        model, input_shape, opset=opset, constant_folding=True, initializers_as_inputs=False
+    )
+    _check_batch_dim(_load_checked(data, what="exported model"))
     logger.debug("exported %s to ONNX: %d bytes, opset %d", type(model).__name__, len(data), opset)
     return data
+
+
+def export_template(
+    model: nn.Module,
+    input_shape: tuple[int, int, int],
+    *,
+    precision: Literal["fp32", "int8"] = "fp32",
+    model_name: str = "",
+    opset: int = 17,
+) -> bytes:
+    """Export ``model`` as an ONNX *template* whose weights a device can replace.
+
+    A template is what an inference-only device gets at provisioning time; after each
+    round :class:`edge_client.onnx_model.OnnxTemplate` writes the fleet's new weights
+    into it (numpy only, no torch, no onnx). For that every weight must be an
+    initializer named by its ``state_dict`` key, so the export differs from
+    :func:`export_onnx` in two settings of the same TorchScript exporter (same input
+    and output names, same symbolic batch dimension):
+
+    - ``do_constant_folding=False``: no weight is folded into a renamed constant
+      (a folded Conv bias or a pre-transposed Gemm weight would lose its name);
+    - ``keep_initializers_as_inputs=True``, after which the weights are removed from
+      the graph inputs again: it skips the exporter's de-duplication pass, which
+      otherwise merges parameters of equal value (GroupNorm weights, all ones at
+      initialisation) into one initializer, so that a later update of one of them
+      would be lost.
+
+    The template carries ``model``'s own weights, so it is a working model as it is.
+
+    Which initializers a template may hold (checked here; :class:`ModelError`
+    otherwise): every float initializer is a float32 ``state_dict`` key of the same
+    shape, and every floating ``state_dict`` tensor is an initializer, except for one
+    tied to another (the same storage, as ``b.weight = a.weight`` makes it), whose
+    values the initializer of its twin carries. The device treats every float
+    initializer as a fleet weight, so one that is not a ``state_dict`` key would be
+    refused rather than frozen (the TorchScript exporter names initializers after
+    ``state_dict`` keys, so this is a safeguard); a ``state_dict`` tensor that
+    ``forward`` does not use could not receive the fleet's updates, so it is refused.
+    Constants are kept as they are: with folding off the exporter writes tensors that
+    are not parameters or buffers (and non-persistent buffers) as ``Constant`` nodes,
+    and non-float initializers (int64 shapes) are never weights. Integer ``state_dict``
+    buffers (e.g. ``num_batches_tracked``) need not appear.
+
+    ``precision="int8"`` runs onnxruntime's ``quantize_dynamic`` on that fp32 template:
+    weights int8, activations quantized per batch at run time
+    (``DynamicQuantizeLinear``), so no calibration data is involved and the template
+    stays valid whatever the weights become. The settings, all of which run on the CPU
+    execution provider for every registry classifier:
+
+    - ``op_types_to_quantize=["Conv", "MatMul"]``: ``Conv`` becomes ``ConvInteger``;
+      ``quantize_dynamic`` rewrites every ``Gemm`` (``nn.Linear``) as ``MatMul`` +
+      ``Add``, storing the weight transposed under its own name, and the ``MatMul``
+      becomes ``MatMulInteger``. Biases and normalisation weights stay float32. That
+      rewrite assumes each Gemm weight has one user, so an int8 template of a model
+      whose Linear weights are shared (tied) is refused.
+    - ``weight_type=QInt8`` with ``WeightSymmetric=True``, ``reduce_range=False``:
+      symmetric int8 weights, zero point 0 (``scale = max|w| / 127``); see
+      :mod:`edge_client.onnx_model` for the exact formula.
+    - ``per_channel=True``: ``MatMulInteger`` weights get one scale per output column;
+      onnxruntime's dynamic ``ConvInteger`` quantizer ignores the flag, so ``Conv``
+      weights are quantized per tensor.
+
+    The quantized weight ``X`` is stored as ``X_quantized`` (int8), ``X_scale``
+    (float32) and ``X_zero_point`` (int8).
+
+    Metadata (``ModelProto.metadata_props``): ``edgefl.template`` = ``"1"``,
+    ``edgefl.precision`` = ``precision``, ``edgefl.model`` = ``model_name``, and for
+    int8 templates ``edgefl.quantization`` = :data:`TEMPLATE_INT8_SCHEME` and
+    ``edgefl.transposed`` = a JSON list of the weights stored transposed (the Gemm
+    weights), which a device cannot tell from shapes alone (square matrices).
+
+    Args:
+        model: the classifier; ``forward`` maps (B, C, H, W) float32 images to logits.
+            Traced in eval mode on the device of its parameters; left unchanged.
+        input_shape: (C, H, W) of one input image.
+        precision: ``"fp32"`` or ``"int8"``.
+        model_name: recorded as ``edgefl.model`` (e.g. the registry name).
+        opset: ONNX opset version of the exported graph.
+
+    Returns:
+        The serialized ONNX template.
+
+    Raises:
+        ModelError: ``precision`` or the shape is invalid, the export or the
+            quantization failed, or an initializer breaks the rules above or is a shared
+            Gemm weight of an int8 template (the message names it).
+    """
+    if precision not in ("fp32", "int8"):
+        raise ModelError(f"precision must be 'fp32' or 'int8', got {precision!r}")
+    data = _torchscript_export(
+        model, input_shape, opset=opset, constant_folding=False, initializers_as_inputs=True
+    )
+    proto = _load_checked(data, what="exported template")
+    weight_names = {t.name for t in proto.graph.initializer}
+    kept_inputs = [i for i in proto.graph.input if i.name not in weight_names]
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept_inputs)
+    _check_batch_dim(proto)
+    _check_template_weights(proto, model)
+    transposed: list[str] = []
+    if precision == "int8":
+        transposed = _gemm_transposed_weights(proto)
+        fp32 = proto
+        proto = _quantize_template(fp32)
+        _check_int8_template(fp32, proto, transposed)
+    _set_template_metadata(proto, precision, model_name, transposed)
+    template: bytes = proto.SerializeToString()
+    _load_checked(template, what=f"{precision} template")
+    logger.debug(
+        "exported %s as an %s template: %d bytes", type(model).__name__, precision, len(template)
+    )
+    return template
 
 
 def onnx_parity(model: nn.Module, onnx_bytes: bytes, inputs: np.ndarray) -> float:
@@ -269,6 +385,222 @@ def _strip_for_deployment(proto: onnx.ModelProto) -> None:
         node.doc_string = ""
         node.input[:] = [rename(name) for name in node.input]
         node.output[:] = [rename(name) for name in node.output]
+
+
+def _torchscript_export(
+    model: nn.Module,
+    input_shape: tuple[int, int, int],
+    *,
+    opset: int,
+    constant_folding: bool,
+    initializers_as_inputs: bool,
+) -> bytes:
+    """Serialized TorchScript export of ``model`` (eval mode; training flag restored)."""
+    if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
+        raise ModelError(f"input_shape must be (C, H, W) with positive sizes, got {input_shape}")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dummy = torch.zeros((1, *input_shape), dtype=torch.float32, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with tempfile.TemporaryDirectory(prefix="edgefl-export-") as tmp, warnings.catch_warnings():
+            # The TorchScript exporter is deprecated in favour of dynamo; see export_onnx.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # F.group_norm checks a size in Python; traced as a constant, as it should be.
+            warnings.filterwarnings(
+                "ignore", "Converting a tensor to a Python boolean", module=r"torch\.nn\.functional"
+            )
+            path = Path(tmp) / "model.onnx"
+            torch.onnx.export(
+                model,
+                (dummy,),
+                path,
+                dynamo=False,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_axes={INPUT_NAME: {0: _BATCH_DIM}, OUTPUT_NAME: {0: _BATCH_DIM}},
+                opset_version=opset,
+                do_constant_folding=constant_folding,
+                keep_initializers_as_inputs=initializers_as_inputs,
+            )
+            return path.read_bytes()
+    except Exception as exc:
+        raise ModelError(f"ONNX export of {type(model).__name__} failed: {exc}") from exc
+    finally:
+        model.train(was_training)
+
+
+def _check_batch_dim(proto: onnx.ModelProto) -> None:
+    """Raise ModelError unless the first graph input has a symbolic batch dimension."""
+    batch_dim = proto.graph.input[0].type.tensor_type.shape.dim[0]
+    if not batch_dim.dim_param:
+        raise ModelError("exported model has a fixed batch dimension; expected a symbolic one")
+
+
+def _check_template_weights(proto: onnx.ModelProto, model: nn.Module) -> None:
+    """Float initializers == floating state_dict tensors, float32, same names and shapes."""
+    state = model.state_dict()
+    found: set[str] = set()
+    for tensor in proto.graph.initializer:
+        if tensor.data_type not in _FLOAT_TYPES:
+            continue
+        if tensor.name not in state:
+            raise ModelError(
+                f"template initializer {tensor.name!r} is a float tensor but not a state_dict "
+                f"key of {type(model).__name__}; the fleet's weights could not update it"
+            )
+        if tensor.data_type != onnx.TensorProto.FLOAT:
+            type_name = onnx.TensorProto.DataType.Name(tensor.data_type)
+            raise ModelError(
+                f"template initializer {tensor.name!r} is {type_name}; templates hold float32 "
+                "weights only"
+            )
+        shape = tuple(state[tensor.name].shape)
+        if tuple(tensor.dims) != shape:
+            raise ModelError(
+                f"template initializer {tensor.name!r} has shape {tuple(tensor.dims)}, its "
+                f"state_dict tensor {shape}"
+            )
+        found.add(tensor.name)
+    present = {_storage_key(state[name]) for name in found}
+    missing = [
+        name
+        for name, t in state.items()
+        if t.is_floating_point() and name not in found and _storage_key(t) not in present
+    ]
+    if missing:
+        raise ModelError(
+            f"state_dict tensors {missing} of {type(model).__name__} are not initializers of "
+            "the exported graph (forward does not use them); a template could not apply the "
+            "fleet's updates to them"
+        )
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Identifies a tensor's memory view: equal for tied parameters."""
+    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+
+
+def _gemm_transposed_weights(proto: onnx.ModelProto) -> list[str]:
+    """Initializers quantize_dynamic will store transposed: B of Gemm(transB=1) it rewrites.
+
+    Mirrors onnxruntime's ``ONNXModel.replace_gemm_with_matmul``: a Gemm with alpha = beta
+    = 1, transA = 0 and transB = 1 whose B is an initializer becomes MatMul(A, B^T) with
+    B^T stored under B's name. That rewrite assumes no other node uses B (a second Gemm
+    would transpose it back, silently computing with the wrong layout), so a weight
+    shared by several nodes raises ModelError.
+    """
+    initializers = {t.name for t in proto.graph.initializer}
+    uses: dict[str, int] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    names: list[str] = []
+    for node in proto.graph.node:
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        plain = attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+        if plain and attrs.get("transA", 0) == 0 and attrs.get("transB", 0) == 1:
+            b = node.input[1]
+            if b not in initializers:
+                continue
+            if uses[b] > 1:
+                raise ModelError(
+                    f"int8 template: weight {b!r} is used by {uses[b]} nodes; onnxruntime's "
+                    "dynamic quantizer rewrites Gemm weights in place and only supports "
+                    "unshared ones (export an fp32 template instead)"
+                )
+            names.append(b)
+    return names
+
+
+def _quantize_template(fp32: onnx.ModelProto) -> onnx.ModelProto:
+    """quantize_dynamic with the template settings (see export_template)."""
+    source = onnx.ModelProto()
+    source.CopyFrom(fp32)
+    with tempfile.TemporaryDirectory(prefix="edgefl-template-") as tmp:
+        int8_path = Path(tmp) / "int8.onnx"
+        try:
+            with _root_warnings_to_debug():
+                quantize_dynamic(
+                    source,
+                    int8_path,
+                    op_types_to_quantize=list(_INT8_OP_TYPES),
+                    per_channel=True,
+                    reduce_range=False,
+                    weight_type=QuantType.QInt8,
+                    extra_options={"WeightSymmetric": True, "MatMulConstBOnly": True},
+                )
+        except Exception as exc:
+            raise ModelError(f"int8 quantization of the template failed: {exc}") from exc
+        return _load_checked(int8_path.read_bytes(), what="int8 template")
+
+
+def _check_int8_template(
+    fp32: onnx.ModelProto, int8: onnx.ModelProto, transposed: list[str]
+) -> None:
+    """Every fp32 weight is in ``int8`` as float or as an int8 triple, in the expected layout.
+
+    Guards the assumptions :mod:`edge_client.onnx_model` makes about quantize_dynamic's
+    output, so that a change of onnxruntime fails here rather than on a device.
+    """
+    tensors = {t.name: t for t in int8.graph.initializer}
+    weights = {t.name: tuple(t.dims) for t in fp32.graph.initializer if t.data_type in _FLOAT_TYPES}
+    derived: set[str] = set()
+    quantized = 0
+    for name, dims in weights.items():
+        expected = dims[::-1] if name in transposed else dims
+        q = tensors.get(f"{name}_quantized")
+        if q is not None:
+            scale = tensors.get(f"{name}_scale")
+            zero_point = tensors.get(f"{name}_zero_point")
+            if (
+                q.data_type != onnx.TensorProto.INT8
+                or scale is None
+                or scale.data_type != onnx.TensorProto.FLOAT
+                or zero_point is None
+                or zero_point.data_type != onnx.TensorProto.INT8
+            ):
+                raise ModelError(f"int8 template: unexpected quantization of weight {name!r}")
+            derived.add(scale.name)
+            quantized += 1
+            actual = tuple(q.dims)
+        elif name in tensors:
+            actual = tuple(tensors[name].dims)
+        else:
+            raise ModelError(f"int8 template: weight {name!r} is missing after quantization")
+        if actual != expected:
+            raise ModelError(
+                f"int8 template: weight {name!r} has layout {actual}, expected {expected}"
+            )
+    for tensor in int8.graph.initializer:
+        if tensor.data_type in _FLOAT_TYPES and tensor.name not in weights.keys() | derived:
+            raise ModelError(f"int8 template: unexpected float initializer {tensor.name!r}")
+    if quantized == 0:
+        raise ModelError("int8 template: the model has no Conv or Linear weight to quantize")
+
+
+def _set_template_metadata(
+    proto: onnx.ModelProto, precision: str, model_name: str, transposed: list[str]
+) -> None:
+    """Replace any ``edgefl.*`` metadata of ``proto`` with the template's, in place."""
+    kept = [(e.key, e.value) for e in proto.metadata_props if not e.key.startswith("edgefl.")]
+    entries = [
+        *kept,
+        (_META_TEMPLATE, "1"),
+        (_META_PRECISION, precision),
+        (_META_MODEL, model_name),
+    ]
+    if precision == "int8":
+        entries.append((_META_QUANTIZATION, TEMPLATE_INT8_SCHEME))
+        entries.append((_META_TRANSPOSED, json.dumps(transposed)))
+    del proto.metadata_props[:]
+    for key, value in entries:
+        entry = proto.metadata_props.add()
+        entry.key = key
+        entry.value = value
 
 
 @contextmanager

@@ -76,8 +76,21 @@ class Channel:
         # the remaining-length field may grow by up to 3 bytes with the payload
         return max(CHUNK_HEADER_SIZE + 1, min(self.max_payload, limit - overhead - 3))
 
-    def send(self, topic: str, message: Message, *, qos: int = 1, retain: bool = False) -> Sent:
+    def send(
+        self,
+        topic: str,
+        message: Message,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        latest: bool = False,
+    ) -> Sent:
         """Encode ``message``, chunk it if needed and publish it on ``topic``.
+
+        ``retain`` keeps the message on the broker for later subscribers; ``latest``
+        retains it only when it fits in one frame and else sends its chunks unretained
+        (for a topic whose newest value is welcome but not required, like the broadcast
+        model).
 
         Raises:
             EncodeError: the message cannot be encoded, or a retained message would need
@@ -88,6 +101,7 @@ class Channel:
         frames = split_frame(frame, self.max_payload_for(topic, qos))
         if retain and len(frames) > 1:
             raise EncodeError("a retained message must fit in one frame")
+        retain = retain or (latest and len(frames) == 1)
         for part in frames:
             self.transport.publish(topic, part, qos=qos, retain=retain)
         return Sent(len(frames), sum(len(f) for f in frames), len(frame))

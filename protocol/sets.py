@@ -7,7 +7,8 @@ lists which strategy sends which.
 =================  ======================================================================
 set                contents
 =================  ======================================================================
-``global``         the global model's full state (FedAvg, FedProx, FedAvg (OCA), FedGen)
+``global``         the global model's full state (FedAvg, FedProx, FedAvg (OCA), FedGen);
+                   also the fleet's final model on ``fl/{fleet}/broadcast/model``
 ``student``        FedKF: the ACA model's full state
 ``teacher``        FedKF dual downlink: the OCA model's full state
 ``head``           head-only sharing: the ``head.*`` tensors of the global model

@@ -128,16 +128,17 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
     return parts.hostname, port, use_tls
 
 
-def read_password(password_file: Path | None) -> SecretStr | None:
+def read_password(password_file: Path | None, env: str = PASSWORD_ENV) -> SecretStr | None:
     """The MQTT password: the content of ``password_file`` (without its trailing newline)
-    when given, else ``$EDGEFL_MQTT_PASSWORD``, else None.
+    when given, else the environment variable ``env`` (``$EDGEFL_MQTT_PASSWORD``), else
+    None.
 
     Raises:
         OSError: the file cannot be read (UnicodeDecodeError, a ValueError, is turned
             into an OSError too).
     """
     if password_file is None:
-        value = os.environ.get(PASSWORD_ENV)
+        value = os.environ.get(env)
         return None if value is None else SecretStr(value)
     try:
         return SecretStr(password_file.read_text(encoding="utf-8").rstrip("\r\n"))

@@ -8,6 +8,7 @@ import pytest
 from coordinator.engine import Finished, Publish, RoundClosed, RoundStarted, Tick
 from coordinator.store import MemoryStore
 from protocol.messages import Ack, CoordinatorStatus, Message, ModelPayload, ReasonCode, RoundTask
+from protocol.tensors import Precision
 from tests.coordinator.helpers import (
     FLEET,
     config,
@@ -298,3 +299,45 @@ def test_oca_incremental_sum_equals_direct_average_over_many_rounds() -> None:
     for name in shapes:
         direct = sum(w[name].astype(np.float64) * n for w, n in latest.values()) / total
         np.testing.assert_allclose(oca[name], direct, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_broadcast_model_publishes_the_final_model_after_each_round(precision: str) -> None:
+    engine = make_engine(
+        config(min_devices=2, broadcast_model=True, downlink_precision=precision), MemoryStore()
+    )
+    engine.start(0.0)
+    speaks = (Precision.FP32, Precision(precision))
+    for i in range(2):
+        hi = hello(engine, f"dev-{i}", samples=100 * (i + 1), precisions=speaks)
+        actions = engine.handle(received(hi, 1.0))
+    assert not [a for a in published(actions) if "broadcast" in a.topic]
+    w = global_weights(actions)
+    tasks = tasks_by_device(actions)
+    engine.handle(received(update("dev-0", 1, shifted(w, 1.0), 100, tasks["dev-0"]), 5.0))
+    closing = engine.handle(received(update("dev-1", 1, shifted(w, 4.0), 200, tasks["dev-1"]), 6.0))
+    closed = only([a for a in closing if isinstance(a, RoundClosed)])
+    broadcast = only([a for a in closing if a.__class__ is Publish and "broadcast" in a.topic])
+    assert broadcast.topic == f"fl/{FLEET}/broadcast/model"
+    assert broadcast.latest and not broadcast.retain
+    assert broadcast.message.round == 1
+    body = broadcast.message.body
+    assert isinstance(body, ModelPayload) and list(body.sets) == ["global"]
+    sent = body.sets["global"]
+    encodings = {t.encoding.value for t in sent.tensors}
+    assert sent.mode == "full"
+    assert encodings == {"fp32"} if precision == "fp32" else "int8_ch" in encodings
+    arrays = sent.to_arrays()
+    assert arrays.keys() == closed.models["aca"].keys()
+    for name, value in closed.models["aca"].items():
+        np.testing.assert_allclose(arrays[name], value, atol=0 if precision == "fp32" else 0.05)
+
+
+def test_no_broadcast_unless_asked_and_never_with_head_sharing() -> None:
+    engine, _, actions = started(1)
+    w = global_weights(actions)
+    task = tasks_by_device(actions)["dev-0"]
+    closing = engine.handle(received(update("dev-0", 1, shifted(w, 1.0), 100, task), 5.0))
+    assert not [a for a in published(closing) if "broadcast" in a.topic]
+    with pytest.raises(ValueError, match="broadcast_model needs sharing full"):
+        config(strategy="fedgen", sharing="head", broadcast_model=True)

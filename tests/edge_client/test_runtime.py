@@ -632,6 +632,7 @@ def test_a_lossy_device_uploads_a_delta_and_keeps_its_base_and_residual(
     assert {t.encoding for t in weights if len(t.shape) >= 2} == {Encoding.INT4_CH}
     rebuilt = apply_delta_set(weights, sent)
     trained = state_arrays(client.model)
+    coordinator.wait_until(lambda: client.rounds_done == 1)  # residual kept once sent
     residual = read_model(state / RESIDUAL_FILE)
     for name, value in trained.items():  # what the coordinator rebuilds + residual = trained
         np.testing.assert_allclose(rebuilt[name] + residual[name], value, atol=1e-5)
@@ -640,3 +641,56 @@ def test_a_lossy_device_uploads_a_delta_and_keeps_its_base_and_residual(
     coordinator.wait_for(Hello, 2)
     assert coordinator.bodies(Hello)[-1].held_base == content_fingerprint(sent)
     assert restarted.model is not None
+
+
+class _HeldGate:
+    """A train gate that holds training until the test releases it."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __enter__(self) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_stop_during_the_upload_abandons_it_cleanly(
+    tmp_path: Path,
+    broker: MemoryBroker,
+    coordinator: Coordinator,
+    make_client: Callable[..., EdgeClient],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="edge_client")
+    state = tmp_path / "state"
+    gate = _HeldGate()
+    client = make_client(state_dir=state, uplink_precision="int4", gate=gate)
+    model = coordinator.send_model(0)
+    spec = UploadSpec(precision="int4", mode="delta", base="global")
+    task = RoundTask(
+        strategy="fedavg",
+        hyperparameters=HP,
+        deadline=time.time() + 60,
+        uplink=spec,
+        payloads=("global",),
+        model_message=model.message_id,
+    )
+    task_message = coordinator.send("task", task, 0)
+    assert gate.entered.wait(30)
+    broker.stop()  # the upload will fail and be retried ...
+    gate.release.set()
+    deadline = time.monotonic() + 30
+    while "publishing the update failed" not in caplog.text:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
+    client.stop()  # ... until SIGTERM's stop abandons it
+
+    assert "upload abandoned, the device stops" in caplog.text
+    # Nothing remembered: the task is redone after a restart if its round is still open.
+    assert not (state / STATE_FILE).exists()
+    assert task_message.message_id not in client._handled
+    assert not (state / RESIDUAL_FILE).exists()  # the error feedback is as it was

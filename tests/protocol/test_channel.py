@@ -86,6 +86,22 @@ def test_retained_messages_must_fit_one_frame() -> None:
         Channel(sender_t, max_payload=4096).send(TOPIC, model_message(), retain=True)
 
 
+def test_latest_is_retained_when_it_fits_one_frame_and_else_sent_in_chunks() -> None:
+    broker = MemoryBroker()
+    sender_t, receiver_t = pair(broker)
+    inbox: queue.Queue[Message] = queue.Queue()
+    Channel(receiver_t).subscribe("fl/lab/to/dev-1/#", lambda _t, m: inbox.put(m))
+    small = Message(fleet="lab", sender="coordinator", body=DeviceStatus(state="idle"))
+    sent = Channel(sender_t).send(TOPIC, small, latest=True)
+    retained = broker.retained(TOPIC)
+    assert sent.frames == 1 and retained is not None
+    big = Channel(sender_t, max_payload=4096).send(TOPIC, model_message(), latest=True)
+    assert big.frames > 1
+    assert broker.retained(TOPIC) == retained  # chunks are not retained
+    assert inbox.get(timeout=5).kind == "device_status"
+    assert inbox.get(timeout=5).kind == "model"
+
+
 def test_decoded_weights_match_what_was_sent() -> None:
     sender_t, receiver_t = pair(MemoryBroker())
     inbox: queue.Queue[Message] = queue.Queue()

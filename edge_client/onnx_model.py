@@ -1,0 +1,779 @@
+"""Write the fleet's weights into an ONNX template, with numpy alone.
+
+An inference-only device has numpy and onnxruntime but neither torch nor the ``onnx``
+package. It is provisioned with a *template* (:func:`models.onnx_export.export_template`,
+fp32 or int8), an ONNX model whose weights are initializers named by their torch
+``state_dict`` keys; after each round, :meth:`OnnxTemplate.render` writes the fleet's
+weights (numpy arrays keyed by those names) into it and returns a new ONNX model that
+onnxruntime (e.g. :class:`edge_client.infer.OnnxClassifier`) runs as it is. This module
+imports only the standard library and numpy (a test enforces it): it reads and writes
+the protobuf wire format itself, within the bounds below.
+
+What is read (everything else is carried over byte for byte, unknown fields included):
+
+- ``ModelProto``: ``graph`` (exactly one) and ``metadata_props``;
+- ``GraphProto``: ``initializer`` (``TensorProto``: ``name``, ``dims``, ``data_type``,
+  ``raw_data`` or the typed field of its type) and ``node`` (``input``, ``op_type``,
+  and whether an attribute holds a subgraph).
+
+A template must carry the metadata ``edgefl.template`` = ``"1"``, ``edgefl.precision``
+(``"fp32"`` or ``"int8"``) and ``edgefl.model``; an int8 template also
+``edgefl.quantization`` = ``"ort-dynamic-int8-symmetric-minmax/1"`` and
+``edgefl.transposed``, a JSON list of the weights stored transposed (onnxruntime
+rewrites ``Gemm`` as ``MatMul`` on the transposed weight).
+
+Initializers, by data type:
+
+- ``FLOAT`` (float32): a fleet weight, replaced on render; or ``X_scale`` of a quantized
+  weight ``X``.
+- ``INT8``: ``X_quantized`` (consumed as input 1 of ``ConvInteger`` or
+  ``MatMulInteger``) and ``X_zero_point`` (all zero) of a quantized weight ``X``, which
+  also has a ``FLOAT`` ``X_scale``: either a scalar (per tensor; the only form for
+  ``ConvInteger``) or one scale per index of the last axis of ``X_quantized`` (per
+  output column of ``MatMulInteger``).
+- ``INT32``, ``INT64``: constants (shapes), kept as they are.
+- Anything else (other float or integer types, external data, segments, sparse
+  initializers, subgraphs) is refused: the template could not be kept up to date.
+
+Rendering. A float32 weight is written as little-endian float32; a quantized weight is
+recomputed from the float32 weight ``w`` (transposed first when listed in
+``edgefl.transposed``) exactly as onnxruntime's ``quantize_dynamic`` computes it with
+``weight_type=QInt8``, symmetric weights, no reduced range (bit-identical; ``m`` ranges
+over the whole tensor, or per channel over the last axis)::
+
+    a     = max(|min(min(w), 0)|, |max(max(w), 0)|)        # float32
+    s64   = (float64(a) - float64(-a)) / 254.0              # float64: (127 - -127)
+    scale = 1.0 if s64 < 1.1754944e-38 else float32(s64)    # float32 tiny
+    zero  = 0
+    q     = int8(clip(round_half_even(w / scale), -128, 127))   # float32 division
+
+Each rewritten tensor keeps its fields in place; only its data field changes, in the
+encoding the template used (``raw_data``, or the packed ``float_data`` /
+``int32_data``), so rendering a template with the weights it was exported with gives
+back the same bytes.
+
+Bounds: templates larger than :data:`MAX_TEMPLATE_BYTES` are refused, as are lengths
+past the end of their message, varints longer than 10 bytes, more than
+:data:`MAX_FIELDS_PER_MESSAGE` fields in one message and more than :data:`MAX_DIMS`
+dimensions; the parser descends a fixed path (model, graph, node / tensor, attribute)
+and never recurses, so nesting is bounded by construction. Every failure raises
+:class:`~edge_client.errors.OnnxTemplateError` and no partial output is produced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from edge_client.errors import OnnxTemplateError
+
+__all__ = [
+    "INT8_SCHEME",
+    "MAX_DIMS",
+    "MAX_FIELDS_PER_MESSAGE",
+    "MAX_TEMPLATE_BYTES",
+    "OnnxTemplate",
+]
+
+MAX_TEMPLATE_BYTES = 256 * 1024 * 1024
+"""Largest template accepted, bytes (256 MiB)."""
+MAX_FIELDS_PER_MESSAGE = 200_000
+"""Most fields one protobuf message (model, graph, node, tensor, ...) may have."""
+MAX_DIMS = 64
+"""Most dimensions a tensor may have."""
+INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
+"""The ``edgefl.quantization`` of the int8 templates this module renders."""
+
+# Protobuf wire types.
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_MAX_VARINT_BYTES = 10
+_MAX_FIELD_NUMBER = (1 << 29) - 1
+
+# Field numbers of onnx.proto (ModelProto, GraphProto, NodeProto, AttributeProto,
+# TensorProto, StringStringEntryProto).
+_MODEL_GRAPH, _MODEL_METADATA = 7, 14
+_GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_SPARSE_INITIALIZER = 1, 5, 15
+_NODE_INPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 4, 5, 7
+_ATTRIBUTE_GRAPH, _ATTRIBUTE_GRAPHS = 6, 11
+_TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_SEGMENT, _TENSOR_NAME = 1, 2, 3, 8
+_TENSOR_FLOAT_DATA, _TENSOR_INT32_DATA, _TENSOR_RAW_DATA = 4, 5, 9
+_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 13, 14
+_TENSOR_DATA_FIELDS = frozenset({4, 5, 6, 7, 9, 10, 11})  # float/int32/string/int64/raw/...
+_ENTRY_KEY, _ENTRY_VALUE = 1, 2
+
+# TensorProto.DataType values.
+_FLOAT, _INT8, _INT32, _INT64 = 1, 3, 6, 7
+_TYPE_NAMES = {
+    0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32",
+    7: "INT64", 8: "STRING", 9: "BOOL", 10: "FLOAT16", 11: "DOUBLE", 12: "UINT32",
+    13: "UINT64", 14: "COMPLEX64", 15: "COMPLEX128", 16: "BFLOAT16",
+}  # fmt: skip
+_KEPT_TYPES = frozenset({_INT32, _INT64})
+_TYPED_FIELD = {_FLOAT: _TENSOR_FLOAT_DATA, _INT8: _TENSOR_INT32_DATA}
+
+_META_TEMPLATE = "edgefl.template"
+_META_PRECISION = "edgefl.precision"
+_META_MODEL = "edgefl.model"
+_META_QUANTIZATION = "edgefl.quantization"
+_META_TRANSPOSED = "edgefl.transposed"
+
+_QUANTIZED_SUFFIX, _SCALE_SUFFIX, _ZERO_POINT_SUFFIX = "_quantized", "_scale", "_zero_point"
+_INTEGER_WEIGHT_OPS = frozenset({"ConvInteger", "MatMulInteger"})
+_QUANTIZED_OPS = _INTEGER_WEIGHT_OPS | {
+    "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear", "QLinearConv",
+    "QLinearMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
+}  # fmt: skip
+_INT8_QMAX = 127  # symmetric int8 range [-127, 127]
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+Precision = Literal["fp32", "int8"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """One field of a message: where it starts, its payload and where it ends."""
+
+    number: int
+    wire: int
+    start: int  # offset of the key
+    data: int  # offset of the payload (LEN: after the length; fixed: the bytes)
+    end: int  # offset past the field
+    value: int  # the varint value (wire type 0), else 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    """An initializer: its graph field, header and data fields."""
+
+    index: int  # index of its field in the graph's fields
+    name: str
+    dims: tuple[int, ...]
+    data_type: int
+    fields: tuple[_Field, ...]
+    data_fields: tuple[_Field, ...]
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.dims)
+
+
+@dataclass(frozen=True, slots=True)
+class _Quantized:
+    """A weight stored as int8 ``X_quantized``, ``X_scale``, ``X_zero_point``."""
+
+    name: str
+    values: _Tensor
+    scale: _Tensor
+    zero_point: _Tensor
+    per_channel: bool
+
+
+def _read_varint(buf: bytes, pos: int, end: int, what: str) -> tuple[int, int]:
+    """The unsigned varint at ``pos`` and the offset after it."""
+    result = 0
+    for i in range(_MAX_VARINT_BYTES):
+        if pos >= end:
+            raise OnnxTemplateError(f"{what}: truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << (7 * i)
+        if byte < 0x80:
+            if i == _MAX_VARINT_BYTES - 1 and byte > 1:
+                raise OnnxTemplateError(f"{what}: varint overflows 64 bits")
+            return result, pos
+    raise OnnxTemplateError(f"{what}: varint longer than {_MAX_VARINT_BYTES} bytes")
+
+
+def _fields(buf: bytes, start: int, end: int, what: str) -> list[_Field]:
+    """The fields of the message in ``buf[start:end]``, in order (payloads not parsed)."""
+    fields: list[_Field] = []
+    pos = start
+    while pos < end:
+        if len(fields) >= MAX_FIELDS_PER_MESSAGE:
+            raise OnnxTemplateError(f"{what}: more than {MAX_FIELDS_PER_MESSAGE} fields")
+        key_start = pos
+        key, pos = _read_varint(buf, pos, end, what)
+        number, wire = key >> 3, key & 7
+        if not 1 <= number <= _MAX_FIELD_NUMBER:
+            raise OnnxTemplateError(f"{what}: invalid field number {number} at byte {key_start}")
+        value = 0
+        data = pos
+        if wire == _VARINT:
+            value, pos = _read_varint(buf, pos, end, what)
+        elif wire in (_I64, _I32):
+            pos += 8 if wire == _I64 else 4
+        elif wire == _LEN:
+            length, data = _read_varint(buf, pos, end, what)
+            if length > end - data:
+                raise OnnxTemplateError(
+                    f"{what}: field {number} has length {length}, past the end of its message"
+                )
+            pos = data + length
+        else:
+            raise OnnxTemplateError(f"{what}: unsupported wire type {wire} at byte {key_start}")
+        if pos > end:
+            raise OnnxTemplateError(f"{what}: field {number} is truncated")
+        fields.append(_Field(number, wire, key_start, data, pos, value))
+    return fields
+
+
+def _expect(field: _Field, wire: int, what: str) -> None:
+    if field.wire != wire:
+        raise OnnxTemplateError(f"{what}: field {field.number} has wire type {field.wire}")
+
+
+def _text(buf: bytes, field: _Field, what: str) -> str:
+    _expect(field, _LEN, what)
+    try:
+        return buf[field.data : field.end].decode("utf-8")
+    except UnicodeDecodeError:
+        raise OnnxTemplateError(f"{what}: a string is not valid UTF-8") from None
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _varints(buf: bytes, field: _Field, what: str) -> list[int]:
+    """The (signed 64-bit) values of a repeated integer field, packed or not."""
+    if field.wire == _VARINT:
+        return [_signed64(field.value)]
+    _expect(field, _LEN, what)
+    values: list[int] = []
+    pos = field.data
+    while pos < field.end:
+        value, pos = _read_varint(buf, pos, field.end, what)
+        values.append(_signed64(value))
+    return values
+
+
+def _count_varints(buf: bytes, field: _Field, what: str) -> int:
+    """Number of values in a repeated varint field (packed or not), validated cheaply."""
+    if field.wire == _VARINT:
+        return 1
+    _expect(field, _LEN, what)
+    payload = np.frombuffer(buf, dtype=np.uint8, count=field.end - field.data, offset=field.data)
+    if len(payload) and payload[-1] >= 0x80:
+        raise OnnxTemplateError(f"{what}: truncated packed varints")
+    return int(np.count_nonzero(payload < 0x80))
+
+
+def _encode_varint(value: int) -> bytes:
+    """Protobuf varint of ``value`` (negative values as 64-bit two's complement)."""
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return _encode_varint(number << 3 | _LEN) + _encode_varint(len(payload)) + payload
+
+
+def _quantize_int8(
+    weight: np.ndarray, per_channel: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization of float32 ``weight`` as quantize_dynamic does it.
+
+    Returns (int8 values shaped like ``weight``, float32 scales, int8 zero points); the
+    scales and zero points have shape () per tensor, (weight.shape[-1],) per channel.
+    See the module docstring for the formula.
+    """
+    if per_channel:
+        axes = tuple(range(weight.ndim - 1))
+        if weight.size:
+            rmin, rmax = weight.min(axis=axes), weight.max(axis=axes)
+        else:
+            rmin = rmax = np.zeros(weight.shape[-1], dtype=np.float32)
+    elif weight.size:
+        rmin, rmax = np.asarray(weight.min()), np.asarray(weight.max())
+    else:
+        rmin = rmax = np.zeros((), dtype=np.float32)
+    zero = np.float32(0)
+    absmax = np.maximum(np.abs(np.minimum(rmin, zero)), np.abs(np.maximum(rmax, zero)))
+    wide = absmax.astype(np.float64)
+    scale64 = (wide - (-wide)) / np.float64(2 * _INT8_QMAX)
+    scale = np.where(scale64 < _FLOAT32_TINY, 1.0, scale64).astype(np.float32)
+    quantized = np.clip(np.round(weight / scale), -128, 127).astype(np.int8)
+    return quantized, scale, np.zeros(scale.shape, dtype=np.int8)
+
+
+class OnnxTemplate:
+    """An ONNX template parsed from its bytes; renders it with new weights.
+
+    Build it with :meth:`from_bytes` (or the constructor) or :meth:`read`. The module
+    docstring says which templates are supported. It is immutable: :meth:`render` may
+    be called any number of times (once per round).
+
+    Raises:
+        OnnxTemplateError: (from the constructors) the bytes are not a supported
+            template; (from :meth:`render`) the weights do not fit it.
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"expected bytes, got {type(data).__name__}")
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size > MAX_TEMPLATE_BYTES:
+            raise OnnxTemplateError(
+                f"template of {size} bytes is larger than the {MAX_TEMPLATE_BYTES} allowed"
+            )
+        self._data = bytes(data)
+        self._parse()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> OnnxTemplate:
+        """Parse a serialized template (the same as ``OnnxTemplate(data)``).
+
+        Raises:
+            OnnxTemplateError: see the class docstring.
+        """
+        return cls(data)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> OnnxTemplate:
+        """Read and parse a template file.
+
+        Raises:
+            OnnxTemplateError: the file cannot be read, is too large or is not a
+                supported template.
+        """
+        try:
+            with open(path, "rb") as file:
+                size = os.fstat(file.fileno()).st_size
+                if size > MAX_TEMPLATE_BYTES:
+                    raise OnnxTemplateError(
+                        f"template {os.fspath(path)!r} of {size} bytes is larger than the "
+                        f"{MAX_TEMPLATE_BYTES} allowed"
+                    )
+                data = file.read(MAX_TEMPLATE_BYTES + 1)
+        except OSError as exc:
+            raise OnnxTemplateError(f"cannot read template {os.fspath(path)!r}: {exc}") from exc
+        return cls.from_bytes(data)
+
+    @property
+    def precision(self) -> Precision:
+        """``"fp32"`` or ``"int8"``: from the metadata, checked against the content."""
+        return self._precision
+
+    @property
+    def model_name(self) -> str:
+        """The ``edgefl.model`` metadata (e.g. the registry name; may be empty)."""
+        return self._model_name
+
+    @property
+    def weights(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        """The fleet tensors :meth:`render` needs: name -> (shape, dtype float32).
+
+        Shapes are those of the ``state_dict`` tensors (not the transposed layout an
+        int8 template stores), in the template's initializer order.
+        """
+        return {name: (shape, np.dtype(np.float32)) for name, shape in self._weights.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the serialized template, bytes."""
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return (
+            f"OnnxTemplate(model={self._model_name!r}, precision={self._precision!r}, "
+            f"weights={len(self._weights)}, bytes={len(self._data)})"
+        )
+
+    def render(self, tensors: Mapping[str, np.ndarray]) -> bytes:
+        """The template with every weight replaced by ``tensors[name]``.
+
+        Args:
+            tensors: the fleet's weights by ``state_dict`` name: real-valued arrays of
+                exactly the shapes of :attr:`weights` (converted to float32). Names the
+                template does not use (e.g. ``num_batches_tracked``) are ignored.
+
+        Returns:
+            The serialized ONNX model: float weights as float32, quantized weights
+            recomputed (see the module docstring); every other byte as in the template.
+
+        Raises:
+            OnnxTemplateError: a weight is missing, not real-valued, of the wrong shape,
+                or not finite (as float32); the message names it. Nothing is returned.
+        """
+        arrays = {
+            name: _checked_weight(name, tensors, shape) for name, shape in self._weights.items()
+        }
+        for name in self._transposed:
+            arrays[name] = np.ascontiguousarray(arrays[name].T)
+        replaced: dict[int, bytes] = {}
+        for tensor in self._float_weights:
+            replaced[tensor.index] = self._encode(tensor, arrays[tensor.name])
+        for weight in self._quantized:
+            values, scale, zero_point = _quantize_int8(arrays[weight.name], weight.per_channel)
+            replaced[weight.values.index] = self._encode(weight.values, values)
+            replaced[weight.scale.index] = self._encode(weight.scale, scale)
+            replaced[weight.zero_point.index] = self._encode(weight.zero_point, zero_point)
+        buf = self._data
+        graph = b"".join(
+            replaced.get(i, buf[f.start : f.end]) for i, f in enumerate(self._graph_fields)
+        )
+        return b"".join(
+            _len_field(_MODEL_GRAPH, graph) if i == self._graph_index else buf[f.start : f.end]
+            for i, f in enumerate(self._model_fields)
+        )
+
+    # -- rendering --------------------------------------------------------------------
+
+    def _encode(self, tensor: _Tensor, values: np.ndarray) -> bytes:
+        """The initializer field of ``tensor`` with its data replaced by ``values``."""
+        if tensor.count == 0:  # nothing to replace
+            field = self._graph_fields[tensor.index]
+            return self._data[field.start : field.end]
+        first = tensor.data_fields[0]
+        if first.number == _TENSOR_RAW_DATA or tensor.data_type == _FLOAT:
+            dtype = "<f4" if tensor.data_type == _FLOAT else "i1"
+            data = _len_field(first.number, values.astype(dtype).tobytes())
+        else:  # INT8 in int32_data: packed varints (negative as 10-byte two's complement)
+            ints = values.astype(np.int64).ravel()
+            if ints.size and ints.min() >= 0:  # every value < 128: one byte each
+                payload = ints.astype(np.uint8).tobytes()
+            else:
+                payload = b"".join(_encode_varint(v) for v in ints.tolist())
+            data = _len_field(_TENSOR_INT32_DATA, payload)
+        parts: list[bytes] = []
+        for field in tensor.fields:
+            if field.number in _TENSOR_DATA_FIELDS:
+                if field is first:
+                    parts.append(data)
+            else:
+                parts.append(self._data[field.start : field.end])
+        return _len_field(_GRAPH_INITIALIZER, b"".join(parts))
+
+    # -- parsing ----------------------------------------------------------------------
+
+    def _parse(self) -> None:
+        buf = self._data
+        self._model_fields = _fields(buf, 0, len(buf), "model")
+        graphs = [i for i, f in enumerate(self._model_fields) if f.number == _MODEL_GRAPH]
+        if len(graphs) != 1:
+            raise OnnxTemplateError(f"model: expected one graph, found {len(graphs)}")
+        self._graph_index = graphs[0]
+        graph_field = self._model_fields[self._graph_index]
+        _expect(graph_field, _LEN, "model")
+        metadata = self._metadata()
+        if metadata.get(_META_TEMPLATE) != "1":
+            raise OnnxTemplateError(
+                f"not an edgefl template: metadata {_META_TEMPLATE!r} is not '1'"
+            )
+        precision = metadata.get(_META_PRECISION)
+        if precision not in ("fp32", "int8"):
+            raise OnnxTemplateError(
+                f"template: metadata {_META_PRECISION!r} is {precision!r}, not 'fp32' or 'int8'"
+            )
+        self._precision: Precision = "fp32" if precision == "fp32" else "int8"
+        self._model_name = metadata.get(_META_MODEL, "")
+        self._graph_fields = _fields(buf, graph_field.data, graph_field.end, "graph")
+        tensors: dict[str, _Tensor] = {}
+        consumers: dict[str, list[tuple[str, int]]] = {}
+        op_types: set[str] = set()
+        for index, field in enumerate(self._graph_fields):
+            if field.number == _GRAPH_INITIALIZER:
+                tensor = self._tensor(index, field)
+                if tensor.name in tensors:
+                    raise OnnxTemplateError(f"tensor {tensor.name!r}: duplicate initializer")
+                tensors[tensor.name] = tensor
+            elif field.number == _GRAPH_NODE:
+                op_type, inputs = self._node(field)
+                op_types.add(op_type)
+                for position, name in enumerate(inputs):
+                    consumers.setdefault(name, []).append((op_type, position))
+            elif field.number == _GRAPH_SPARSE_INITIALIZER:
+                raise OnnxTemplateError("template: sparse initializers are not supported")
+        self._classify(tensors, consumers, op_types, metadata)
+
+    def _metadata(self) -> dict[str, str]:
+        buf = self._data
+        metadata: dict[str, str] = {}
+        for field in self._model_fields:
+            if field.number != _MODEL_METADATA:
+                continue
+            _expect(field, _LEN, "metadata")
+            key = value = ""
+            for entry in _fields(buf, field.data, field.end, "metadata"):
+                if entry.number == _ENTRY_KEY:
+                    key = _text(buf, entry, "metadata")
+                elif entry.number == _ENTRY_VALUE:
+                    value = _text(buf, entry, "metadata")
+            if key.startswith("edgefl.") and key in metadata:
+                raise OnnxTemplateError(f"template: metadata {key!r} appears twice")
+            metadata[key] = value
+        return metadata
+
+    def _node(self, field: _Field) -> tuple[str, list[str]]:
+        """(op_type, inputs) of a node; refuses nodes with subgraphs."""
+        buf = self._data
+        _expect(field, _LEN, "node")
+        op_type, domain = "", ""
+        inputs: list[str] = []
+        for part in _fields(buf, field.data, field.end, "node"):
+            if part.number == _NODE_INPUT:
+                inputs.append(_text(buf, part, "node"))
+            elif part.number == _NODE_OP_TYPE:
+                op_type = _text(buf, part, "node")
+            elif part.number == _NODE_DOMAIN:
+                domain = _text(buf, part, "node")
+            elif part.number == _NODE_ATTRIBUTE:
+                _expect(part, _LEN, "node attribute")
+                for attr in _fields(buf, part.data, part.end, "node attribute"):
+                    if attr.number in (_ATTRIBUTE_GRAPH, _ATTRIBUTE_GRAPHS):
+                        raise OnnxTemplateError(
+                            f"template: node {op_type or '?'} has a subgraph; not supported"
+                        )
+        if domain not in ("", "ai.onnx"):
+            op_type = f"{domain}.{op_type}"
+        return op_type, inputs
+
+    def _tensor(self, index: int, field: _Field) -> _Tensor:
+        buf = self._data
+        _expect(field, _LEN, "initializer")
+        parts = _fields(buf, field.data, field.end, "initializer")
+        names = [_text(buf, p, "initializer") for p in parts if p.number == _TENSOR_NAME]
+        if len(names) != 1 or not names[0]:
+            raise OnnxTemplateError("initializer: expected exactly one non-empty name")
+        name = names[0]
+        what = f"tensor {name!r}"
+        dims: list[int] = []
+        data_types: list[int] = []
+        for part in parts:
+            if part.number == _TENSOR_DIMS:
+                dims.extend(_varints(buf, part, what))
+                if len(dims) > MAX_DIMS:
+                    raise OnnxTemplateError(f"{what}: more than {MAX_DIMS} dimensions")
+            elif part.number == _TENSOR_DATA_TYPE:
+                _expect(part, _VARINT, what)
+                data_types.append(part.value)
+            elif part.number == _TENSOR_SEGMENT:
+                raise OnnxTemplateError(f"{what}: segmented tensors are not supported")
+            elif part.number == _TENSOR_DATA_LOCATION:
+                _expect(part, _VARINT, what)
+                if part.value != 0:
+                    raise OnnxTemplateError(f"{what}: external data is not supported")
+            elif part.number == _TENSOR_EXTERNAL_DATA:
+                raise OnnxTemplateError(f"{what}: external data is not supported")
+        if len(data_types) != 1:
+            raise OnnxTemplateError(f"{what}: expected exactly one data_type")
+        if any(d < 0 for d in dims):
+            raise OnnxTemplateError(f"{what}: negative dimension in {tuple(dims)}")
+        data_type = data_types[0]
+        if data_type not in (_FLOAT, _INT8) and data_type not in _KEPT_TYPES:
+            type_name = _TYPE_NAMES.get(data_type, str(data_type))
+            raise OnnxTemplateError(f"{what}: unsupported data type {type_name}")
+        data_fields = tuple(p for p in parts if p.number in _TENSOR_DATA_FIELDS)
+        tensor = _Tensor(index, name, tuple(dims), data_type, tuple(parts), data_fields)
+        if data_type in (_FLOAT, _INT8):
+            self._check_data(tensor)
+        return tensor
+
+    def _check_data(self, tensor: _Tensor) -> None:
+        """The data of a FLOAT / INT8 tensor is one field, of the size its dims say."""
+        what = f"tensor {tensor.name!r}"
+        numbers = {f.number for f in tensor.data_fields}
+        typed = _TYPED_FIELD[tensor.data_type]
+        if not numbers <= {_TENSOR_RAW_DATA, typed} or len(numbers) > 1:
+            raise OnnxTemplateError(f"{what}: data fields {sorted(numbers)} do not fit its type")
+        count = tensor.count
+        if not tensor.data_fields:
+            if count:
+                raise OnnxTemplateError(f"{what}: no data for {count} elements")
+            return
+        if _TENSOR_RAW_DATA in numbers:
+            if len(tensor.data_fields) != 1:
+                raise OnnxTemplateError(f"{what}: more than one raw_data field")
+            field = tensor.data_fields[0]
+            _expect(field, _LEN, what)
+            itemsize = 4 if tensor.data_type == _FLOAT else 1
+            found = (field.end - field.data) // itemsize
+            exact = (field.end - field.data) % itemsize == 0
+        elif tensor.data_type == _FLOAT:
+            found, exact = 0, True
+            for field in tensor.data_fields:
+                if field.wire == _I32:
+                    found += 1
+                else:
+                    _expect(field, _LEN, what)
+                    found += (field.end - field.data) // 4
+                    exact = exact and (field.end - field.data) % 4 == 0
+        else:
+            found = sum(_count_varints(self._data, f, what) for f in tensor.data_fields)
+            exact = True
+        if found != count or not exact:
+            raise OnnxTemplateError(
+                f"{what}: data does not match its shape {tensor.dims} ({count} elements)"
+            )
+
+    def _int_values(self, tensor: _Tensor) -> list[int]:
+        """Values of a (small) INT8 tensor."""
+        buf = self._data
+        values: list[int] = []
+        for field in tensor.data_fields:
+            if field.number == _TENSOR_RAW_DATA:
+                values.extend(np.frombuffer(buf[field.data : field.end], dtype=np.int8).tolist())
+            else:
+                values.extend(_varints(buf, field, f"tensor {tensor.name!r}"))
+        return values
+
+    def _classify(
+        self,
+        tensors: dict[str, _Tensor],
+        consumers: dict[str, list[tuple[str, int]]],
+        op_types: set[str],
+        metadata: dict[str, str],
+    ) -> None:
+        """Sort the initializers into weights, quantized weights and constants."""
+        quantized: list[_Quantized] = []
+        derived: set[str] = set()
+        for tensor in tensors.values():
+            if tensor.data_type != _INT8 or not tensor.name.endswith(_QUANTIZED_SUFFIX):
+                continue
+            base = tensor.name[: -len(_QUANTIZED_SUFFIX)]
+            scale = tensors.get(base + _SCALE_SUFFIX)
+            zero_point = tensors.get(base + _ZERO_POINT_SUFFIX)
+            if scale is None or scale.data_type != _FLOAT:
+                raise OnnxTemplateError(f"tensor {base!r}: no float32 {base + _SCALE_SUFFIX!r}")
+            if zero_point is None or zero_point.data_type != _INT8:
+                raise OnnxTemplateError(f"tensor {base!r}: no int8 {base + _ZERO_POINT_SUFFIX!r}")
+            quantized.append(self._quantized_weight(base, tensor, scale, zero_point, consumers))
+            derived |= {tensor.name, scale.name, zero_point.name}
+        for tensor in tensors.values():
+            if tensor.data_type == _INT8 and tensor.name not in derived:
+                raise OnnxTemplateError(
+                    f"tensor {tensor.name!r}: an INT8 initializer that is not part of a "
+                    "quantized weight; not supported"
+                )
+        float_weights = [
+            t for t in tensors.values() if t.data_type == _FLOAT and t.name not in derived
+        ]
+        self._check_precision(quantized, op_types, metadata)
+        transposed = self._transposed_names(metadata)
+        by_values = {q.values.name: q for q in quantized}
+        weights: dict[str, tuple[int, ...]] = {}
+        for tensor in tensors.values():  # initializer order
+            if tensor.data_type == _FLOAT and tensor.name not in derived:
+                name = tensor.name
+            elif tensor.name in by_values:
+                name = by_values[tensor.name].name
+            else:
+                continue
+            dims = tensor.dims
+            if name in transposed:
+                if len(dims) != 2:
+                    raise OnnxTemplateError(
+                        f"tensor {name!r}: listed as transposed but stored with shape {dims}"
+                    )
+                dims = dims[::-1]
+            if weights.setdefault(name, dims) != dims:
+                raise OnnxTemplateError(f"tensor {name!r}: stored with two different shapes")
+        unknown = sorted(transposed - weights.keys())
+        if unknown:
+            raise OnnxTemplateError(
+                f"template: {_META_TRANSPOSED} names tensors it has not: {unknown}"
+            )
+        if not weights:
+            raise OnnxTemplateError("template: it has no weights")
+        self._weights = weights
+        self._float_weights = tuple(float_weights)
+        self._quantized = tuple(quantized)
+        self._transposed = tuple(sorted(transposed))
+
+    def _quantized_weight(
+        self,
+        name: str,
+        values: _Tensor,
+        scale: _Tensor,
+        zero_point: _Tensor,
+        consumers: dict[str, list[tuple[str, int]]],
+    ) -> _Quantized:
+        what = f"tensor {name!r}"
+        if scale.dims == ():
+            per_channel = False
+        elif values.dims and scale.dims == (values.dims[-1],):
+            per_channel = True
+        else:
+            raise OnnxTemplateError(
+                f"{what}: scale of shape {scale.dims} fits neither per-tensor nor per-channel "
+                f"(last axis) quantization of shape {values.dims}"
+            )
+        if zero_point.dims != scale.dims:
+            raise OnnxTemplateError(f"{what}: zero point and scale differ in shape")
+        if any(v != 0 for v in self._int_values(zero_point)):
+            raise OnnxTemplateError(
+                f"{what}: non-zero zero points (asymmetric quantization) are not supported"
+            )
+        for op_type, position in consumers.get(values.name, []):
+            if op_type not in _INTEGER_WEIGHT_OPS or position != 1:
+                raise OnnxTemplateError(
+                    f"{what}: used as input {position} of {op_type}; only the weight input of "
+                    "ConvInteger or MatMulInteger is supported"
+                )
+            if op_type == "ConvInteger" and per_channel:
+                raise OnnxTemplateError(f"{what}: per-channel ConvInteger weights unsupported")
+        return _Quantized(name, values, scale, zero_point, per_channel)
+
+    def _check_precision(
+        self, quantized: list[_Quantized], op_types: set[str], metadata: dict[str, str]
+    ) -> None:
+        if self._precision == "fp32":
+            found = sorted(op_types & _QUANTIZED_OPS)
+            if quantized or found:
+                raise OnnxTemplateError(
+                    f"template: precision is 'fp32' but it holds quantized weights or ops "
+                    f"({found or [q.name for q in quantized][:3]})"
+                )
+            return
+        scheme = metadata.get(_META_QUANTIZATION)
+        if scheme != INT8_SCHEME:
+            raise OnnxTemplateError(
+                f"template: unsupported quantization {scheme!r}; expected {INT8_SCHEME!r}"
+            )
+        if not quantized:
+            raise OnnxTemplateError("template: precision is 'int8' but no weight is quantized")
+
+    def _transposed_names(self, metadata: dict[str, str]) -> frozenset[str]:
+        raw = metadata.get(_META_TRANSPOSED, "[]")
+        try:
+            names = json.loads(raw)
+        except ValueError:
+            names = None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise OnnxTemplateError(f"template: {_META_TRANSPOSED} is not a JSON list of names")
+        return frozenset(names)
+
+
+def _checked_weight(
+    name: str, tensors: Mapping[str, np.ndarray], shape: tuple[int, ...]
+) -> np.ndarray:
+    """``tensors[name]`` as a C-contiguous float32 array of ``shape``, finite."""
+    if name not in tensors:
+        raise OnnxTemplateError(f"tensor {name!r} is missing from the weights")
+    try:
+        array = np.asarray(tensors[name])
+    except Exception as exc:
+        raise OnnxTemplateError(f"tensor {name!r} is not an array: {exc}") from exc
+    if array.dtype.kind not in "fiu":
+        raise OnnxTemplateError(f"tensor {name!r} has dtype {array.dtype}; expected real numbers")
+    if array.shape != shape:
+        raise OnnxTemplateError(f"tensor {name!r} has shape {array.shape}, expected {shape}")
+    with np.errstate(over="ignore"):
+        values = np.ascontiguousarray(array, dtype=np.float32)
+    if not np.isfinite(values).all():
+        raise OnnxTemplateError(f"tensor {name!r} has non-finite values (as float32)")
+    return values
