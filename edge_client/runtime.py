@@ -63,7 +63,12 @@ from edge_client.client_state import (
 from edge_client.config import ClientConfig
 from edge_client.data import DeviceData
 from edge_client.errors import ConfigError, ConnectError, EdgeClientError, TaskError
-from edge_client.serving import ModelRefresher, connect_with_retry, rss_bytes
+from edge_client.serving import (
+    DeviceState,
+    ModelRefresher,
+    connect_with_retry,
+    publish_status,
+)
 from edge_client.strategies import WEIGHTS_SET, LocalTask, local_update, validate_task
 from edge_client.training import TrainHook
 from edge_client.transfer import TransferState
@@ -92,10 +97,7 @@ __all__ = ["STATE_FILE", "EdgeClient", "device_hello"]
 
 logger = logging.getLogger(__name__)
 
-_DETAIL_MAX = 512  # DeviceStatus.detail limit, characters
 _UPLOAD_BACKOFF_MAX_S = 10.0
-
-DeviceState = Literal["online", "offline", "idle", "training", "uploading", "error"]
 
 
 @dataclass(frozen=True)
@@ -415,11 +417,7 @@ class EdgeClient:
             logger.warning("could not send the hello: %s", exc)
 
     def _publish_status(self, state: DeviceState, detail: str = "") -> None:
-        body = DeviceStatus(state=state, detail=detail[:_DETAIL_MAX], rss_bytes=rss_bytes())
-        try:
-            self._channel.send(self._status_topic, self._message(body), retain=True)
-        except (TransportError, EncodeError) as exc:
-            logger.warning("could not publish status %r: %s", state, exc)
+        publish_status(self._channel, self.config, state, detail)
 
     def _on_reconnect(self) -> None:
         logger.info("reconnected to the broker; announcing again")

@@ -36,10 +36,12 @@ from protocol.topics import Topics
 from protocol.transport.base import Transport, Will
 
 __all__ = [
+    "DeviceState",
     "Follower",
     "ModelRefresher",
     "connect_with_retry",
     "peak_rss_bytes",
+    "publish_status",
     "rss_bytes",
 ]
 
@@ -57,6 +59,19 @@ def rss_bytes() -> int | None:
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def publish_status(
+    channel: Channel, config: ClientConfig, state: DeviceState, detail: str = ""
+) -> None:
+    """Publish the device's retained status (with its RSS); failures are logged."""
+    body = DeviceStatus(state=state, detail=detail[:_DETAIL_MAX], rss_bytes=rss_bytes())
+    message = Message(fleet=config.fleet, sender=config.device_id, body=body)
+    topic = Topics(config.fleet).device(config.device_id, "status")
+    try:
+        channel.send(topic, message, retain=True)
+    except (TransportError, EncodeError) as exc:
+        logger.warning("could not publish status %r: %s", state, exc)
 
 
 def peak_rss_bytes() -> int:
@@ -332,11 +347,7 @@ class Follower:
         logger.warning("dropped a malformed message on %s: %s", topic, error)
 
     def _publish_status(self, state: DeviceState, detail: str = "") -> None:
-        body = DeviceStatus(state=state, detail=detail[:_DETAIL_MAX], rss_bytes=rss_bytes())
-        try:
-            self._channel.send(self._status_topic, self._message(body), retain=True)
-        except (TransportError, EncodeError) as exc:
-            logger.warning("could not publish status %r: %s", state, exc)
+        publish_status(self._channel, self.config, state, detail)
 
     def _message(self, body: DeviceStatus) -> Message:
         return Message(fleet=self.config.fleet, sender=self.config.device_id, body=body)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -155,7 +156,7 @@ def test_each_profile_imports_what_it_must_and_nothing_it_must_not(
 
 @pytest.mark.parametrize("profile", ["train", "infer"])
 def test_the_bundle_describes_itself_and_its_service(
-    setup: dict[str, object], profile: str
+    setup: dict[str, object], profile: str, tmp_path: Path
 ) -> None:
     installed = setup[profile]
     assert isinstance(installed, Installed)
@@ -174,6 +175,13 @@ def test_the_bundle_describes_itself_and_its_service(
     for line in ("Restart=on-failure", "RestartPreventExitStatus=2", "KillSignal=SIGTERM"):
         assert line in unit.splitlines()
     assert "MemoryMax=" in unit and "CPUQuota=300%" in unit
+    if shutil.which("systemd-analyze"):  # what install.sh writes, checked by systemd
+        prefix = installed.python.parents[2]
+        rendered = tmp_path / "edgefl-client.service"
+        rendered.write_text(
+            unit.replace("@PREFIX@", str(prefix)).replace("@CONFIG_DIR@", str(installed.config_dir))
+        )
+        run(["systemd-analyze", "verify", str(rendered)])
     assert (installed.config_dir / "edgefl.toml").is_file()
     assert (installed.config_dir / "template.onnx").is_file()
 
