@@ -53,7 +53,6 @@ class Watched:
     started: float
     lines: list[tuple[float, str]] = field(default_factory=list)
     peak_kb: int = 0  # VmHWM sampled while it runs
-    returncode: int | None = None
 
     def wait_for(self, needle: str, timeout: float) -> float:
         """Seconds from launch to the first line containing ``needle``."""
@@ -62,7 +61,7 @@ class Watched:
             for stamp, line in list(self.lines):
                 if needle in line:
                     return stamp - self.started
-            if self.process.poll() is not None and self.returncode is not None:
+            if self.process.returncode is not None:
                 break
             time.sleep(0.01)
         tail = "".join(line for _, line in self.lines[-30:])
@@ -70,16 +69,11 @@ class Watched:
 
     def reap(self, timeout: float) -> int:
         """Wait for the exit; return the exit code."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pid, status = os.waitpid(self.process.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                self.process.returncode = self.returncode
-                return self.returncode
-            time.sleep(0.02)
-        self.process.kill()
-        raise RuntimeError(f"{self.process.args!r} did not exit in {timeout} s")
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise RuntimeError(f"{self.process.args!r} did not exit in {timeout} s") from None
 
     @property
     def peak_rss_mb(self) -> float:

@@ -356,10 +356,6 @@ def _pip_download(
         _run_pip([*args, *requirements], f"downloading the wheels for {plan.platform}")
 
 
-def _project_version(wheel: Path) -> str:
-    return _wheel_version(wheel)
-
-
 def _write_files(plan: _Plan, options: BundleOptions, project_wheel: Path) -> None:
     out = options.out
     command = "run" if options.profile == "train" else "follow"
@@ -368,7 +364,7 @@ def _write_files(plan: _Plan, options: BundleOptions, project_wheel: Path) -> No
         "@COMMAND@": command,
         "@PYTHON_VERSION@": plan.python_version,
         "@ARCH@": plan.arch,
-        "@VERSION@": _project_version(project_wheel),
+        "@VERSION@": _wheel_version(project_wheel),
         "@MEMORY_MAX@": options.memory_max or DEFAULT_MEMORY_MAX[options.profile],
         "@CPU_QUOTA@": options.cpu_quota,
         "@TORCH_SOURCE@": plan.torch_source if options.profile == "train" else "none",

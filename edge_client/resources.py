@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from edge_client.errors import EdgeClientError
+from edge_client.serving import rss_bytes
 
 __all__ = [
     "NO_LIMIT",
@@ -148,11 +148,9 @@ def current_rss(*, proc: Path = PROC) -> int:
     Read from ``/proc/self/statm``; where that cannot be read, the peak RSS from
     ``resource.getrusage`` (an over-estimate of the current one); 0 where neither exists.
     """
-    try:
-        resident_pages = int((proc / "self" / "statm").read_text().split()[1])
-        return resident_pages * _page_size()
-    except (OSError, ValueError, IndexError):
-        pass
+    resident = rss_bytes(proc=proc)
+    if resident is not None:
+        return resident
     try:
         import resource
     except ImportError:  # Windows
@@ -194,13 +192,6 @@ def memory_limit(*, proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> Memor
     if not candidates:
         return MemoryLimit(NO_LIMIT, "none")
     return min(candidates, key=lambda limit: limit.bytes)  # first (cgroup) on a tie
-
-
-def _page_size() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return 4096
 
 
 def _mem_available(proc: Path) -> int | None:

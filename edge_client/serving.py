@@ -51,11 +51,10 @@ DeviceState = Literal["online", "offline", "idle", "training", "uploading", "err
 _DETAIL_MAX = 512  # DeviceStatus.detail limit, characters
 
 
-def rss_bytes() -> int | None:
+def rss_bytes(*, proc: Path = Path("/proc")) -> int | None:
     """Current resident set size of this process in bytes (Linux), else None."""
     try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            pages = int(statm.read().split()[1])
+        pages = int((proc / "self" / "statm").read_text(encoding="ascii").split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError, AttributeError):
         return None

@@ -66,7 +66,7 @@ from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.errors import SimError
-from sim.run import SimConfig, build_federation
+from sim.run import SimConfig, build_federation, device_data
 
 __all__ = [
     "DEFAULT_TRAIN_STEPS",
@@ -349,14 +349,7 @@ class _Emulation:
         self.devices: dict[str, _Device] = {}
         for index, split in enumerate(federation.devices):
             down, up = config.device_link(index)
-            data = DeviceData(
-                device_id=split.device_id,
-                x=split.train.x,
-                y=split.train.y,
-                x_test=split.test.x,
-                y_test=split.test.y,
-                num_classes=federation.num_classes,
-            )
+            data = device_data(federation, index)
             with torch.random.fork_rng(devices=[]):  # as EdgeClient builds its model
                 torch.manual_seed(config.seed)
                 model = build_classifier(

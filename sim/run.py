@@ -45,7 +45,7 @@ from sim.metrics import evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
 from sim.report import RoundRecord, RunReport
 
-__all__ = ["SimConfig", "build_federation", "run_simulation"]
+__all__ = ["SimConfig", "build_federation", "device_data", "run_simulation"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,19 @@ def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
     if height != width:
         raise SimError(f"{config.dataset}: images are {height}x{width}; the models need squares")
     return federation, channels, height
+
+
+def device_data(federation: Federation, index: int) -> DeviceData:
+    """Device ``index``'s split as the edge client's :class:`DeviceData`."""
+    split = federation.devices[index]
+    return DeviceData(
+        device_id=split.device_id,
+        x=split.train.x,
+        y=split.train.y,
+        x_test=split.test.x,
+        y_test=split.test.y,
+        num_classes=federation.num_classes,
+    )
 
 
 @contextlib.contextmanager
@@ -303,14 +316,7 @@ def run_simulation(
         clients = []
         for index, split in enumerate(federation.devices):
             down, up = config.device_link(index)
-            data = DeviceData(
-                device_id=split.device_id,
-                x=split.train.x,
-                y=split.train.y,
-                x_test=split.test.x,
-                y_test=split.test.y,
-                num_classes=federation.num_classes,
-            )
+            data = device_data(federation, index)
             client_config = ClientConfig(
                 device_id=split.device_id,
                 fleet=config.fleet,
