@@ -302,6 +302,14 @@ def _add_bundle_parser(commands: Any) -> argparse.ArgumentParser:
     bundle.add_argument(
         "--torch-version", metavar="VERSION", help="pin torch (default: the newest the index has)"
     )
+    bundle.add_argument(
+        "--extra-index-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another index for the non-torch wheels, repeatable (32-bit Raspberry Pi OS: "
+        "https://www.piwheels.org/simple)",
+    )
     bundle.add_argument("--config", type=Path, help="device config (TOML) to include")
     bundle.add_argument(
         "--onnx-template", type=Path, help="ONNX template to include (for serve_onnx)"
@@ -529,6 +537,7 @@ def _run_bundle(args: argparse.Namespace) -> int:
             onnx_template=args.onnx_template,
             memory_max=args.memory_max,
             cpu_quota=args.cpu_quota,
+            extra_index_urls=tuple(args.extra_index_url),
         )
         report = build_bundle(options, progress=print)
     except DownloadError as exc:

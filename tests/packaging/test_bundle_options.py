@@ -78,3 +78,33 @@ def test_the_cli_says_what_is_wrong_in_one_line(
     assert main(["bundle", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: the train profile needs --torch-index") and err.count("\n") == 1
+
+
+def test_extra_indexes_reach_pip(tmp_path: Path) -> None:
+    from edge_client.__main__ import _build_parser
+
+    parser, _ = _build_parser()
+    args = parser.parse_args(
+        [
+            "bundle",
+            "--out",
+            str(tmp_path / "b"),
+            "--profile",
+            "infer",
+            "--platform",
+            "linux_armv7l",
+            "--extra-index-url",
+            "https://www.piwheels.org/simple",
+        ]
+    )
+    plan = _Plan.make(
+        BundleOptions(
+            out=args.out,
+            profile=args.profile,
+            platform=args.platform,
+            extra_index_urls=tuple(args.extra_index_url),
+        )
+    )
+    flags = list(plan.target_flags)
+    assert flags[flags.index("--extra-index-url") + 1] == "https://www.piwheels.org/simple"
+    assert "linux_armv7l" in flags
