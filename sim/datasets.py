@@ -65,7 +65,8 @@ def _find(name: str, layout: _FileLayout, data_dir: Path, base: str) -> Path:
     raise DatasetError(
         f"{name}: {base}[.gz] not found in {data_dir} or its subfolders "
         f"{', '.join(layout.subdirs)}; put the official files there ({wanted}; gzipped or "
-        "not), or pass download=True with torchvision installed"
+        "not), or fetch them where torchvision and a network exist: python -m sim partition "
+        f"--dataset {name} --data-dir {data_dir} --download ..."
     )
 
 
@@ -115,7 +116,9 @@ def _load_files(
     del seed  # the official splits are used as stored
     if data_dir is None:
         wanted = ", ".join(layout.train + layout.test)
-        raise DatasetError(f"{name}: needs a data_dir holding {wanted} (gzipped or not)")
+        raise DatasetError(
+            f"{name}: needs a data folder (--data-dir) holding {wanted} (gzipped or not)"
+        )
     try:
         _find(name, layout, data_dir, layout.train[0])
     except DatasetError:

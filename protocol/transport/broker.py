@@ -4,6 +4,12 @@ The broker runs on a background thread with its own asyncio loop, bound to a loo
 address, with anonymous access and without the $SYS publisher. amqtt speaks MQTT 3.1.1
 only, grants every subscriber the QoS of its subscription (not the minimum with the
 publisher's QoS) and refuses publishes to topics starting with '$'.
+
+amqtt acknowledges a QoS 1 publish once the message is queued for delivery and drops
+whatever is still queued when it shuts down (logging ``N messages not broadcasted``), so
+`EmbeddedBroker.stop` first drains the queue: it sends a marker message through the broker
+to itself and waits for it, which it can only receive after everything published before
+it has been delivered.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from types import TracebackType
 from typing import Any
 
 from amqtt.broker import Broker
 
-from protocol.errors import BrokerError
+from protocol.errors import BrokerError, TransportError
+from protocol.transport.config import MqttConfig
+from protocol.transport.mqtt import MqttTransport
 
 __all__ = ["EmbeddedBroker"]
 
@@ -28,6 +37,7 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 _NOISY_LOGGERS = ("amqtt", "transitions")
 _AUTO_PORT_ATTEMPTS = 5
+_DRAIN_TOPIC = "edgefl-broker/drain"  # + a random id: no client of a fleet subscribes there
 
 
 def _free_port(host: str) -> int:
@@ -153,8 +163,27 @@ class EmbeddedBroker:
         """
         if self._thread is None:
             return
+        self._drain(min(timeout / 2, 5.0))
         self._halt(timeout)
         logger.info("embedded MQTT broker on %s stopped", self.url)
+
+    def _drain(self, timeout: float) -> None:
+        """Wait until every message published so far has been delivered (see the module
+        docstring), at most ``timeout`` seconds; a broker that cannot be reached is left
+        as it is."""
+        topic = f"{_DRAIN_TOPIC}/{uuid.uuid4().hex}"
+        arrived = threading.Event()
+        probe = MqttTransport(MqttConfig.from_url(self.url, client_id=f"drain-{uuid.uuid4().hex}"))
+        try:
+            probe.connect(timeout=timeout)
+            probe.subscribe(topic, lambda _message: arrived.set(), qos=0, timeout=timeout)
+            probe.publish(topic, b"", qos=1, timeout=timeout)
+            if not arrived.wait(timeout):
+                logger.warning("embedded broker: messages still queued after %.1f s", timeout)
+        except TransportError as exc:
+            logger.debug("embedded broker: not drained (%s)", exc)
+        finally:
+            probe.disconnect()
 
     def _halt(self, timeout: float) -> None:
         thread, loop, stop_event = self._thread, self._loop, self._stop_event

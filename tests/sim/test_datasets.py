@@ -24,6 +24,8 @@ from sim.datasets import (
     read_idx_labels,
 )
 from sim.errors import DatasetError, SimError
+from sim.partition import partition_dataset
+from sim.synthetic import synthetic_size
 
 RNG = np.random.default_rng(1234)
 
@@ -132,7 +134,7 @@ def test_missing_files_error_names_file_and_folder(tmp_path: Path) -> None:
 
 
 def test_file_dataset_without_data_dir_says_what_to_provide() -> None:
-    with pytest.raises(DatasetError, match=r"data_dir holding .*t10k-labels-idx1-ubyte"):
+    with pytest.raises(DatasetError, match=r"--data-dir\) holding .*t10k-labels-idx1-ubyte"):
         load_dataset("mnist")
 
 
@@ -365,3 +367,18 @@ def test_unknown_dataset_and_option_are_dataset_errors() -> None:
 
 def test_dataset_error_is_a_sim_error_and_a_value_error() -> None:
     assert issubclass(DatasetError, SimError) and issubclass(DatasetError, ValueError)
+
+
+def test_synthetic_grows_with_the_fleet_so_a_thousand_devices_partition() -> None:
+    # Prepare: the size the sim asks for with 1,000 devices.
+    sizes = synthetic_size(1000)
+
+    # Execute
+    splits = make_synthetic(0, **sizes)
+    fed = partition_dataset(splits, 1000, 0.5, seed=0, min_samples=10)
+
+    # Assert: 100 samples per device on average, every device at least its minimum, and
+    # small fleets keep the default dataset (so earlier results stay comparable).
+    assert (len(splits.train), len(splits.test)) == (100_000, 20_000)
+    assert min(len(d.train) + len(d.test) for d in fed.devices) >= 10
+    assert synthetic_size(50) == {"train_samples": 10_000, "test_samples": 2_000}

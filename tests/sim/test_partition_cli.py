@@ -82,9 +82,9 @@ def test_bad_alpha_exits_2_with_one_line_error(tmp_path: Path) -> None:
         (["partition", "--dataset", "synthetic", "--devices", "two", "--alpha", "1", "--out",
           "x"], "invalid int value"),
         (["partition", "--dataset", "mnist", "--devices", "2", "--alpha", "1", "--out", "x"],
-         "needs a data_dir"),
-        (["partition", "--dataset", "synthetic", "--devices", "5000", "--alpha", "1", "--out",
-          "x"], "cannot give 5000 devices"),
+         "needs a data folder (--data-dir)"),
+        (["partition", "--dataset", "synthetic", "--devices", "50", "--alpha", "1",
+          "--min-samples", "300", "--out", "x"], "cannot give 50 devices 300 samples"),
     ],
 )  # fmt: skip
 def test_argument_and_data_errors_are_one_line_exit_2(
