@@ -61,11 +61,14 @@ class Fairness:
         fm: fairness metric, percent squared (population variance of the per-device
             accuracies); lower is fairer.
         wlp: worst local performance, percent (lowest per-device accuracy).
+        best: best local performance, percent (highest per-device accuracy); with
+            ``wlp`` the spread of the accuracies across the devices.
     """
 
     amp: float
     fm: float
     wlp: float
+    best: float
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,26 @@ class ModelMetrics:
         fm: fairness metric, percent squared.
         wlp: worst local performance, percent.
         global_acc: accuracy on the global test set, percent; None without one.
+        best: the best device's accuracy, percent; None where not measured (reports
+            written before it was).
     """
 
     amp: float
     fm: float
     wlp: float
     global_acc: float | None
+    best: float | None = None
 
     def to_dict(self) -> dict[str, float | None]:
-        """``{"amp", "fm", "wlp", "global_acc"}`` as plain floats (global_acc may be None)."""
-        return {"amp": self.amp, "fm": self.fm, "wlp": self.wlp, "global_acc": self.global_acc}
+        """``{"amp", "fm", "wlp", "best", "global_acc"}`` as plain floats (global_acc and
+        best may be None)."""
+        return {
+            "amp": self.amp,
+            "fm": self.fm,
+            "wlp": self.wlp,
+            "best": self.best,
+            "global_acc": self.global_acc,
+        }
 
 
 def fairness(accuracies: npt.ArrayLike, weights: npt.ArrayLike) -> Fairness:
@@ -129,6 +142,7 @@ def fairness(accuracies: npt.ArrayLike, weights: npt.ArrayLike) -> Fairness:
         amp=float(np.average(percent, weights=w[keep])),
         fm=float(np.var(percent)),
         wlp=float(percent.min()),
+        best=float(percent.max()),
     )
 
 
@@ -295,7 +309,7 @@ def evaluate_models(
             if global_test is not None
             else None
         )
-        results[name] = ModelMetrics(fair.amp, fair.fm, fair.wlp, global_acc)
+        results[name] = ModelMetrics(fair.amp, fair.fm, fair.wlp, global_acc, fair.best)
         logger.debug(
             "model %s: AMP %.2f%% FM %.2f WLP %.2f%% global %s",
             name,
@@ -339,4 +353,4 @@ def evaluate_personal(
     if sum(counts) == 0:
         raise MetricsError("evaluate_personal: every device test split is empty")
     fair = fairness(accuracies, np.asarray(counts, dtype=np.int64))
-    return ModelMetrics(fair.amp, fair.fm, fair.wlp, None)
+    return ModelMetrics(fair.amp, fair.fm, fair.wlp, None, fair.best)

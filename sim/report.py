@@ -1,4 +1,4 @@
-"""The run report of the lab emulator: per-round records, JSON, CSV, plots, progress bar.
+"""The run report of the lab emulator: per-round records, JSON, CSV and plots.
 
 A :class:`RunReport` holds the run's configuration, one :class:`RoundRecord` per round
 and a ``final`` summary. It is written as
@@ -8,18 +8,18 @@ and a ``final`` summary. It is written as
       {"config": {...},
        "rounds": [{"round", "wall_s", "active_devices", "bytes_up", "bytes_down",
                    "wire_bytes_up", "wire_bytes_down", "device_train_s",
-                   "models": {"<name>": {"amp", "fm", "wlp", "global_acc"}}}],
+                   "models": {"<name>": {"amp", "fm", "wlp", "best", "global_acc"}}}],
        "final": {...}}
 
 - ``rounds.csv`` (:func:`write_csv`): one row per round, model metrics flattened into
-  ``<name>_amp``, ``<name>_fm``, ``<name>_wlp``, ``<name>_global_acc`` columns;
+  ``<name>_amp``, ``<name>_fm``, ``<name>_wlp``, ``<name>_best``, ``<name>_global_acc``
+  columns;
 - ``accuracy.png`` and ``bytes.png`` (:func:`write_plots`, needs matplotlib: the
   ``report`` extra).
 
 Every file is written atomically (a temporary file in the same folder, then
 ``os.replace``); parent folders are created. Byte counts are bytes; "MB" is 10^6 bytes.
 Metrics are in percent (FM in percent squared), see :mod:`sim.metrics`.
-:class:`ProgressBar` is the CLI's one-line progress display.
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ import io
 import json
 import logging
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, TextIO
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,10 +48,11 @@ __all__ = [
     "ACCURACY_PLOT",
     "BYTES_PLOT",
     "CSV_NAME",
-    "ProgressBar",
     "RoundRecord",
     "RunReport",
+    "accuracy_figure",
     "human_bytes",
+    "traffic_figure",
     "write_csv",
     "write_plots",
 ]
@@ -74,7 +73,7 @@ _ROUND_FIELDS = (
     "wire_bytes_down",
     "device_train_s",
 )
-_METRIC_FIELDS = ("amp", "fm", "wlp", "global_acc")
+_METRIC_FIELDS = ("amp", "fm", "wlp", "best", "global_acc")
 _MB = 1e6
 _INSTALL_HINT = 'plots need matplotlib: pip install "edgefl[report]"'
 
@@ -121,7 +120,10 @@ class RoundRecord:
         """
         try:
             models = {
-                name: ModelMetrics(**{key: values[key] for key in _METRIC_FIELDS})
+                name: ModelMetrics(
+                    **{key: values[key] for key in _METRIC_FIELDS if key != "best"},
+                    best=values.get("best"),
+                )
                 for name, values in data["models"].items()
             }
             fields = {name: data[name] for name in _ROUND_FIELDS if name != "device_train_s"}
@@ -221,8 +223,8 @@ def write_csv(report: RunReport, out_dir: str | os.PathLike[str]) -> Path:
     Columns: the round fields (``round``, ``wall_s``, ``active_devices``, ``bytes_up``,
     ``bytes_down``, ``wire_bytes_up``, ``wire_bytes_down``, ``device_train_s``), then
     for each model (in order of first appearance) ``<name>_amp``, ``<name>_fm``,
-    ``<name>_wlp``, ``<name>_global_acc``. A metric that is absent (model missing in a
-    round, no global test set) is an empty cell.
+    ``<name>_wlp``, ``<name>_best``, ``<name>_global_acc``. A metric that is absent
+    (model missing in a round, no global test set) is an empty cell.
 
     Raises:
         ReportError: an OS error occurred while writing.
@@ -275,16 +277,32 @@ def _save_figure(figure: Figure, path: Path) -> None:
 def write_plots(report: RunReport, out_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write ``accuracy.png`` and ``bytes.png`` into ``out_dir``; returns their paths.
 
-    ``accuracy.png``: AMP (percent) per round for each model, solid, and its global test
-    accuracy, dashed, where there is one. ``bytes.png``: cumulative payload and wire
-    bytes, up and down, in MB (10^6 bytes) per round. A report without rounds gives
-    empty axes.
+    ``accuracy.png``: per round and model, AMP (percent, solid line) with the spread of
+    the per-device accuracies shaded (from the worst device, WLP, to the best), the
+    global test accuracy (dashed) where there is one, and chance level (dotted, 100 /
+    ``final["num_classes"]`` percent) where the report has the class count. ``bytes.png``: what each
+    round cost, payload bytes up and down per round in MB (10^6 bytes), as bars side
+    by side; the wire bytes (MQTT framing included) as markers over them. A report
+    without rounds gives empty axes.
 
     Raises:
         ReportError: matplotlib is missing (install the ``report`` extra), or an OS
             error occurred while writing.
     """
     out = Path(out_dir)
+    accuracy_path, bytes_path = out / ACCURACY_PLOT, out / BYTES_PLOT
+    _save_figure(accuracy_figure(report), accuracy_path)
+    _save_figure(traffic_figure(report), bytes_path)
+    logger.debug("wrote %s and %s", accuracy_path, bytes_path)
+    return accuracy_path, bytes_path
+
+
+def accuracy_figure(report: RunReport) -> Figure:
+    """The figure of ``accuracy.png`` (see :func:`write_plots`).
+
+    Raises:
+        ReportError: matplotlib is missing.
+    """
     accuracy = _new_figure()
     axes = accuracy.axes[0]
     for index, name in enumerate(_model_names(report)):
@@ -293,6 +311,19 @@ def write_plots(report: RunReport, out_dir: str | os.PathLike[str]) -> tuple[Pat
         x = [r.round for r in rounds]
         amps = [r.models[name].amp for r in rounds]
         axes.plot(x, amps, color=color, marker="o", markersize=3, label=f"{name} AMP")
+        spread = [
+            (r.round, m.wlp, m.best) for r in rounds if (m := r.models[name]).best is not None
+        ]
+        if spread:
+            axes.fill_between(
+                [round_ for round_, _, _ in spread],
+                [low for _, low, _ in spread],
+                [high for _, _, high in spread],
+                color=color,
+                alpha=0.15,
+                linewidth=0,
+                label=f"{name} devices (worst to best)",
+            )
         with_global = [
             (r.round, acc) for r in rounds if (acc := r.models[name].global_acc) is not None
         ]
@@ -302,35 +333,53 @@ def write_plots(report: RunReport, out_dir: str | os.PathLike[str]) -> tuple[Pat
                 [acc for _, acc in with_global],
                 color=color,
                 linestyle="--",
-                label=f"{name} global",
+                label=f"{name} global test",
             )
+    num_classes = report.final.get("num_classes")
+    if isinstance(num_classes, int) and num_classes > 0:
+        axes.axhline(100.0 / num_classes, color="grey", linestyle=":", label="chance")
     axes.set_ylabel("accuracy (%)")
-    axes.set_title("AMP over device test splits (solid), global test accuracy (dashed)")
+    axes.set_ylim(0, 100)
+    axes.set_title("Accuracy after each round (AMP over the devices' test splits)")
     if axes.get_lines():
-        axes.legend()
-    accuracy_path = out / ACCURACY_PLOT
-    _save_figure(accuracy, accuracy_path)
+        axes.legend(fontsize="small")
+    return accuracy
 
+
+def traffic_figure(report: RunReport) -> Figure:
+    """The figure of ``bytes.png`` (see :func:`write_plots`).
+
+    Raises:
+        ReportError: matplotlib is missing.
+    """
     traffic = _new_figure()
     axes = traffic.axes[0]
-    x = [r.round for r in report.rounds]
-    series = (
-        ("payload up", "bytes_up", "-"),
-        ("payload down", "bytes_down", "-"),
-        ("wire up", "wire_bytes_up", ":"),
-        ("wire down", "wire_bytes_down", ":"),
-    )
-    for index, (label, key, style) in enumerate(series):
-        totals = np.cumsum([getattr(r, key) for r in report.rounds], dtype=np.float64) / _MB
-        axes.plot(x, totals, color=f"C{index % 2}", linestyle=style, label=label)
-    axes.set_ylabel("cumulative MB (10^6 bytes)")
-    axes.set_title("Traffic so far")
+    x = np.array([r.round for r in report.rounds], dtype=np.float64)
+    width = 0.4
+    for index, (label, key, wire_key, offset) in enumerate(
+        (
+            ("up (devices to coordinator)", "bytes_up", "wire_bytes_up", -width / 2),
+            ("down (coordinator to devices)", "bytes_down", "wire_bytes_down", width / 2),
+        )
+    ):
+        payload = np.array([getattr(r, key) for r in report.rounds], dtype=np.float64) / _MB
+        wire = np.array([getattr(r, wire_key) for r in report.rounds], dtype=np.float64) / _MB
+        color = f"C{index}"
+        axes.bar(x + offset, payload, width=width, color=color, label=f"{label}, payload")
+        axes.plot(
+            x + offset,
+            wire,
+            linestyle="none",
+            marker="_",
+            markersize=12,
+            color="k",
+            label="wire (MQTT framing included)" if index == 0 else None,
+        )
+    axes.set_ylabel("MB per round (10^6 bytes)")
+    axes.set_title("What each round cost on the wire")
     if report.rounds:
-        axes.legend()
-    bytes_path = out / BYTES_PLOT
-    _save_figure(traffic, bytes_path)
-    logger.debug("wrote %s and %s", accuracy_path, bytes_path)
-    return accuracy_path, bytes_path
+        axes.legend(fontsize="small")
+    return traffic
 
 
 _UNITS = ("kB", "MB", "GB", "TB", "PB")
@@ -352,87 +401,3 @@ def human_bytes(n: int) -> str:
         if round(value, 1) < 1000.0 or index == len(_UNITS) - 1:
             return f"{value:.1f} {unit}"
     raise AssertionError("unreachable")  # the loop returns on its last unit
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
-class ProgressBar:
-    """Round progress for the CLI: one redrawn line on a terminal, one line per round else.
-
-    On a TTY each :meth:`update` redraws the line with ``\\r``, e.g.::
-
-        [##########..........] round 5/10 | AMP aca 81.2% oca 80.9% | up 1.2 MB down
-        3.4 MB | 2.31 s/round
-
-    (one line on screen; wrapped here).
-
-    Elsewhere (a file, a pipe, CI logs) it writes the same text without the bar, one
-    line per round. Seconds per round are the mean over the rounds reported so far.
-    Usable as a context manager (``close`` on exit).
-    """
-
-    width = 20
-    """Characters between the brackets of the bar."""
-
-    def __init__(self, total_rounds: int, stream: TextIO | None = None) -> None:
-        """Args:
-            total_rounds: rounds the run will do (>= 1).
-            stream: where to write; ``sys.stderr`` (looked up now) when None.
-
-        Raises:
-            ValueError: ``total_rounds`` < 1.
-        """
-        if total_rounds < 1:
-            raise ValueError(f"total_rounds must be >= 1, got {total_rounds}")
-        self._total = total_rounds
-        self._stream = stream if stream is not None else sys.stderr
-        self._tty = _isatty(self._stream)
-        self._updates = 0
-        self._wall_s = 0.0
-        self._drawn = 0  # length of the line on screen (TTY)
-
-    def _text(self, record: RoundRecord, cumulative_up: int, cumulative_down: int) -> str:
-        parts = [f"round {record.round}/{self._total}"]
-        if record.models:
-            amps = " ".join(f"{name} {m.amp:.1f}%" for name, m in record.models.items())
-            parts.append(f"AMP {amps}")
-        parts.append(f"up {human_bytes(cumulative_up)} down {human_bytes(cumulative_down)}")
-        parts.append(f"{self._wall_s / self._updates:.2f} s/round")
-        return " | ".join(parts)
-
-    def update(self, record: RoundRecord, cumulative_up: int, cumulative_down: int) -> None:
-        """Show ``record``; ``cumulative_up`` / ``cumulative_down``: bytes sent so far."""
-        self._updates += 1
-        self._wall_s += record.wall_s
-        text = self._text(record, cumulative_up, cumulative_down)
-        if self._tty:
-            filled = round(self.width * min(max(record.round, 0), self._total) / self._total)
-            line = f"[{'#' * filled}{'.' * (self.width - filled)}] {text}"
-            self._stream.write("\r" + line + " " * max(0, self._drawn - len(line)))
-            self._drawn = len(line)
-        else:
-            self._stream.write(text + "\n")
-        self._stream.flush()
-
-    def close(self) -> None:
-        """End the redrawn line on a TTY (idempotent); nothing otherwise."""
-        if self._tty and self._drawn:
-            self._stream.write("\n")
-            self._stream.flush()
-        self._drawn = 0
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -50,7 +50,7 @@ def test_fairness_three_devices_by_hand() -> None:
 def test_fairness_equal_accuracies_have_zero_variance() -> None:
     result = fairness([0.8, 0.8, 0.8], [1, 5, 9])
 
-    assert result == Fairness(amp=pytest.approx(80.0), fm=pytest.approx(0.0), wlp=80.0)
+    assert result == Fairness(amp=pytest.approx(80.0), fm=pytest.approx(0.0), wlp=80.0, best=80.0)
 
 
 def test_fairness_skips_devices_with_empty_splits() -> None:
@@ -243,6 +243,7 @@ def test_evaluate_models_amp_is_accuracy_over_the_union() -> None:
         "amp": result.amp,
         "fm": result.fm,
         "wlp": result.wlp,
+        "best": result.best,
         "global_acc": None,
     }
 
@@ -260,7 +261,7 @@ def test_evaluate_models_perfect_model_scores_100() -> None:
 
     result = evaluate_models({"aca": state_arrays(model)}, mlp(7), device_tests, device_tests[0])
 
-    assert result["aca"] == ModelMetrics(amp=100.0, fm=0.0, wlp=100.0, global_acc=100.0)
+    assert result["aca"] == ModelMetrics(amp=100.0, fm=0.0, wlp=100.0, global_acc=100.0, best=100.0)
 
 
 def test_evaluate_models_errors() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import sys
@@ -13,7 +12,15 @@ import pytest
 
 from sim.errors import ReportError, SimError
 from sim.metrics import ModelMetrics
-from sim.report import ProgressBar, RoundRecord, RunReport, human_bytes, write_csv, write_plots
+from sim.report import (
+    RoundRecord,
+    RunReport,
+    accuracy_figure,
+    human_bytes,
+    traffic_figure,
+    write_csv,
+    write_plots,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROUND_KEYS = {
@@ -27,7 +34,7 @@ ROUND_KEYS = {
     "device_train_s",
     "models",
 }
-METRIC_KEYS = {"amp", "fm", "wlp", "global_acc"}
+METRIC_KEYS = {"amp", "fm", "wlp", "best", "global_acc"}
 
 
 def make_report() -> RunReport:
@@ -85,6 +92,7 @@ def test_json_dict_has_exactly_the_required_keys() -> None:
         "amp": 58.0,
         "fm": 40.0,
         "wlp": 30.0,
+        "best": None,
         "global_acc": None,
     }
     assert data["rounds"][0]["bytes_down"] == 4000
@@ -167,10 +175,12 @@ def test_csv_columns_and_values(tmp_path: Path) -> None:
         "aca_amp",
         "aca_fm",
         "aca_wlp",
+        "aca_best",
         "aca_global_acc",
         "oca_amp",
         "oca_fm",
         "oca_wlp",
+        "oca_best",
         "oca_global_acc",
     ]
     assert len(rows) == 3
@@ -206,6 +216,40 @@ def test_plots_are_png_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["accuracy.png", "bytes.png"]
 
 
+def test_traffic_plot_shows_what_each_round_cost_up_and_down() -> None:
+    report = make_report()
+
+    figure = traffic_figure(report)
+
+    axes = figure.axes[0]
+    heights = sorted(round(p.get_height() * 1e6) for p in axes.patches)
+    per_round = sorted([r.bytes_up for r in report.rounds] + [r.bytes_down for r in report.rounds])
+    assert heights == per_round  # one bar per round and direction, not a running total
+    wire = sorted(round(v * 1e6) for line in axes.get_lines() for v in line.get_ydata())
+    assert wire == sorted(
+        [r.wire_bytes_up for r in report.rounds] + [r.wire_bytes_down for r in report.rounds]
+    )
+
+
+def test_accuracy_plot_has_chance_level_and_the_device_spread() -> None:
+    report = make_report()
+    for record in report.rounds:
+        for name, m in record.models.items():
+            record.models[name] = ModelMetrics(m.amp, m.fm, m.wlp, m.global_acc, m.amp + 10)
+    report.final["num_classes"] = 10
+
+    axes = accuracy_figure(report).axes[0]
+
+    labels = [line.get_label() for line in axes.get_lines()]
+    assert "chance" in labels
+    chance = axes.get_lines()[labels.index("chance")]
+    assert list(chance.get_ydata()) == [10.0, 10.0]
+    spreads = [c for c in axes.collections if "worst to best" in str(c.get_label())]
+    assert len(spreads) == 2  # aca and oca
+    aca = spreads[0].get_paths()[0].vertices[:, 1]
+    assert aca.min() == 20.0 and aca.max() == 91.25  # round 1 WLP to round 3 best
+
+
 def test_plots_of_a_report_without_rounds(tmp_path: Path) -> None:
     accuracy, traffic = write_plots(RunReport(config={}), tmp_path)
 
@@ -227,59 +271,6 @@ def test_plots_without_matplotlib_raise_report_error(
     with pytest.raises(ReportError, match=r'pip install "edgefl\[report\]"'):
         write_plots(make_report(), tmp_path)
     assert list(tmp_path.iterdir()) == []
-
-
-# -------------------------------------------------------------------- progress bar
-
-
-class TTYStream(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_progress_bar_plain_lines_when_not_a_tty() -> None:
-    report = make_report()
-    stream = io.StringIO()
-    bar = ProgressBar(3, stream=stream)
-    up = down = 0
-
-    for record in report.rounds:
-        up += record.wire_bytes_up
-        down += record.wire_bytes_down
-        bar.update(record, up, down)
-    bar.close()
-
-    lines = stream.getvalue().splitlines()
-    assert len(lines) == 3
-    assert "\r" not in stream.getvalue() and "[" not in stream.getvalue()
-    assert "round 1/3" in lines[0] and "aca 40.0%" in lines[0] and "up 1.1 kB" in lines[0]
-    assert "round 2/3" in lines[1] and "aca 60.0%" in lines[1] and "oca 58.0%" in lines[1]
-    assert "round 3/3" in lines[2] and "aca 81.2%" in lines[2] and "oca 80.0%" in lines[2]
-    assert "down 20.8 kB" in lines[2]
-    assert "2.00 s/round" in lines[2]  # mean of 2.5, 1.5, 2.0
-
-
-def test_progress_bar_redraws_one_line_on_a_tty() -> None:
-    report = make_report()
-    stream = TTYStream()
-
-    with ProgressBar(4, stream=stream) as bar:
-        bar.update(report.rounds[0], 1_500_000, 3_000_000_000)
-        first = stream.getvalue()
-        bar.update(report.rounds[1], 2_000_000, 3_500_000_000)
-        assert "\n" not in stream.getvalue()
-
-    text = stream.getvalue()
-    assert first.startswith("\r[#####...............] round 1/4")
-    assert "AMP aca 40.0%" in first and "up 1.5 MB down 3.0 GB" in first
-    assert text.count("\r") == 2
-    assert "[##########..........] round 2/4" in text
-    assert text.endswith("\n") and text.count("\n") == 1
-
-
-def test_progress_bar_rejects_zero_rounds() -> None:
-    with pytest.raises(ValueError, match="total_rounds"):
-        ProgressBar(0, stream=io.StringIO())
 
 
 # -------------------------------------------------------------------- human_bytes

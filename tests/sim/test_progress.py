@@ -1,0 +1,60 @@
+"""sim.progress: live tqdm bars on a terminal, one line per round elsewhere."""
+
+from __future__ import annotations
+
+import io
+
+from sim.progress import TerminalProgress
+from tests.sim.test_report import make_report
+
+
+class TTYStream(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_one_plain_line_per_round_when_not_a_tty() -> None:
+    report = make_report()
+    stream = io.StringIO()
+
+    with TerminalProgress(3, stream=stream) as progress:
+        for record in report.rounds:
+            progress.step(f"round {record.round}/3: devices trained", total=10)
+            progress.advance(10)
+            progress.round_closed(record)
+
+    text = stream.getvalue()
+    lines = text.splitlines()
+    assert len(lines) == 3
+    assert "\r" not in text and "|#" not in text and "devices trained" not in text
+    assert "round 1/3" in lines[0] and "aca 40.0%" in lines[0] and "up 1.0 kB" in lines[0]
+    assert "round 2/3" in lines[1] and "aca 60.0%" in lines[1] and "oca 58.0%" in lines[1]
+    assert "round 3/3" in lines[2] and "aca 81.2%" in lines[2] and "oca 80.0%" in lines[2]
+    assert "up 4.5 kB down 20.0 kB" in lines[2]  # payload bytes so far
+    assert "2.00 s/round" in lines[2]  # mean of 2.5, 1.5, 2.0
+
+
+def test_a_terminal_gets_a_live_bar_for_the_step_and_the_round_lines_stay() -> None:
+    report = make_report()
+    stream = TTYStream()
+
+    with TerminalProgress(3, stream=stream, refresh_s=0) as progress:
+        progress.step("round 1/3: devices trained", total=4)
+        progress.advance(3)
+        live = stream.getvalue()
+        progress.round_closed(report.rounds[0])
+
+    text = stream.getvalue()
+    assert "round 1/3: devices trained: 3/4" in live  # the bar counts devices
+    assert "\r" in live
+    assert "round 1/3 | AMP aca 40.0% | up 1.0 kB down 4.0 kB | 2.50 s/round\n" in text
+
+
+def test_steps_without_a_count_show_what_is_under_way() -> None:
+    stream = TTYStream()
+
+    with TerminalProgress(1, stream=stream) as progress:
+        progress.step("loading synthetic")
+        shown = stream.getvalue()
+
+    assert "loading synthetic" in shown
