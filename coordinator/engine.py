@@ -402,6 +402,7 @@ class RoundEngine:
             detail = "kept in the OCA cache; not averaged into the round"
             return [self._ack(device_id, message, True, ReasonCode.LATE, detail)]
         actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
+        log.info("round %d: update of %s accepted", run.round, device_id)
         if all(self._state.has_update(d, run.round) for d in run.selected):
             actions += self._close_round(now)
         return actions

@@ -164,7 +164,9 @@ class Coordinator:
         """Name of the model the run delivers (``aca`` or ``oca``)."""
 
     def add_observer(self, observer: Observer) -> None:
-        """Call ``observer(action)`` for each RoundStarted, RoundClosed and Finished."""
+        """Call ``observer(action)`` for each action the engine takes, after it was
+        carried out: each Publish (acknowledgements included), RoundStarted, RoundClosed
+        and Finished. Observers run on the engine thread and must be quick."""
         self._observers.append(observer)
 
     def stop(self) -> None:
@@ -229,8 +231,7 @@ class Coordinator:
         for action in actions:
             if isinstance(action, Publish):
                 self._publish(action)
-                continue
-            if isinstance(action, RoundStarted):
+            elif isinstance(action, RoundStarted):
                 log.info(
                     "round %d/%d started: %d devices",
                     action.round,
