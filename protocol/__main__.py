@@ -4,6 +4,7 @@ Commands:
     inspect FILE|- [FILE ...]   decode a captured payload (e.g. from
                                 ``mosquitto_sub -C 1 -N``) and print a JSON summary;
                                 several files: the chunks of one transfer.
+                                ``--values`` adds each tensor's values (dequantized).
     demo                        send a model at every precision through an embedded
                                 MQTT broker and print what each costs on the wire.
 
@@ -36,7 +37,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         payloads = [_read(name) for name in args.files]
-        summary = summarize(payloads)
+        summary = summarize(payloads, values=args.values)
     except OSError as exc:
         print(f"error: cannot read input: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="decode a captured payload and print a JSON summary")
     p.add_argument("files", nargs="+", metavar="FILE|-", help="payload file(s), - for stdin")
     p.add_argument("--compact", action="store_true", help="one-line JSON")
+    p.add_argument(
+        "--values",
+        action="store_true",
+        help="also print every tensor's values (dequantized where quantized) as JSON lists",
+    )
     p.set_defaults(run=_inspect)
     d = sub.add_parser("demo", help="send a model at each precision via an embedded broker")
     d.add_argument("--model", default="lenet5", choices=["lenet5", "resnet8", "resnet8_small"])

@@ -4,6 +4,7 @@ and deltas. Numpy only."""
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -11,8 +12,15 @@ import numpy as np
 import numpy.typing as npt
 
 from protocol.errors import DecodeError, EncodeError
+from protocol.limits import ALL_DTYPES
 
-__all__ = ["apply_delta", "architecture_fingerprint", "content_fingerprint", "delta_arrays"]
+__all__ = [
+    "apply_delta",
+    "architecture_fingerprint",
+    "content_fingerprint",
+    "delta_arrays",
+    "fingerprint_bytes",
+]
 
 Array = npt.NDArray[Any]
 
@@ -30,18 +38,57 @@ def architecture_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
 
 
 def content_fingerprint(arrays: Mapping[str, npt.ArrayLike]) -> str:
-    """Fingerprint of tensor values (names, dtypes, shapes and bytes, in order).
+    """Fingerprint of tensor values: names, dtypes, shapes and values, in order.
 
-    16 hex digits of SHA-256; used to name the base a delta is taken against, so a
-    receiver can tell whether it holds exactly that base.
+    The first 16 hex digits (lowercase) of SHA-256 over :func:`fingerprint_bytes`; used
+    to name the base a delta is taken against, so a receiver can tell whether it holds
+    exactly that base (docs/protocol.md, section 6).
+
+    Raises:
+        EncodeError: an array's dtype is not one of :data:`protocol.limits.ALL_DTYPES`.
     """
     h = hashlib.sha256()
     for name, value in arrays.items():
-        arr = np.ascontiguousarray(value)
-        le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        h.update(f"{name}|{le.dtype.str}|{arr.shape}\n".encode())
-        h.update(le.tobytes())
+        h.update(_tensor_record(name, value))
     return h.hexdigest()[:16]
+
+
+def fingerprint_bytes(arrays: Mapping[str, npt.ArrayLike]) -> bytes:
+    """The canonical byte string :func:`content_fingerprint` hashes.
+
+    One record per tensor, in the mapping's order, concatenated::
+
+        u32 LE   length of the name in UTF-8 bytes
+        bytes    the name, UTF-8
+        u8       length of the dtype token
+        ASCII    the dtype token: float32 float64 int64 int32 int16 int8 uint8 bool
+        u8       ndim (0 for a scalar)
+        u64 LE   each dim, ndim times
+        bytes    the values, C order, each little-endian in its dtype (bool: 0 or 1)
+
+    Raises:
+        EncodeError: as :func:`content_fingerprint`.
+    """
+    return b"".join(_tensor_record(name, value) for name, value in arrays.items())
+
+
+def _tensor_record(name: str, value: npt.ArrayLike) -> bytes:
+    arr = np.asarray(value)
+    token = arr.dtype.name
+    if token not in ALL_DTYPES:
+        raise EncodeError(f"tensor {name!r}: dtype {token} has no fingerprint token")
+    le = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    name_bytes = name.encode("utf-8")
+    head = struct.pack(
+        f"<I{len(name_bytes)}sB{len(token)}sB{arr.ndim}Q",
+        len(name_bytes),
+        name_bytes,
+        len(token),
+        token.encode("ascii"),
+        arr.ndim,
+        *arr.shape,
+    )
+    return head + le.tobytes()
 
 
 def delta_arrays(current: Mapping[str, Array], base: Mapping[str, Array]) -> dict[str, Array]:

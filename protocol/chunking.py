@@ -2,7 +2,8 @@
 
 A frame larger than the maximum payload (default 128 KiB, the AWS IoT Core limit; or
 what an MQTT 5 broker negotiates) is split into chunk frames, each a 68-byte header
-followed by a slice of the original frame::
+followed by a slice of the original frame. The maximum bounds whole chunk frames, header
+included: each chunk but the last carries ``max_payload - 68`` data bytes::
 
     offset  size  field
     0       4     frame header: b"FL", version, type 0x02 (see protocol.codec)
@@ -70,7 +71,9 @@ def split_frame(
 ) -> list[bytes]:
     """Split a frame into chunk frames of at most ``max_payload`` bytes each.
 
-    Returns ``[frame]`` unchanged when it already fits.
+    ``max_payload`` includes the 68-byte chunk header (:data:`CHUNK_HEADER_SIZE`): every
+    chunk but the last carries ``max_payload - 68`` data bytes, the last the rest.
+    Returns ``[frame]`` unchanged when it already fits (``len(frame) <= max_payload``).
 
     Raises:
         EncodeError: ``max_payload`` leaves no room for data after the chunk header.

@@ -4,13 +4,14 @@ A *frame* is what travels as one MQTT payload. Two frame types share a 4-byte he
 
     offset  size  field
     0       2     magic b"FL" (0x46 0x4C)
-    2       1     version (PROTOCOL_VERSION, 2)
+    2       1     version (PROTOCOL_VERSION, 3)
     3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking)
 
-A message frame continues with exactly one zstd frame (content size and checksum
-present) whose content is one msgpack map, the envelope::
+A message frame continues with exactly one zstd frame (content size and content
+checksum present, no dictionary; a decoder rejects any other) whose content is one
+msgpack map, the envelope::
 
-    {"v": 1, "kind": str, "fleet": str, "round": int, "sender": str,
+    {"v": PROTOCOL_VERSION, "kind": str, "fleet": str, "round": int, "sender": str,
      "id": bin(16), "ts": int (unix ms), "body": map}
 
 ``docs/protocol.md`` describes every body and tensor layout. Decoding is bounded by
@@ -36,6 +37,7 @@ __all__ = [
     "FRAME_HEADER_SIZE",
     "FRAME_MAGIC",
     "FRAME_MESSAGE",
+    "ZSTD_MAGIC",
     "Codec",
     "FrameHeader",
     "read_frame_header",
@@ -45,6 +47,10 @@ FRAME_MAGIC = b"FL"
 FRAME_MESSAGE = 0x01
 FRAME_CHUNK = 0x02
 FRAME_HEADER_SIZE = 4
+ZSTD_MAGIC = bytes.fromhex("28b52ffd")
+"""The first 4 bytes of a zstd frame (RFC 8878 magic number 0xFD2FB528, little-endian)."""
+_CONTENT_CHECKSUM_FLAG = 0b0000_0100  # bits of the zstd Frame_Header_Descriptor
+_DICTIONARY_ID_FLAG = 0b0000_0011
 _ENVELOPE_KEYS = frozenset({"v", "kind", "fleet", "round", "sender", "id", "ts", "body"})
 
 
@@ -74,6 +80,32 @@ def read_frame_header(frame: bytes) -> FrameHeader:
     if frame_type not in (FRAME_MESSAGE, FRAME_CHUNK):
         raise DecodeError(f"unknown frame type 0x{frame_type:02x}")
     return FrameHeader(version, frame_type)
+
+
+def _check_zstd_header(body: bytes) -> int:
+    """Check the zstd frame header of a message frame; return its declared content size.
+
+    The canonical zstd frame of this protocol (docs/protocol.md, section 2.1) starts with
+    the zstd magic number and its Frame_Header_Descriptor (RFC 8878, 3.1.1.1.1) declares
+    the content size, sets Content_Checksum_flag and has a Dictionary_ID_flag of 0.
+
+    Raises:
+        DecodeError: any of these is not so, or the header is malformed.
+    """
+    if len(body) < 5 or body[:4] != ZSTD_MAGIC:
+        raise DecodeError("a message frame must hold one zstd frame (bad zstd magic)")
+    descriptor = body[4]
+    try:
+        size = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"bad zstd frame: {exc}") from None
+    if size < 0:
+        raise DecodeError("zstd frame must declare its content size")
+    if not descriptor & _CONTENT_CHECKSUM_FLAG:
+        raise DecodeError("zstd frame must carry a content checksum")
+    if descriptor & _DICTIONARY_ID_FLAG:
+        raise DecodeError("zstd frame must not name a dictionary")
+    return int(size)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -165,8 +197,10 @@ class Codec:
 
         Raises:
             DecodeError: a bad header, a chunk frame, more than ``max_frame_bytes``,
-                a zstd frame without content size, larger than ``max_message_bytes``,
-                corrupt, failing its checksum, or followed by trailing bytes.
+                not a zstd frame (a skippable frame, say), a zstd frame without content
+                size or content checksum or with a dictionary id, one larger than
+                ``max_message_bytes``, corrupt, failing its checksum, or followed by
+                trailing bytes.
         """
         limits = self.limits
         if len(frame) > limits.max_frame_bytes:
@@ -175,12 +209,7 @@ class Codec:
         if header.frame_type != FRAME_MESSAGE:
             raise DecodeError("a chunk frame must be reassembled before decoding")
         body = frame[FRAME_HEADER_SIZE:]
-        try:
-            size = zstandard.frame_content_size(body)
-        except zstandard.ZstdError as exc:
-            raise DecodeError(f"bad zstd frame: {exc}") from None
-        if size < 0:
-            raise DecodeError("zstd frame must declare its content size")
+        size = _check_zstd_header(body)
         if size > limits.max_message_bytes:
             raise DecodeError(
                 f"message would decompress to {size} bytes, limit {limits.max_message_bytes}"

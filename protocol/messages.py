@@ -46,8 +46,9 @@ __all__ = [
     "Update",
 ]
 
-PROTOCOL_VERSION = 2
-"""Version of the message schemas and of the frame layout; decoders reject others."""
+PROTOCOL_VERSION = 3
+"""Version of the message schemas and of the frame layout; decoders reject others.
+docs/protocol.md (section 11) lists what each version changed."""
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 Identifier = Annotated[str, StringConstraints(pattern=ID_PATTERN)]

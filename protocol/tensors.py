@@ -203,9 +203,16 @@ class EncodedTensor:
             raise DecodeError(
                 f"tensor {name!r}: {len(data)} data bytes, expected {expected} for shape {shape}"
             )
-        if enc is Encoding.INT4_CH and numel % 2 and data[-1] >> 4:
-            raise DecodeError(f"tensor {name!r}: int4 padding nibble must be zero")
+        _check_canonical(name, enc, dtype, data, numel)
         return cls(name, shape, dtype, enc, data, shuffled, scale, offset)
+
+
+def _check_canonical(name: str, enc: Encoding, dtype: str, data: bytes, numel: int) -> None:
+    """Refuse bytes no encoder writes: one value, one encoding (docs/protocol.md, 5)."""
+    if enc is Encoding.INT4_CH and numel % 2 and data[-1] >> 4:
+        raise DecodeError(f"tensor {name!r}: int4 padding nibble must be zero")
+    if dtype == "bool" and data and np.frombuffer(data, dtype=np.uint8).max() > 1:
+        raise DecodeError(f"tensor {name!r}: bool bytes must be 0 or 1")
 
 
 def _check_shape(name: str, shape_obj: Any, limits: DecodeLimits) -> tuple[int, ...]:

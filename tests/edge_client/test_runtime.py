@@ -269,7 +269,7 @@ def test_bad_and_foreign_input_changes_nothing(
     caplog.set_level(logging.WARNING, logger="edge_client")
 
     coordinator.transport.publish(task_topic, b"garbage bytes")
-    coordinator.transport.publish(task_topic, b"FL\x02\x01" + b"\0" * 40)
+    coordinator.transport.publish(task_topic, b"FL\x03\x01" + b"\0" * 40)
     foreign_task = Message(
         fleet="other",
         sender="coordinator",

@@ -28,6 +28,9 @@ from protocol.tensorset import TensorSet
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 TRANSFER_ID = bytes(range(16))
+STUDENT_FINGERPRINT = "2e2182719fad8974"
+"""Content fingerprint (docs/protocol.md, section 6) of the golden model's ``student`` set
+as decoded: the ``base`` of the golden update, a delta against it (section 9, step 5)."""
 
 
 def _weights() -> dict[str, np.ndarray]:
@@ -88,7 +91,13 @@ def cases() -> dict[str, Message]:
             **common,
             body=RoundTask(
                 strategy="fedkf",
-                hyperparameters={"lr": 0.01, "epochs": 2, "dual": True},
+                hyperparameters={
+                    "local_epochs": 2,
+                    "batch_size": 32,
+                    "lr": 0.01,
+                    "gamma": 1.0,
+                    "qat": True,
+                },
                 deadline=1_700_000_060.5,
                 downlink_precision="int8",
                 uplink=UploadSpec(precision="int8", mode="delta", base="student"),
@@ -112,9 +121,9 @@ def cases() -> dict[str, Message]:
                 task_message=mid(2),
                 num_samples=600,
                 sets={
-                    "model": TensorSet(
+                    "weights": TensorSet(
                         mode="delta",
-                        base="r3:student",
+                        base=STUDENT_FINGERPRINT,
                         tensors=(
                             encode_array("w", w["w"], "int8_ch"),
                             encode_array("b", w["b"], "fp16"),
@@ -122,8 +131,8 @@ def cases() -> dict[str, Message]:
                     )
                 },
                 label_counts=(10, 0, 590),
-                metrics={"loss": 0.25},
-                timings={"train": 1.5},
+                metrics={"loss": 0.25, "accuracy": 0.875},
+                timings={"train_s": 1.5},
             ),
         ),
         "ack": Message(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from protocol.chunking import CHUNK_HEADER_SIZE, Reassembler, read_chunk_header, split_frame
 from protocol.errors import DecodeError, EncodeError
 
-HEADER = b"FL\x02\x01"
+HEADER = b"FL\x03\x01"
 
 
 def frame_of(size: int, seed: int = 0) -> bytes:
@@ -35,6 +35,19 @@ def test_chunks_respect_the_maximum_and_carry_the_header_fields() -> None:
         (3, len(frame), hashlib.sha256(frame).digest(), heads[0].transfer_id)
     }
     assert b"".join(c[CHUNK_HEADER_SIZE:] for c in chunks) == frame
+
+
+def test_the_maximum_includes_the_chunk_header() -> None:
+    # Prepare
+    fits, over = frame_of(1000 - len(HEADER)), frame_of(1001 - len(HEADER))
+    frame = frame_of(2 * 932 + 10 - len(HEADER))
+    # Execute
+    chunks = split_frame(frame, 1000)
+    # Assert: 1000 - 68 = 932 data bytes per chunk but the last
+    assert split_frame(fits, 1000) == [fits]
+    assert [len(c) for c in split_frame(over, 1000)] == [1000, 68 + 1001 - 932]
+    assert [len(c) for c in chunks] == [1000, 1000, 68 + 10]
+    assert [read_chunk_header(c).count for c in chunks] == [3, 3, 3]
 
 
 def test_too_small_a_maximum_is_refused() -> None:

@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from protocol.codec import Codec
+from protocol.messages import Message, ModelPayload
+from protocol.tensorset import encode_tensors
 from tests.protocol.golden_cases import GOLDEN_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,11 +35,49 @@ def test_inspect_summarizes_a_message_from_a_file_and_from_stdin() -> None:
         summary = json.loads(done.stdout)
         assert summary["kind"] == "update" and summary["round"] == 3
         assert summary["sender"] == "dev-001"
-        tensors = summary["tensor_sets"]["model"]["tensors"]
+        tensors = summary["tensor_sets"]["weights"]["tensors"]
         assert [(t["name"], t["shape"], t["encoding"]) for t in tensors] == [
             ("w", [3, 4], "int8_ch"),
             ("b", [3], "fp16"),
         ]
+        assert all("values" not in t for t in tensors)
+
+
+def test_inspect_values_prints_every_tensor_dequantized() -> None:
+    # Prepare
+    frame = GOLDEN_DIR / "model.frame"
+    # Execute
+    done = run("inspect", "--values", str(frame))
+    # Assert
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    values = {t["name"]: t["values"] for t in summary["tensor_sets"]["student"]["tensors"]}
+    w = [[-1.0, -0.5, 0.0, 0.25], [0.5, 1.0, 1.5, 3.0], [2.0, 2.0, 2.0, 2.0]]
+    assert values["fp32"] == values["fp32s"] == values["fp16"] == values["bf16"] == w
+    # int4_ch: offset [-1, 0.5, 2], scale [1/15, 1/15, 0], codes [0, 7, 15] (section 8)
+    step = float(np.float32(1 / 15))
+    assert values["int4_ch"] == [
+        [-1.0, float(np.float32(-1) + np.float32(7 * step)), 0.0],
+        [0.5, float(np.float32(0.5) + np.float32(7 * step)), 1.5],
+        [2.0, 2.0, 2.0],
+    ]
+    assert np.allclose(values["int8_ch"], w, atol=3.0 / 255 / 2 + 1e-6)
+    assert values["steps"] == 7 and values["mask"] == [True, False]
+
+
+def test_inspect_values_spells_non_finite_floats_as_strings() -> None:
+    # Prepare
+    arrays = {"w": np.array([np.nan, np.inf, -np.inf, 1.5], np.float32)}
+    message = Message(
+        fleet="lab", sender="coordinator", body=ModelPayload(sets={"g": encode_tensors(arrays)})
+    )
+    # Execute
+    done = run("inspect", "--values", "--compact", "-", stdin=Codec().encode(message))
+    # Assert
+    assert done.returncode == 0, done.stderr
+    assert b"NaN" not in done.stdout and b"Infinity" not in done.stdout
+    tensor = json.loads(done.stdout)["tensor_sets"]["g"]["tensors"][0]
+    assert tensor["values"] == ["nan", "inf", "-inf", 1.5]
 
 
 def test_inspect_reassembles_chunks_given_in_any_order() -> None:
@@ -47,7 +89,7 @@ def test_inspect_reassembles_chunks_given_in_any_order() -> None:
     assert single["frame"] == "chunk" and single["index"] == 1 and single["count"] == 4
 
 
-@pytest.mark.parametrize("payload", [b"", b"hello", b"FL\x02\x01" + b"\0" * 40, b"FL\x07\x01xx"])
+@pytest.mark.parametrize("payload", [b"", b"hello", b"FL\x03\x01" + b"\0" * 40, b"FL\x07\x01xx"])
 def test_bad_input_exits_2_with_one_line_and_no_traceback(payload: bytes) -> None:
     done = run("inspect", "-", stdin=payload)
     assert done.returncode == 2

@@ -18,7 +18,7 @@ CASES = cases()
 
 def frame_of(envelope: dict[str, object]) -> bytes:
     raw = msgpack.packb(envelope, use_bin_type=True)
-    return b"FL\x02\x01" + zstandard.ZstdCompressor(level=3).compress(raw)
+    return b"FL\x03\x01" + zstandard.ZstdCompressor(level=3, write_checksum=True).compress(raw)
 
 
 def good_envelope() -> dict[str, object]:
@@ -47,7 +47,7 @@ def test_decode_error_is_both_protocol_error_and_value_error() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"v": 3}, "unsupported protocol version 3"),
+        ({"v": 2}, "unsupported protocol version 2"),
         ({"kind": "launch"}, "unknown message kind"),
         ({"id": b"short"}, "16 bytes"),
         ({"sender": "dev/1"}, "sender"),

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import msgpack
+import numpy as np
 import pytest
 
+from protocol.arrays import content_fingerprint, fingerprint_bytes
 from protocol.chunking import Reassembler, split_frame
 from protocol.codec import Codec
-from tests.protocol.golden_cases import GOLDEN_DIR, TRANSFER_ID, cases
+from protocol.errors import DecodeError
+from tests.protocol.golden_cases import GOLDEN_DIR, STUDENT_FINGERPRINT, TRANSFER_ID, cases
 
 CASES = cases()
 
@@ -32,7 +37,20 @@ def test_golden_frames_still_decode(name: str) -> None:
     # Assert
     assert message == CASES[name]
     assert codec.decompress(frame) == (GOLDEN_DIR / f"{name}.msgpack").read_bytes()
-    assert frame[:4] == b"FL\x02\x01"
+    assert frame[:4] == b"FL\x03\x01"
+    # the zstd frame: magic, then a descriptor with Frame_Content_Size present (bits 6-7
+    # or Single_Segment), Content_Checksum_flag (bit 2) set and no Dictionary_ID (bits 0-1)
+    assert frame[4:8] == bytes.fromhex("28b52ffd")
+    descriptor = frame[8]
+    assert descriptor & 0b100 and descriptor & 0b11 == 0 and descriptor & 0b1110_0000
+
+
+def test_version_2_frames_are_refused() -> None:
+    # Prepare
+    frame = (GOLDEN_DIR / "ack.frame").read_bytes()
+    # Execute, Assert
+    with pytest.raises(DecodeError, match="unsupported protocol version 2"):
+        Codec().decode(b"FL\x02\x01" + frame[4:])
 
 
 def test_chunk_frames_are_frozen_and_reassemble() -> None:
@@ -43,7 +61,7 @@ def test_chunk_frames_are_frozen_and_reassemble() -> None:
     chunks = split_frame(frame, 200, transfer_id=TRANSFER_ID)
     # Assert
     assert [p.read_bytes() for p in golden] == chunks
-    assert chunks[1][:36] == b"FL\x02\x02" + TRANSFER_ID + bytes.fromhex(
+    assert chunks[1][:36] == b"FL\x03\x02" + TRANSFER_ID + bytes.fromhex(
         "0000000100000004" + f"{len(frame):016x}"
     )
     reassembler = Reassembler()
@@ -71,3 +89,49 @@ def test_tensor_layouts_match_the_documented_bytes() -> None:
     # int4_ch rows [0, 7, 15], [0, 7, 15], [0, 0, 0]: low nibble first, zero padding
     assert tensors["int4_ch"][5] == bytes.fromhex("700ff70000")
     assert tensors["steps"][2:6] == ["int64", "raw", 0, (7).to_bytes(8, "little")]
+
+
+def test_canonical_bools_and_int4_padding_in_the_golden_bytes() -> None:
+    env = msgpack.unpackb((GOLDEN_DIR / "model.msgpack").read_bytes(), raw=False)
+    tensors = {t[0]: t for t in env["body"]["sets"]["student"]["tensors"]}
+    assert tensors["mask"][2:6] == ["bool", "raw", 0, b"\x01\x00"]
+    assert tensors["int4_ch"][5][-1] >> 4 == 0  # 9 codes: the last high nibble is padding
+
+
+def test_content_fingerprint_bytes_are_frozen() -> None:
+    """Section 6, byte by byte: u32 LE name length, name, u8 dtype token length, token,
+    u8 ndim, u64 LE dims, little-endian values in C order."""
+    # Prepare
+    arrays = {
+        "w": np.array([[1, -2]], np.int16),
+        "é": np.array(True),
+        "z": np.zeros((0, 3), np.float32),
+    }
+    expected = (
+        bytes.fromhex("01000000") + b"w" + b"\x05int16" + b"\x02"
+        + bytes.fromhex("0100000000000000" "0200000000000000")
+        + bytes.fromhex("0100feff")
+        + bytes.fromhex("02000000") + "é".encode() + b"\x04bool" + b"\x00" + b"\x01"
+        + bytes.fromhex("01000000") + b"z" + b"\x07float32" + b"\x02"
+        + bytes.fromhex("0000000000000000" "0300000000000000")
+    )  # fmt: skip
+    # Execute
+    canonical = fingerprint_bytes(arrays)
+    # Assert
+    assert canonical == expected
+    assert content_fingerprint(arrays) == hashlib.sha256(expected).hexdigest()[:16]
+    big_endian = {k: v.astype(v.dtype.newbyteorder(">")) for k, v in arrays.items()}
+    assert content_fingerprint(big_endian) == content_fingerprint(arrays)
+
+
+def test_golden_update_is_a_delta_against_the_golden_student_as_decoded() -> None:
+    # Prepare
+    model = Codec().decode((GOLDEN_DIR / "model.frame").read_bytes())
+    update = Codec().decode((GOLDEN_DIR / "update.frame").read_bytes())
+    # Execute
+    student = model.tensor_sets()["student"].to_arrays()
+    weights = update.tensor_sets()["weights"]
+    # Assert
+    assert content_fingerprint(student) == STUDENT_FINGERPRINT
+    assert weights.mode == "delta" and weights.base == STUDENT_FINGERPRINT
+    assert list(update.tensor_sets()) == ["weights"]

@@ -15,7 +15,7 @@ from protocol.messages import Message, ModelPayload
 from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet, encode_tensors
 
-HEADER = b"FL\x02\x01"
+HEADER = b"FL\x03\x01"
 
 
 def model_frame(arrays: dict[str, np.ndarray], sets: int = 1, precision: str = "fp32") -> bytes:
@@ -30,7 +30,9 @@ def raw_tensor_frame(tensor: list[object]) -> bytes:
         Message(fleet="lab", sender="c", body=ModelPayload(sets={"m": TensorSet()}))
     )
     env["body"]["sets"]["m"]["tensors"] = [tensor]  # type: ignore[index]
-    return HEADER + zstandard.ZstdCompressor().compress(msgpack.packb(env, use_bin_type=True))
+    return HEADER + zstandard.ZstdCompressor(write_checksum=True).compress(
+        msgpack.packb(env, use_bin_type=True)
+    )
 
 
 def decode_with(frame: bytes, **limits: object) -> Message:
@@ -48,7 +50,7 @@ def test_max_frame_bytes() -> None:
 
 
 def test_max_message_bytes_stops_a_zstd_bomb_before_allocating() -> None:
-    bomb = HEADER + zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))
+    bomb = HEADER + zstandard.ZstdCompressor(write_checksum=True).compress(b"\0" * (8 << 20))
     assert len(bomb) < 2000
     with pytest.raises(DecodeError, match="would decompress to 8388608 bytes"):
         decode_with(bomb, max_message_bytes=1 << 20)
@@ -61,6 +63,36 @@ def test_frames_without_declared_content_size_are_refused() -> None:
         Codec().decode(HEADER + body)
 
 
+def test_frames_without_content_checksum_are_refused() -> None:
+    # Prepare
+    raw = Codec().pack(Message(fleet="lab", sender="c", body=ModelPayload(sets={})))
+    with_checksum = HEADER + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    without = HEADER + zstandard.ZstdCompressor(write_checksum=False).compress(raw)
+    # Execute, Assert
+    Codec().decode(with_checksum)
+    with pytest.raises(DecodeError, match="content checksum"):
+        Codec().decode(without)
+
+
+def test_frames_naming_a_dictionary_or_not_zstd_are_refused() -> None:
+    # Prepare: the same content behind a frame header with a dictionary id, and a
+    # skippable zstd frame (magic 0x184D2A50) in place of the zstd frame
+    samples = [bytes([i % 7]) * 50 + b"xyz" * i for i in range(200)]
+    dictionary = zstandard.train_dictionary(1024, samples)
+    raw = Codec().pack(Message(fleet="lab", sender="c", body=ModelPayload(sets={})))
+    comp = zstandard.ZstdCompressor(dict_data=dictionary, write_checksum=True)
+    skippable = bytes.fromhex("502a4d18") + len(raw).to_bytes(4, "little") + raw
+    # Execute, Assert
+    plain = HEADER + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    id_zero = plain[:8] + bytes([plain[8] | 1, 0]) + plain[9:]  # Dictionary_ID_flag 1, id 0
+    with pytest.raises(DecodeError, match="must not name a dictionary"):
+        Codec().decode(HEADER + comp.compress(raw))
+    with pytest.raises(DecodeError, match="must not name a dictionary"):
+        Codec().decode(id_zero)
+    with pytest.raises(DecodeError, match="bad zstd magic"):
+        Codec().decode(HEADER + skippable)
+
+
 def test_truncated_and_trailing_bytes() -> None:
     frame = model_frame({"w": np.arange(100, dtype=np.float32)})
     for cut in (5, 1, len(frame) // 2):
@@ -70,7 +102,7 @@ def test_truncated_and_trailing_bytes() -> None:
         Codec().decode(frame + b"\0")
     packed = Codec().pack(Codec().decode(frame)) + b"\xc0"
     with pytest.raises(DecodeError, match="ExtraData"):
-        Codec().decode(HEADER + zstandard.ZstdCompressor().compress(packed))
+        Codec().decode(HEADER + zstandard.ZstdCompressor(write_checksum=True).compress(packed))
 
 
 def test_max_tensors() -> None:
@@ -154,6 +186,8 @@ def test_allowed_dtypes() -> None:
         (["w", [2, 3], "float32", "int8_ch", 0, b"\0" * 6, None], "needs \\[scale, offset\\]"),
         (["w", [2, 3], "float32", "int8_ch", 0, b"\0" * 6, [b"\0" * 4, b"\0" * 4]], "expected 2"),
         (["w", [3], "float32", "int4_ch", 0, b"\0\xf0", [b"\0" * 4, b"\0" * 4]], "padding"),
+        (["m", [3], "bool", "raw", 0, b"\x01\x00\x02", None], "bool bytes must be 0 or 1"),
+        (["m", [2], "bool", "raw", 1, b"\xff\x00", None], "bool bytes must be 0 or 1"),
         (["w", [1], "float32", "int8", 0, b"\0", [np.float32(-1).tobytes(), b"\0" * 4]], ">= 0"),
         (["w", [1], "float32", "int8", 1, b"\0", [b"\0" * 4, b"\0" * 4]], "float encodings only"),
         (["w", [-1], "float32", "fp32", 0, b"", None], "non-negative"),
@@ -174,7 +208,9 @@ def test_duplicate_names_and_delta_without_base_are_rejected() -> None:
         env_frame = raw_tensor_frame(t)
         env = Codec().unpack(Codec().decompress(env_frame))
         env["body"]["sets"]["m"]["tensors"] = [t, t]
-        Codec().decode(HEADER + zstandard.ZstdCompressor().compress(msgpack.packb(env)))
+        Codec().decode(
+            HEADER + zstandard.ZstdCompressor(write_checksum=True).compress(msgpack.packb(env))
+        )
 
 
 # -- ReassemblyLimits -----------------------------------------------------------------

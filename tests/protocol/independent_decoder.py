@@ -1,0 +1,336 @@
+"""A decoder of the wire protocol written from docs/protocol.md alone.
+
+It imports nothing of the ``protocol`` package (only msgpack, zstandard, numpy, hashlib
+and struct; ``test_independent_decoder.py`` checks that), so that the test can hold the
+specification against the reference implementation: every rule here cites the section of
+docs/protocol.md it comes from, and anything this module had to guess would be a gap in
+the specification.
+
+Everything it rejects raises :class:`RejectedError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+import zstandard
+
+VERSION = 3  # section 2: the version byte; section 3: the envelope's "v"
+MAGIC = b"FL"
+MESSAGE_FRAME, CHUNK_FRAME = 0x01, 0x02
+ZSTD_MAGIC = bytes.fromhex("28b52ffd")  # section 2.1
+CHUNK_HEADER = struct.Struct(">2sBB16sIIQ32s")  # section 2.2: 68 bytes, big-endian
+ENVELOPE_KEYS = {"v", "kind", "fleet", "round", "sender", "id", "ts", "body"}  # section 3
+KINDS = {"hello", "task", "model", "update", "ack", "device_status", "coord_status"}
+RAW = {  # section 5: dtype -> little-endian layout (itemsize); bool is one byte, 0 or 1
+    "float32": "<f4",
+    "float64": "<f8",
+    "int64": "<i8",
+    "int32": "<i4",
+    "int16": "<i2",
+    "int8": "<i1",
+    "uint8": "<u1",
+    "bool": "<u1",
+}
+FLOAT_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2}
+INTEGER_ENCODINGS = {"int8", "int8_ch", "int4_ch"}
+
+
+class RejectedError(ValueError):
+    """The input breaks a rule of docs/protocol.md."""
+
+
+class Tensor(NamedTuple):
+    """A decoded tensor: its name, wire dtype token, shape and values (that dtype)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    values: np.ndarray
+
+
+class Chunk(NamedTuple):
+    """The header fields and data of one chunk frame (section 2.2)."""
+
+    transfer_id: bytes
+    index: int
+    count: int
+    total_size: int
+    sha256: bytes
+    data: bytes
+
+
+# -- frames (section 2) -------------------------------------------------------------------
+
+
+def frame_type(payload: bytes) -> int:
+    """Check the 4-byte frame header; return the frame type."""
+    if len(payload) < 4 or payload[:2] != MAGIC:
+        raise RejectedError("bad magic")
+    if payload[2] != VERSION:
+        raise RejectedError(f"version {payload[2]}")
+    if payload[3] not in (MESSAGE_FRAME, CHUNK_FRAME):
+        raise RejectedError(f"frame type {payload[3]}")
+    return payload[3]
+
+
+def declared_content_size(zstd_frame: bytes) -> int:
+    """Check the canonical zstd frame header of section 2.1 (RFC 8878, 3.1.1.1) and
+    return its Frame_Content_Size."""
+    if zstd_frame[:4] != ZSTD_MAGIC or len(zstd_frame) < 5:
+        raise RejectedError("not one zstd frame")
+    descriptor = zstd_frame[4]
+    fcs_flag, single_segment = descriptor >> 6, (descriptor >> 5) & 1
+    if not descriptor & 0b100:
+        raise RejectedError("no content checksum")
+    if descriptor & 0b11:
+        raise RejectedError("a dictionary id")
+    if fcs_flag == 0 and not single_segment:
+        raise RejectedError("no content size")
+    field = {0: 1, 1: 2, 2: 4, 3: 8}[fcs_flag]
+    start = 5 + (0 if single_segment else 1)  # Window_Descriptor unless single segment
+    raw = zstd_frame[start : start + field]
+    if len(raw) != field:
+        raise RejectedError("truncated zstd frame header")
+    size = int.from_bytes(raw, "little")
+    return size + 256 if field == 2 else size
+
+
+def decode_message_frame(frame: bytes, max_message_bytes: int = 64 << 20) -> dict[str, Any]:
+    """A message frame -> its envelope (section 2.1 and 3), checked."""
+    if frame_type(frame) != MESSAGE_FRAME:
+        raise RejectedError("not a message frame")
+    body = frame[4:]
+    size = declared_content_size(body)
+    if size > max_message_bytes:
+        raise RejectedError("content too large")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(
+            body, max_output_size=size, allow_extra_data=False
+        )
+    except zstandard.ZstdError as exc:  # checksum mismatch, corrupt, trailing bytes
+        raise RejectedError(str(exc)) from None
+    if len(raw) != size:
+        raise RejectedError("content size mismatch")
+    return decode_envelope(raw)
+
+
+def _no_extensions(code: int, data: bytes) -> Any:
+    raise RejectedError("msgpack extension type")
+
+
+def decode_envelope(raw: bytes) -> dict[str, Any]:
+    """A msgpack envelope (section 3) -> a map whose tensor sets are checked."""
+    try:
+        env = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_extensions)
+    except RejectedError:
+        raise
+    except Exception as exc:  # malformed msgpack, trailing bytes
+        raise RejectedError(str(exc)) from None
+    if not isinstance(env, dict) or set(env) != ENVELOPE_KEYS:
+        raise RejectedError("envelope keys")
+    if env["v"] != VERSION or env["kind"] not in KINDS or not isinstance(env["body"], dict):
+        raise RejectedError("envelope values")
+    if not isinstance(env["id"], bytes) or len(env["id"]) != 16:
+        raise RejectedError("message id")
+    for tensor_set in tensor_sets(env).values():
+        decode_set(tensor_set)
+    return env
+
+
+def tensor_sets(env: dict[str, Any]) -> dict[str, Any]:
+    """The ``sets`` of a model or update body (section 4), else nothing."""
+    if env["kind"] in ("model", "update"):
+        sets = env["body"]["sets"]
+        if not isinstance(sets, dict):
+            raise RejectedError("sets")
+        return sets
+    return {}
+
+
+# -- chunks (section 2.2) ------------------------------------------------------------------
+
+
+def read_chunk(payload: bytes) -> Chunk:
+    if frame_type(payload) != CHUNK_FRAME or len(payload) < CHUNK_HEADER.size:
+        raise RejectedError("not a chunk frame")
+    _, _, _, tid, index, count, total, digest = CHUNK_HEADER.unpack_from(payload)
+    if count < 2 or index >= count:
+        raise RejectedError("chunk index")
+    return Chunk(tid, index, count, total, digest, payload[CHUNK_HEADER.size :])
+
+
+def reassemble(payloads: list[bytes]) -> bytes:
+    """The chunks of one transfer, in any order, duplicates allowed -> the message frame."""
+    chunks = [read_chunk(p) for p in payloads]
+    first = chunks[0]
+    parts: dict[int, bytes] = {}
+    for chunk in chunks:
+        if (chunk.transfer_id, chunk.count, chunk.total_size, chunk.sha256) != (
+            first.transfer_id,
+            first.count,
+            first.total_size,
+            first.sha256,
+        ):
+            raise RejectedError("chunks disagree")
+        parts.setdefault(chunk.index, chunk.data)  # a repeated index is ignored
+    if len(parts) != first.count:
+        raise RejectedError("incomplete transfer")
+    frame = b"".join(parts[i] for i in range(first.count))
+    if len(frame) != first.total_size or hashlib.sha256(frame).digest() != first.sha256:
+        raise RejectedError("reassembled frame fails its size or SHA-256")
+    return frame
+
+
+# -- tensors (section 5) -------------------------------------------------------------------
+
+
+def decode_set(tensor_set: Any) -> list[Tensor]:
+    if not isinstance(tensor_set, dict) or set(tensor_set) != {"mode", "base", "tensors"}:
+        raise RejectedError("tensor set keys")
+    mode, base = tensor_set["mode"], tensor_set["base"]
+    if mode not in ("full", "delta", "partial") or (mode == "delta") != (base is not None):
+        raise RejectedError("tensor set mode / base")
+    if base is not None and not (isinstance(base, str) and 1 <= len(base) <= 128):
+        raise RejectedError("tensor set base")
+    tensors = [decode_tensor(t) for t in tensor_set["tensors"]]
+    if len({t.name for t in tensors}) != len(tensors):
+        raise RejectedError("duplicate tensor names")
+    return tensors
+
+
+def _unshuffle(data: bytes, size: int, count: int) -> bytes:
+    """Byte ``j`` of element ``i`` sits at ``j * count + i``."""
+    if size == 1:
+        return data
+    planes = np.frombuffer(data, dtype=np.uint8).reshape(size, count)
+    return planes.T.tobytes()
+
+
+def decode_tensor(obj: Any) -> Tensor:
+    if not isinstance(obj, list) or len(obj) != 7:
+        raise RejectedError("a tensor is an array of 7")
+    name, shape, dtype, encoding, flags, data, params = obj
+    if not isinstance(name, str) or not 1 <= len(name.encode("utf-8")) <= 256:
+        raise RejectedError("name")
+    if not isinstance(shape, list) or len(shape) > 8:
+        raise RejectedError("shape")
+    if any(type(d) is not int or d < 0 for d in shape):
+        raise RejectedError("dims")
+    if dtype not in RAW or not isinstance(data, bytes):
+        raise RejectedError("dtype or data")
+    if type(flags) is not int or flags not in (0, 1):
+        raise RejectedError("flags")
+    n = 1
+    for d in shape:
+        n *= d
+    shuffled = flags == 1
+    if encoding == "raw":
+        values = _raw(dtype, data, n, shuffled, params)
+    elif encoding in FLOAT_SIZES:
+        values = _float(encoding, dtype, data, n, shuffled, params)
+    elif encoding in INTEGER_ENCODINGS:
+        values = _affine(encoding, dtype, shape, data, n, shuffled, params)
+    else:
+        raise RejectedError("encoding")
+    return Tensor(name, dtype, tuple(shape), values.reshape(shape))
+
+
+def _raw(dtype: str, data: bytes, n: int, shuffled: bool, params: Any) -> np.ndarray:
+    layout = np.dtype(RAW[dtype])
+    if params is not None or len(data) != n * layout.itemsize:
+        raise RejectedError("raw data length or params")
+    plain = _unshuffle(data, layout.itemsize, n) if shuffled else data
+    values = np.frombuffer(plain, dtype=layout)
+    if dtype == "bool":
+        if values.size and values.max() > 1:
+            raise RejectedError("bool byte other than 0 or 1")
+        return values.astype(np.bool_)
+    return values.astype(layout.newbyteorder("="))
+
+
+def _float(
+    encoding: str, dtype: str, data: bytes, n: int, shuffled: bool, params: Any
+) -> np.ndarray:
+    size = FLOAT_SIZES[encoding]
+    if dtype != "float32" or params is not None or len(data) != n * size:
+        raise RejectedError("float encoding dtype, params or data length")
+    plain = _unshuffle(data, size, n) if shuffled else data
+    if encoding == "fp32":
+        return np.frombuffer(plain, dtype="<f4").astype(np.float32)
+    if encoding == "fp16":
+        return np.frombuffer(plain, dtype="<f2").astype(np.float32)
+    upper = np.frombuffer(plain, dtype="<u2").astype(np.uint32) << np.uint32(16)
+    return upper.view(np.float32)  # bf16: the upper 16 bits of a binary32
+
+
+def _affine(
+    encoding: str,
+    dtype: str,
+    shape: list[int],
+    data: bytes,
+    n: int,
+    shuffled: bool,
+    params: Any,
+) -> np.ndarray:
+    if dtype != "float32" or shuffled:
+        raise RejectedError("integer encodings decode to float32, unshuffled")
+    if not (isinstance(params, list) and len(params) == 2):
+        raise RejectedError("params")
+    scale_bytes, offset_bytes = params
+    if not (isinstance(scale_bytes, bytes) and isinstance(offset_bytes, bytes)):
+        raise RejectedError("params are bin")
+    if n == 0:
+        channels = 0
+    elif encoding == "int8" or len(shape) < 2:
+        channels = 1
+    else:
+        channels = shape[0]
+    if len(scale_bytes) != 4 * channels or len(offset_bytes) != 4 * channels:
+        raise RejectedError("params length")
+    scale = np.frombuffer(scale_bytes, dtype="<f4").astype(np.float32)
+    offset = np.frombuffer(offset_bytes, dtype="<f4").astype(np.float32)
+    if not (np.isfinite(scale).all() and np.isfinite(offset).all() and (scale >= 0).all()):
+        raise RejectedError("scale or offset")
+    if encoding == "int4_ch":
+        if len(data) != (n + 1) // 2:
+            raise RejectedError("int4 data length")
+        packed = np.frombuffer(data, dtype=np.uint8)
+        if n % 2 and packed[-1] >> 4:
+            raise RejectedError("int4 padding nibble")
+        codes = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[:n]
+    else:
+        if len(data) != n:
+            raise RejectedError("int8 data length")
+        codes = np.frombuffer(data, dtype=np.uint8)
+    if n == 0:
+        return np.zeros(0, dtype=np.float32)
+    rows = codes.astype(np.float32).reshape(channels, n // channels)
+    # x = offset[c] + scale[c] * q, in float32 arithmetic
+    return (offset[:, None] + scale[:, None] * rows).astype(np.float32)
+
+
+# -- fingerprints (section 6) ----------------------------------------------------------------
+
+
+def fingerprint_bytes(tensors: list[Tensor]) -> bytes:
+    """The canonical byte string of section 6: one record per tensor, in order."""
+    out = b""
+    for t in tensors:
+        name = t.name.encode("utf-8")
+        token = t.dtype.encode("ascii")
+        out += struct.pack("<I", len(name)) + name
+        out += struct.pack("<B", len(token)) + token
+        out += struct.pack("<B", len(t.shape))
+        out += b"".join(struct.pack("<Q", d) for d in t.shape)
+        out += np.ascontiguousarray(t.values, dtype=np.dtype(RAW[t.dtype])).tobytes()
+    return out
+
+
+def content_fingerprint(tensors: list[Tensor]) -> str:
+    """The first 16 lowercase hex digits of SHA-256 over :func:`fingerprint_bytes`."""
+    return hashlib.sha256(fingerprint_bytes(tensors)).hexdigest()[:16]
