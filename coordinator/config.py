@@ -17,6 +17,7 @@ import tomllib
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from coordinator.errors import ConfigError
+from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN
 from protocol.tensors import Precision
 from protocol.transport import MqttConfig, MqttVersion, TlsConfig, read_password
@@ -24,6 +25,7 @@ from protocol.transport import MqttConfig, MqttVersion, TlsConfig, read_password
 __all__ = [
     "BrokerSettings",
     "CoordinatorConfig",
+    "FleetSettings",
     "TrainingSettings",
     "load_config",
     "participants",
@@ -33,36 +35,33 @@ Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
-class TrainingSettings(_Frozen):
+class TrainingSettings(LocalTraining):
     """What each selected device is asked to do per round (sent in the task).
 
-    ``local_epochs``, ``local_steps`` and ``batch_size`` left unset (None) take the
-    strategy's defaults (:attr:`coordinator.strategies.Strategy.training_defaults`: E = 5,
-    B = 32 for FedAvg; E = 10, B = 64 for FedKF; 20 steps of B = 32 for FedGen).
+    The settings shared with the task (``lr``, ``momentum``, ``mu``, ``gamma`` ...) and
+    their defaults are :class:`protocol.hyperparams.LocalTraining`'s, the schema the
+    devices validate their tasks with. ``local_epochs``, ``local_steps`` and
+    ``batch_size`` left unset (None) take the strategy's defaults
+    (:attr:`coordinator.strategies.Strategy.training_defaults`: E = 5, B = 32 for FedAvg;
+    E = 10, B = 64 for FedKF; 20 steps of B = 32 for FedGen).
     """
 
-    local_epochs: int | None = Field(default=None, ge=0)  # passes over the local data
-    local_steps: int | None = Field(default=None, ge=0)  # if > 0: this many mini-batches
+    model_config = ConfigDict(strict=False)
+
+    local_epochs: int | None = Field(default=None, ge=0)
+    """Local epochs: passes over the local data (unset: the strategy's default)."""
+    local_steps: int | None = Field(default=None, ge=0)
+    """If > 0: this many local mini-batches instead of epochs."""
     batch_size: int | None = Field(default=None, ge=1)
-    lr: float = Field(default=0.01, gt=0, allow_inf_nan=False)  # SGD learning rate
-    momentum: float = Field(default=0.9, ge=0, lt=1)  # SGD momentum (fresh each round)
-    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    mu: float = Field(default=0.01, ge=0, allow_inf_nan=False)  # FedProx proximal weight
-    # FedKF (the paper's defaults): L = CE + gamma * KL; L_G = L_IE + l1 * L_OH + l2 * L_A
-    gamma: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    lambda1: float = Field(default=0.1, ge=0, allow_inf_nan=False)
-    lambda2: float = Field(default=0.1, ge=0, allow_inf_nan=False)
-    generator_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)  # device Adam
-    generator_width: int = Field(default=16, ge=1)  # image generator base channels
-    # FedGen: alpha_t = generative_alpha * generative_alpha_decay ** (t - 1)
+    """Local batch size (unset: the strategy's default)."""
     generative_alpha: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    """FedGen: weight of the generator term in round 1; round t sends alpha_t =
+    generative_alpha * generative_alpha_decay ** (t - 1)."""
     generative_alpha_decay: float = Field(default=0.98, gt=0, le=1)
-    generator_noise_dim: int = Field(default=0, ge=0)  # 0: the strategy's default
-    generator_hidden: int = Field(default=256, ge=1)  # FedGen latent generator width
-    qat: bool = False  # int8 devices train with fake-quantized weights (matches int8 ONNX)
+    """FedGen: per-round decay of generative_alpha."""
 
     @model_validator(mode="after")
     def _some_training(self) -> TrainingSettings:
@@ -94,18 +93,30 @@ class TrainingSettings(_Frozen):
 class BrokerSettings(_Frozen):
     """How the coordinator reaches its MQTT broker."""
 
-    url: str | None = None  # mqtt://host:port or mqtts://host:port; None with embedded
-    embedded: bool = False  # start an in-process amqtt broker (lab use)
-    embedded_port: int = Field(default=1883, ge=0, le=65_535)  # port of the embedded broker
+    url: str | None = None
+    """The broker: mqtt://host:port or mqtts://host:port (unset with the embedded one)."""
+    embedded: bool = False
+    """Start an in-process MQTT broker (amqtt) on embedded_port (lab use)."""
+    embedded_port: int = Field(default=1883, ge=0, le=65_535)
+    """Port of the embedded broker."""
     username: str | None = None
-    password: SecretStr | None = None  # prefer password_file or $EDGEFL_MQTT_PASSWORD
+    """MQTT user name."""
+    password: SecretStr | None = None
+    """MQTT password (prefer password_file or $EDGEFL_MQTT_PASSWORD)."""
     password_file: Path | None = None
-    tls_ca: Path | None = None  # CA bundle; setting any tls_* (or mqtts://) enables TLS
+    """File holding the MQTT password."""
+    tls_ca: Path | None = None
+    """CA bundle; setting any tls_* (or mqtts://) enables TLS."""
     tls_cert: Path | None = None
+    """Client certificate."""
     tls_key: Path | None = None
-    tls_insecure: bool = False  # skip the host name check (test setups only)
+    """The client certificate's key."""
+    tls_insecure: bool = False
+    """Skip the host name check (test setups only)."""
     mqtt_version: MqttVersion = MqttVersion.V311
-    client_id: str | None = None  # default: edgefl-coordinator-{fleet}
+    """MQTT protocol version."""
+    client_id: str | None = None
+    """MQTT client id (default: edgefl-coordinator-FLEET)."""
 
     @model_validator(mode="after")
     def _one_broker(self) -> BrokerSettings:
@@ -144,34 +155,67 @@ class BrokerSettings(_Frozen):
             raise ConfigError(f"invalid broker settings: {exc}") from exc
 
 
-class CoordinatorConfig(_Frozen):
+class FleetSettings(_Frozen):
+    """How a federated run trains its fleet: the settings ``python -m coordinator`` and
+    the lab emulator (``sim.run.SimConfig``) share, with their one set of defaults."""
+
+    strategy: str = "fedavg"
+    """Federated algorithm (a strategy registry name)."""
+    downlink: Literal["dual", "single"] = "dual"
+    """fedkf: send ACA (student) + OCA (teacher), or the ACA alone (FedKF-)."""
+    final_model: Literal["aca", "oca"] | None = None
+    """The model the run delivers (unset: oca where the strategy keeps one, else aca)."""
+    sharing: Literal["full", "head"] = "full"
+    """fedavg / fedgen: devices share the whole model or only the prediction head."""
+    downlink_precision: Precision = Precision.FP32
+    """Precision of the models sent to devices (a device's hello may ask another)."""
+    uplink_precision: Precision = Precision.FP32
+    """Precision of the updates; lossy ones travel as deltas with error feedback."""
+    downlink_deltas: bool = True
+    """Lossy downlinks: send a delta against the model a device holds (off: always
+    full models)."""
+    teacher_budget: float = Field(default=0.25, gt=0, le=1)
+    """fedkf dual: teacher delta bytes as a fraction of the model's."""
+    model: str = "lenet5"
+    """Classifier (a model registry name)."""
+    rounds: int = Field(default=10, ge=1)
+    """Federated rounds to run."""
+    participation: float = Field(default=0.2, gt=0, le=1)
+    """Fraction C of the registered devices selected per round."""
+    round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    """Seconds devices have per round to deliver their update."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the model's initialization, device selection and the device seeds."""
+    training: TrainingSettings = TrainingSettings()
+    """What each selected device is asked to do per round (sent in the task)."""
+
+
+class CoordinatorConfig(FleetSettings):
     """Everything one federated run needs; see ``python -m coordinator --help``."""
 
-    fleet: Identifier = "default"  # topic tree fl/{fleet}/...
-    coordinator_id: Identifier = "coordinator"  # sender id of the coordinator's messages
-    strategy: str = "fedavg"  # a name from coordinator.strategies.strategy_names()
-    downlink: Literal["dual", "single"] = "dual"  # fedkf: ACA + OCA, or the ACA alone
-    final_model: Literal["aca", "oca"] | None = None  # None: oca where kept, else aca
-    sharing: Literal["full", "head"] = "full"  # fedavg/fedgen: whole model or head only
-    downlink_precision: Precision = Precision.FP32  # models to devices (a hello may ask another)
-    uplink_precision: Precision = Precision.FP32  # updates; lossy ones travel as deltas
-    downlink_deltas: bool = True  # lossy downlinks: a delta against the model a device holds
-    teacher_budget: float = Field(default=0.25, gt=0, le=1)  # fedkf dual: teacher bytes / model
-    model: str = "lenet5"  # a name from models.classifier_names()
+    fleet: Identifier = "default"
+    """Fleet name: the topic tree fl/FLEET/."""
+    coordinator_id: Identifier = "coordinator"
+    """Sender id of the coordinator's messages."""
     num_classes: int = Field(default=10, ge=2)
+    """Classes of the model."""
     in_channels: int = Field(default=1, ge=1)
+    """Input channels of the model."""
     image_size: int = Field(default=28, ge=8)
-    rounds: int = Field(default=10, ge=1)
-    participation: float = Field(default=0.2, gt=0, le=1)  # fraction C of registered devices
-    min_devices: int = Field(default=1, ge=1)  # online devices needed to start a round
-    round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)  # update deadline
-    seed: int = Field(default=0, ge=0)  # model init, device selection and device seeds
-    training: TrainingSettings = TrainingSettings()
-    state_dir: Path | None = None  # persistent state; None keeps it in memory (no --resume)
-    resume: bool = False  # continue the run persisted in state_dir
-    export_onnx: bool = True  # also save the final models as .onnx next to the .pt
-    broadcast_model: bool = False  # after each round, the final model on broadcast/model
-    broker: BrokerSettings | None = None  # connection settings (CLI only; the sim passes its own)
+    """Input side of the model, in pixels."""
+    min_devices: int = Field(default=1, ge=1)
+    """Online devices needed to start a round."""
+    state_dir: Path | None = None
+    """Folder of the persistent state and final models (unset: in memory, no resume)."""
+    resume: bool = False
+    """Continue the run persisted in state_dir (a missing or empty one starts a fresh run)."""
+    export_onnx: bool = True
+    """Also save the final models as .onnx next to the .pt."""
+    broadcast_model: bool = False
+    """After each round publish the final model on fl/FLEET/broadcast/model for devices
+    that serve it (python -m edge_client follow / --serve-onnx)."""
+    broker: BrokerSettings | None = None
+    """Connection settings (command line and file only; the sim passes its own)."""
 
     @model_validator(mode="after")
     def _resume_needs_state(self) -> CoordinatorConfig:

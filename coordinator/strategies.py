@@ -46,6 +46,7 @@ from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_gene
 from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
 from models import load_state_arrays as load_arrays
 from models.classifiers import HEAD_PREFIX
+from protocol.hyperparams import Hyperparameters
 from protocol.messages import Hello, UploadSpec
 from protocol.sets import (
     GENERATOR_SET,
@@ -124,7 +125,13 @@ class Strategy(abc.ABC):
         self.training: TrainingSettings = config.training.with_defaults(self.training_defaults)
 
     def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
-        """What the task tells a device to do in ``round_number`` (1-based)."""
+        """What the task tells a device to do in ``round_number`` (1-based): the keys of
+        :meth:`task_settings`, validated by the task's schema
+        (:class:`protocol.hyperparams.Hyperparameters`)."""
+        return Hyperparameters.model_validate(self.task_settings(round_number)).to_wire()
+
+    def task_settings(self, round_number: int) -> dict[str, Scalar]:
+        """The hyperparameters this strategy sends (subclasses add their own keys)."""
         t = self.training
         return {
             "local_epochs": t.local_epochs or 0,
@@ -191,8 +198,8 @@ class FedProx(Strategy):
 
     name = "fedprox"
 
-    def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
-        return {**super().hyperparameters(round_number), "mu": self.training.mu}
+    def task_settings(self, round_number: int) -> dict[str, Scalar]:
+        return {**super().task_settings(round_number), "mu": self.training.mu}
 
 
 class FedAvgOca(Strategy):
@@ -216,10 +223,10 @@ class FedKF(Strategy):
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 64}
     delta_sets: ClassVar[Mapping[str, str]] = {TEACHER_SET: STUDENT_SET}
 
-    def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
+    def task_settings(self, round_number: int) -> dict[str, Scalar]:
         t = self.training
         return {
-            **super().hyperparameters(round_number),
+            **super().task_settings(round_number),
             "gamma": t.gamma,
             "lambda1": t.lambda1,
             "lambda2": t.lambda2,
@@ -260,11 +267,11 @@ class FedGen(Strategy):
             hidden_dim=self.training.generator_hidden,
         )
 
-    def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
+    def task_settings(self, round_number: int) -> dict[str, Scalar]:
         t = self.training
         alpha = t.generative_alpha * t.generative_alpha_decay ** (round_number - 1)
         return {
-            **super().hyperparameters(round_number),
+            **super().task_settings(round_number),
             "generative_alpha": alpha,
             "generator_noise_dim": self._generator_config.noise_dim,
             "generator_hidden": self._generator_config.hidden_dim,

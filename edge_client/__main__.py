@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from edge_client.errors import EdgeClientError
+from protocol.tensors import Precision
 from protocol.transport.config import PASSWORD_ENV
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ MEMORY_CHECK_BATCH = 64
 (FedKF's B = 64); a task's own batch size is what training then uses."""
 
 _Handler = Callable[[argparse.Namespace], int]
-_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+_PRECISIONS = tuple(p.value for p in Precision)
+"""Transfer precisions a device may ask for (:class:`protocol.tensors.Precision`)."""
 
 
 class _CliError(Exception):

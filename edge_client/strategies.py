@@ -136,7 +136,9 @@ class LocalTask:
     strategy: str
     """Registry name of the strategy (see :func:`strategy_names`)."""
     hyperparameters: Mapping[str, object] = field(default_factory=dict)
-    """Training hyperparameters (see :class:`edge_client.training.TrainConfig`)."""
+    """Training hyperparameters: the task's map, in the schema of
+    :class:`protocol.hyperparams.Hyperparameters` (validated as
+    :class:`edge_client.training.TrainConfig`)."""
     sets: ReceivedSets = field(default_factory=dict)
     """Received tensor sets by name (e.g. ``"global"``), each name -> array. Empty: train
     the model as it is (a task without a model message)."""

@@ -17,84 +17,35 @@ give bit-identical weights.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F  # noqa: N812
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from torch import nn
 
 from edge_client.errors import TaskError
+from protocol.hyperparams import Hyperparameters
 
 __all__ = ["TrainConfig", "TrainHook", "TrainResult", "train_local"]
 
-MAX_SEED = 2**64 - 1
-_NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
+class TrainConfig(Hyperparameters):
+    """Local training hyperparameters: a round task's ``hyperparameters`` validated.
 
-class TrainConfig(BaseModel):
-    """Local training hyperparameters, as a round task's ``hyperparameters`` carry them.
-
-    Types are strict: an integer field rejects ``1.0`` and ``True``; a float field
+    The fields and their defaults are those of :class:`protocol.hyperparams.Hyperparameters`
+    (the schema the coordinator fills the task from); this class adds the device's error
+    path. Types are strict: an integer field rejects ``1.0`` and ``True``; a float field
     accepts integers. Unknown keys are rejected.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    local_epochs: int = Field(default=1, ge=0)
-    """Passes over the local train set (used when ``local_steps`` is 0)."""
-    local_steps: int = Field(default=0, ge=0)
-    """When > 0: exactly this many mini-batches, cycling through reshuffled epochs,
-    instead of ``local_epochs``."""
-    batch_size: int = Field(default=32, ge=1)
-    """Samples per mini-batch (the last batch of an epoch may be smaller)."""
-    lr: float = Field(default=0.01, gt=0, allow_inf_nan=False)
-    """SGD learning rate."""
-    momentum: _NonNegFloat = 0.0
-    """SGD momentum (0: none)."""
-    weight_decay: _NonNegFloat = 0.0
-    """L2 penalty added by SGD to the gradient of every trainable parameter."""
-    seed: int = Field(default=0, ge=0, le=MAX_SEED)
-    """Seed of the shuffling generator; same seed, same batches."""
-    mu: _NonNegFloat = 0.0
-    """FedProx proximal weight; only the ``fedprox`` strategy uses it."""
-
-    # FedKF (strategy "fedkf") and the generators of FedKF / FedGen.
-    gamma: _NonNegFloat = 1.0
-    """FedKF: weight of the distillation term ``gamma * KL(teacher || student)`` on
-    generated samples (0: no generator work, plain SGD on the student)."""
-    lambda1: _NonNegFloat = 0.1
-    """FedKF: weight of the one-hot loss in the generator objective L_G."""
-    lambda2: _NonNegFloat = 0.1
-    """FedKF: weight of the activation loss in the generator objective L_G."""
-    generator_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
-    """FedKF: Adam learning rate of the local image generator."""
-    generator_width: int = Field(default=16, ge=1)
-    """FedKF: ``base_channels`` of the local image generator (64 is the DCGAN size)."""
-    generator_noise_dim: int = Field(default=0, ge=0)
-    """Noise width of the generator; 0: the strategy's default (100 for FedKF's image
-    generator, 32 for FedGen's latent generator)."""
-    generator_hidden: int = Field(default=256, ge=1)
-    """FedGen: hidden width of the latent generator (must match the coordinator's)."""
-    generative_alpha: _NonNegFloat = 0.0
-    """FedGen: this round's weight alpha_t of ``CE(head(G(eps, y)), y)`` (the coordinator
-    applies the decay schedule and sends the round's value; 0: plain cross-entropy)."""
-    generator_batch_size: int = Field(default=0, ge=0)
-    """FedGen: generated latents per step; 0: ``batch_size``."""
-    qat: bool = False
-    """int8 quantization-aware training: weights of rank >= 2 are fake-quantized per
-    output channel (symmetric, 127 levels each side) in every forward pass; gradients
-    pass straight through to the float weights (:mod:`edge_client.qat`)."""
-
     @classmethod
     def from_hyperparameters(cls, hyperparameters: Mapping[str, object]) -> TrainConfig:
-        """Validate a task's hyperparameters; absent keys take the defaults above.
+        """Validate a task's hyperparameters; absent keys take the defaults.
 
         Raises:
             TaskError: an unknown key, a value of the wrong type, or out of range; the
@@ -107,16 +58,8 @@ class TrainConfig(BaseModel):
                 f"{'.'.join(str(part) for part in err['loc']) or '(config)'}: {err['msg']}"
                 for err in exc.errors()
             )
-            known = ", ".join(cls.model_fields)
+            known = ", ".join(sorted(cls.model_fields))
             raise TaskError(f"invalid hyperparameters: {problems} (known keys: {known})") from None
-
-    def total_steps(self, num_samples: int) -> int:
-        """Optimizer steps this config makes on ``num_samples`` samples (0 if none)."""
-        if num_samples == 0:
-            return 0
-        if self.local_steps > 0:
-            return self.local_steps
-        return self.local_epochs * math.ceil(num_samples / self.batch_size)
 
 
 class TrainHook:

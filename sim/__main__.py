@@ -1,5 +1,8 @@
 """Command line of the lab emulator: ``python -m sim COMMAND ...``.
 
+``python -m sim --help`` (or ``-h``) shows the run command's flags, then the other
+commands; ``python -m sim COMMAND --help`` those of one command.
+
 Commands:
     run         (the default when no command is named) emulate a fleet: one coordinator
                 and ``--devices`` edge clients in this process, all messages through an
@@ -13,8 +16,8 @@ Commands:
                 ``--link`` adds transfer times (see docs/budget.md).
 
 Exit codes: 0 success; 1 an output file could not be written, or the run failed (broker
-unreachable, a device or the coordinator failed); 2 bad arguments, a dataset that cannot
-be loaded or a partition that cannot be made (one line on stderr).
+unreachable: one line, at once; a device or the coordinator failed); 2 bad arguments, a
+dataset that cannot be loaded or a partition that cannot be made (one line on stderr).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import logging
 import math
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,7 +39,8 @@ from sim.budget_cli import add_budget_parser
 from sim.datasets import dataset_names, load_dataset
 from sim.errors import SimError
 from sim.partition import label_counts, mean_label_entropy, partition_dataset, save_device_file
-from sim.run_cli import add_run_parser
+from sim.run_cli import BrokerUnreachableError, add_run_parser
+from sim.synthetic import synthetic_size
 
 PROG = "python -m sim"
 EXIT_OK, EXIT_IO, EXIT_USAGE = 0, 1, 2
@@ -53,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Lab emulator of the edge federated-learning runtime.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    add_run_parser(sub)
+    run = add_run_parser(sub)
+    run.formatter_class = argparse.RawDescriptionHelpFormatter  # keeps the epilog's lines
+    run.description = textwrap.fill(run.description or "", width=79)
+    run.epilog = OTHER_COMMANDS
 
     part = sub.add_parser(
         "partition",
@@ -115,7 +123,9 @@ def run_partition(
         OSError: an output file cannot be written.
     """
     start = time.perf_counter()
-    options = {"download": True} if download else {}
+    options: dict[str, Any] = {"download": True} if download else {}
+    if dataset == "synthetic":
+        options = synthetic_size(num_devices)
     splits = load_dataset(dataset, data_dir, seed=seed, **options)
     train = splits.train
     print(
@@ -179,14 +189,17 @@ def run_partition(
 
 
 COMMANDS = ("run", "partition", "budget")
+OTHER_COMMANDS = f"""other commands ({PROG} COMMAND --help for their flags):
+  partition   split a dataset into per-device files (Dirichlet(alpha) label skew)
+  budget      bytes per device and round of a configuration, next to fp32 FedAvg"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = build_parser()
     tokens = list(sys.argv[1:] if argv is None else argv)
-    if not any(t in COMMANDS for t in tokens) and not (tokens and tokens[0] in ("-h", "--help")):
-        tokens.insert(0, "run")  # the emulation is the default command
+    if not any(t in COMMANDS for t in tokens):
+        tokens.insert(0, "run")  # the emulation is the default command, --help shows its flags
     args = parser.parse_args(tokens)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.command is None:
@@ -195,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
+    except BrokerUnreachableError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_IO
     except SimError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -30,14 +30,14 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
 
-from coordinator.engine import Action, Finished, Publish, Received, RoundClosed, RoundEngine
+from coordinator.engine import Action, Finished, Publish, Received, RoundEngine, RoundStarted
 from coordinator.errors import ConfigError
 from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
@@ -66,6 +66,7 @@ from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.errors import SimError
+from sim.progress import Progress
 from sim.run import SimConfig, build_federation, device_data
 
 __all__ = [
@@ -277,7 +278,8 @@ def estimate(
     config: SimConfig,
     *,
     train_steps: int = DEFAULT_TRAIN_STEPS,
-    on_round: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
+    label: str = "budget",
 ) -> Budget:
     """The bytes the run ``config`` would move, measured on real messages.
 
@@ -285,7 +287,8 @@ def estimate(
         config: the run (its transport, broker and thread settings do not matter).
         train_steps: local SGD steps each emulated device runs per round to make its
             weights (at most what its task asks); 0: all the task asks.
-        on_round: called with the number of each round as it closes (progress).
+        progress: told the steps as they go (data, devices, each round's devices).
+        label: names this estimate in the progress steps.
 
     Raises:
         SimError: unknown model or strategy, options the strategy cannot honour, a
@@ -294,7 +297,7 @@ def estimate(
     """
     if train_steps < 0:
         raise SimError(f"train_steps must be >= 0, got {train_steps}")
-    return _Emulation(config, train_steps, on_round).run()
+    return _Emulation(config, train_steps, progress, label).run()
 
 
 _State = Literal["online", "training", "idle", "offline"]  # the statuses devices send here
@@ -321,13 +324,15 @@ class _Emulation:
     """One run: the engine, the emulated devices and the byte counters."""
 
     def __init__(
-        self, config: SimConfig, train_steps: int, on_round: Callable[[int], None] | None
+        self, config: SimConfig, train_steps: int, progress: Progress | None, label: str
     ) -> None:
         self.config = config
         self.train_steps = train_steps
-        self._on_round = on_round
+        self._progress = progress
+        self._label = label
         self.codec = Codec()
         self.topics = Topics(config.fleet)
+        self._step(f"loading {config.dataset} and partitioning it across the devices")
         federation, channels, side = build_federation(config)
         coordinator = config.coordinator_config(federation.num_classes, channels, side)
         try:  # as coordinator.runtime.Coordinator builds its engine
@@ -347,6 +352,7 @@ class _Emulation:
             num_classes=template.num_classes,
         )
         self.devices: dict[str, _Device] = {}
+        self._step("building the devices", total=len(federation.devices))
         for index, split in enumerate(federation.devices):
             down, up = config.device_link(index)
             data = device_data(federation, index)
@@ -367,6 +373,8 @@ class _Emulation:
                 uplink_precision=up,
             )
             self.devices[split.device_id] = _Device(data, model, client)
+            if progress is not None:
+                progress.advance()
         self._joined: list[_Device] = []
         self._retained: Message | None = None  # the coordinator's retained status
         self._inbox: deque[tuple[_Device, str, Message, bool]] = deque()  # to, topic, ..., selected
@@ -406,6 +414,10 @@ class _Emulation:
             self.by_kind,
         )
 
+    def _step(self, text: str, total: int | None = None) -> None:
+        if self._progress is not None:
+            self._progress.step(f"{self._label}: {text}", total)
+
     def _clock(self) -> float:
         self._now += 0.001
         return self._now
@@ -429,8 +441,9 @@ class _Emulation:
         for action in actions:
             if isinstance(action, Finished):
                 self._finished = True
-            elif isinstance(action, RoundClosed) and self._on_round is not None:
-                self._on_round(action.round)
+            elif isinstance(action, RoundStarted):
+                rounds = self.config.rounds
+                self._step(f"round {action.round}/{rounds}: devices trained", len(action.selected))
             if not isinstance(action, Publish):
                 continue
             message, topic = action.message, action.topic
@@ -510,6 +523,8 @@ class _Emulation:
             local = LocalTask(task.strategy, hyper, arrays, upload)
             self._status(device, "training", selected=True)
             result = local_update(device.model, device.data, local, device.learning)
+            if self._progress is not None:
+                self._progress.advance()
             start = time.perf_counter()
             weights = device.transfer.encode_upload(
                 result.sets[WEIGHTS_SET], task.uplink, local.sets

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from coordinator.config import TrainingSettings
-from coordinator.strategies import strategy_names
-from models import classifier_names
+from coordinator.cli_flags import ModelFlags, add_fleet_flags, add_training_flags
 from sim.budget import (
     DEFAULT_TRAIN_STEPS,
     LINK_PROFILES,
@@ -25,15 +17,31 @@ from sim.budget import (
     reference_config,
     transfer_time,
 )
-from sim.datasets import dataset_names
-from sim.errors import SimError
+from sim.progress import TerminalProgress
 from sim.report import human_bytes
 from sim.run import SimConfig
-from sim.run_cli import add_precision_args, describe, precision_settings
+from sim.run_cli import DATA_CHOICES, describe, sim_config
 
 __all__ = ["add_budget_parser", "budget_from_args", "budget_json", "format_budget"]
 
 EXIT_OK = 0
+
+_FLEET = (
+    "devices",
+    "strategy",
+    "downlink",
+    "sharing",
+    "downlink_precision",
+    "uplink_precision",
+    "downlink_deltas",
+    "teacher_budget",
+    "model",
+    "rounds",
+    "participation",
+    "seed",
+)
+_TRAINING = ("local_epochs", "local_steps", "batch_size", "generator_noise_dim", "generator_hidden")
+"""The training settings that change what travels (FedGen's generator shape)."""
 
 
 def add_budget_parser(sub: Any) -> None:
@@ -45,46 +53,35 @@ def add_budget_parser(sub: Any) -> None:
         "round, per round and for the whole run, MQTT payload and wire, next to the fp32 "
         "FedAvg reference, without running the fleet: the real coordinator engine and "
         "encoders, emulated devices training a few SGD steps (docs/budget.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=classifier_names(), default="lenet5")
-    parser.add_argument("--strategy", choices=strategy_names(), default="fedavg")
-    parser.add_argument("--sharing", choices=["full", "head"], default="full")
-    parser.add_argument("--downlink", choices=["dual", "single"], default="dual", help="fedkf")
-    add_precision_args(parser)
-    parser.add_argument(
-        "--device-precisions",
-        metavar="LIST",
-        help="precisions the devices ask for, round robin (int8,fp32,int8/int4 ...)",
+    flags = ModelFlags()
+    parser.set_defaults(handler=budget_from_args, settings_flags=flags)
+    fleet = parser.add_argument_group("fleet")
+    add_fleet_flags(fleet, flags, SimConfig, include=_FLEET)
+    flags.add(
+        fleet, SimConfig, include=("device_precisions",), metavars={"device_precisions": "LIST"}
     )
-    parser.add_argument("--no-downlink-deltas", action="store_true", help="always send full models")
-    parser.add_argument(
-        "--teacher-budget", type=float, default=0.25, help="fedkf dual: teacher / model bytes"
+    add_training_flags(parser.add_argument_group("training (the tasks)"), flags, _TRAINING)
+    flags.add(
+        parser.add_argument_group("data"),
+        SimConfig,
+        include=("dataset", "data_dir", "alpha"),
+        choices=DATA_CHOICES,
     )
-    parser.add_argument("--devices", type=int, default=50, help="devices K")
-    parser.add_argument("--participation", type=float, default=0.2, help="fraction C per round")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dataset", choices=dataset_names(), default="synthetic")
-    parser.add_argument("--data-dir", type=Path, help="folder with the dataset's files")
-    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha; inf = IID")
-    parser.add_argument("--local-epochs", type=int, help="epochs E the tasks ask")
-    parser.add_argument("--local-steps", type=int, help="local mini-batches the tasks ask")
-    parser.add_argument("--batch-size", type=int, help="batch size B")
-    parser.add_argument(
+    budget = parser.add_argument_group("budget")
+    budget.add_argument(
         "--train-steps",
         type=int,
         default=DEFAULT_TRAIN_STEPS,
         help="SGD steps each emulated device runs per round (at most what its task asks; "
-        "0: all of it)",
+        f"0: all of it) (default: {DEFAULT_TRAIN_STEPS})",
     )
-    parser.add_argument(
+    budget.add_argument(
         "--link",
         metavar="NAME|BITS_PER_S",
         help=f"add transfer times over a link: {', '.join(LINK_PROFILES)}, or a rate (250k)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=budget_from_args)
+    budget.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def budget_from_args(args: argparse.Namespace) -> int:
@@ -92,60 +89,21 @@ def budget_from_args(args: argparse.Namespace) -> int:
     import torch
 
     link = None if args.link is None else link_profile(args.link)  # bad links fail first
-    try:
-        training = TrainingSettings(
-            local_epochs=args.local_epochs,
-            local_steps=args.local_steps,
-            batch_size=args.batch_size,
-        )
-        config = SimConfig(
-            devices=args.devices,
-            rounds=args.rounds,
-            strategy=args.strategy,
-            downlink=args.downlink,
-            sharing=args.sharing,
-            model=args.model,
-            dataset=args.dataset,
-            data_dir=args.data_dir,
-            alpha=math.inf if math.isinf(args.alpha) else args.alpha,
-            participation=args.participation,
-            training=training,
-            seed=args.seed,
-            **precision_settings(args),
-            device_precisions=tuple(
-                t.strip() for t in (args.device_precisions or "").split(",") if t.strip()
-            ),
-            downlink_deltas=not args.no_downlink_deltas,
-            teacher_budget=args.teacher_budget,
-        )
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise SimError(f"invalid settings: {problems}") from exc
+    config = sim_config(args)
     torch.set_num_threads(1)  # the emulated devices train one after the other
-    budget = estimate(config, train_steps=args.train_steps, on_round=_progress("budget", config))
-    settings = reference_config(config)
-    reference = budget
-    if settings != config:
-        progress = _progress("reference", settings)
-        reference = estimate(settings, train_steps=args.train_steps, on_round=progress)
+    with TerminalProgress(config.rounds) as progress:
+        budget = estimate(config, train_steps=args.train_steps, progress=progress)
+        settings = reference_config(config)
+        reference = budget
+        if settings != config:
+            reference = estimate(
+                settings, train_steps=args.train_steps, progress=progress, label="fp32 reference"
+            )
     if args.json:
         print(json.dumps(budget_json(budget, reference, link), indent=1))
     else:
         print(format_budget(budget, reference, link))
     return EXIT_OK
-
-
-def _progress(label: str, config: SimConfig) -> Callable[[int], None] | None:
-    """A progress line on stderr while rounds close (only on a terminal)."""
-    if not sys.stderr.isatty():
-        return None
-
-    def show(round_number: int) -> None:
-        end = "\r" if round_number < config.rounds else "\r\033[K"
-        print(f"{label}: round {round_number}/{config.rounds}", end=end, file=sys.stderr)
-        sys.stderr.flush()
-
-    return show
 
 
 _SIM_ONLY = {"transport", "broker_url", "train_slots", "state_dir", "round_timeout_s"}
@@ -168,9 +126,7 @@ def budget_json(
             out["seconds_per_device_round"] = transfer_time(b.per_device_round, link).to_dict()
         return out
 
-    config = budget.config.model_dump(mode="json", exclude=_SIM_ONLY)
-    if math.isinf(config["alpha"]):
-        config["alpha"] = "inf"  # JSON has no infinity
+    config = budget.config.model_dump(mode="json", exclude=_SIM_ONLY)  # alpha inf: "inf"
     result: dict[str, Any] = {"config": {**config, "train_steps": budget.train_steps}}
     result.update(part(budget))
     result["reference"] = {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import resource
 import tempfile
@@ -24,10 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_serializer, field_validator
 
-from coordinator.config import CoordinatorConfig, TrainingSettings
-from coordinator.engine import Action, RoundClosed, RoundStarted
+from coordinator.config import CoordinatorConfig, FleetSettings
+from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
 from coordinator.errors import ConfigError
 from coordinator.runtime import Coordinator, save_final_models
 from coordinator.store import FileStore, MemoryStore, Store
@@ -36,6 +37,7 @@ from edge_client.data import DeviceData
 from edge_client.runtime import EdgeClient
 from models import Classifier, build_classifier, state_arrays
 from models.classifiers import HEAD_PREFIX
+from protocol.messages import Ack, ReasonCode
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
@@ -43,50 +45,61 @@ from sim.datasets import load_dataset
 from sim.errors import SimError
 from sim.metrics import evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
+from sim.progress import Progress
 from sim.report import RoundRecord, RunReport
+from sim.synthetic import synthetic_size
 
 __all__ = ["SimConfig", "build_federation", "device_data", "run_simulation"]
 
 log = logging.getLogger(__name__)
 
-RoundCallback = Callable[[RoundRecord], None]
 
+class SimConfig(FleetSettings):
+    """Settings of one emulated run (``python -m sim --help`` lists them as flags).
 
-class SimConfig(BaseModel):
-    """Settings of one emulated run (``python -m sim --help`` lists them as flags)."""
+    The fleet's settings (strategy, precisions, rounds, training ...) and their defaults
+    are the coordinator's (:class:`~coordinator.config.FleetSettings`); the fields here
+    say how the emulation makes the devices, their data and their broker.
+    """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    devices: int = Field(default=50, ge=1)  # emulated devices K
-    rounds: int = Field(default=10, ge=1)
-    strategy: str = "fedavg"
-    downlink: Literal["dual", "single"] = "dual"  # fedkf: ACA + OCA, or ACA alone (FedKF-)
-    final_model: Literal["aca", "oca"] | None = None  # None: oca where kept, else aca
-    sharing: Literal["full", "head"] = "full"  # fedavg/fedgen: whole model or head only
-    model: str = "lenet5"
+    devices: int = Field(default=50, ge=1)
+    """Emulated devices K."""
     dataset: str = "synthetic"
+    """Dataset to partition across the devices."""
     data_dir: Path | None = None
-    class_fraction: float = Field(default=1.0, gt=0, le=1)  # keep this share of each class
-    alpha: float = Field(default=0.5, gt=0)  # Dirichlet label skew; inf = IID
-    participation: float = Field(default=0.2, gt=0, le=1)
-    training: TrainingSettings = TrainingSettings()
-    downlink_precision: Precision = Precision.FP32  # the fleet's, models to devices
-    uplink_precision: Precision = Precision.FP32  # the fleet's, updates (lossy: deltas)
+    """Folder with the dataset's files."""
+    class_fraction: float = Field(default=1.0, gt=0, le=1)
+    """Keep this share of each class of the train split (FedKF's EMNIST: 0.1)."""
+    alpha: float = Field(default=0.5, gt=0)
+    """Dirichlet label skew alpha; inf = IID."""
+    min_samples: int = Field(default=10, ge=1)
+    """Minimum train samples per device, for the partitioner."""
+    test_fraction: float = Field(default=0.2, ge=0, lt=1)
+    """Local test share of each device's data."""
     device_precisions: tuple[str, ...] = ()
-    # what devices ask for, round robin over the devices: "int8" (both ways) or
-    # "int8/int4" (down/up); empty: every device takes the fleet's precisions
-    downlink_deltas: bool = True  # lossy downlinks: deltas against the model a device holds
-    teacher_budget: float = Field(default=0.25, gt=0, le=1)  # fedkf dual teacher bytes / model
-    seed: int = Field(default=0, ge=0)
+    """Comma-separated precisions the devices ask for, round robin: int8 (both ways) or
+    int8/int4 (down/up); empty: every device takes the fleet's."""
     transport: Literal["mqtt", "inproc"] = "mqtt"
-    broker_url: str | None = None  # external broker for transport mqtt; None: embedded
-    round_timeout_s: float = Field(default=600.0, gt=0)
+    """An MQTT broker (embedded amqtt unless broker_url) or the in-memory twin."""
+    broker_url: str | None = None
+    """External broker for transport mqtt: mqtt://host:port (unset: an embedded one)."""
     train_slots: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    # trainings running at once (the rest of the selected devices queue)
-    min_samples: int = Field(default=10, ge=1)  # per device, for the partitioner
-    test_fraction: float = Field(default=0.2, ge=0, lt=1)  # local test share per device
-    state_dir: Path | None = None  # coordinator and device state; a temp dir when None
+    """Trainings running at once (the rest of the selected devices queue; default: the
+    CPU count)."""
+    state_dir: Path | None = None
+    """Keep the coordinator's and the devices' state here (unset: a temporary folder)."""
     fleet: str = "sim"
+    """Fleet name of the emulated run (topics fl/FLEET/)."""
+
+    @field_serializer("alpha", when_used="json")
+    def _alpha_as_json(self, alpha: float) -> float | str:
+        """JSON has no infinity: an IID split (alpha inf) is written as ``"inf"``."""
+        return "inf" if math.isinf(alpha) else alpha
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha_from_json(cls, value: Any) -> Any:
+        return math.inf if value == "inf" else value
 
     @field_validator("device_precisions")
     @classmethod
@@ -96,28 +109,17 @@ class SimConfig(BaseModel):
         return value
 
     def coordinator_config(self, num_classes: int, channels: int, side: int) -> CoordinatorConfig:
-        """The coordinator's settings for this emulation (data shape from the federation)."""
+        """The coordinator's settings for this emulation: the fleet's settings, the data
+        shape from the federation, every device needed to start a round, no ONNX export."""
+        fleet = {name: getattr(self, name) for name in FleetSettings.model_fields}
         return CoordinatorConfig(
+            **fleet,
             fleet=self.fleet,
-            strategy=self.strategy,
-            downlink=self.downlink,
-            final_model=self.final_model,
-            sharing=self.sharing,
-            model=self.model,
             num_classes=num_classes,
             in_channels=channels,
             image_size=side,
-            rounds=self.rounds,
-            participation=self.participation,
             min_devices=self.devices,
-            round_timeout_s=self.round_timeout_s,
-            seed=self.seed,
-            training=self.training,
             export_onnx=False,
-            downlink_precision=self.downlink_precision,
-            uplink_precision=self.uplink_precision,
-            downlink_deltas=self.downlink_deltas,
-            teacher_budget=self.teacher_budget,
         )
 
     def device_link(self, index: int) -> tuple[Precision | None, Precision | None]:
@@ -154,7 +156,8 @@ def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
 
 
 def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
-    splits = load_dataset(config.dataset, config.data_dir, seed=config.seed)
+    options = synthetic_size(config.devices) if config.dataset == "synthetic" else {}
+    splits = load_dataset(config.dataset, config.data_dir, seed=config.seed, **options)
     if config.class_fraction < 1:
         train = _subsample(splits.train, config.class_fraction, config.seed)
         splits = DatasetSplits(train=train, test=splits.test)
@@ -217,7 +220,8 @@ class _Recorder:
         federation: Federation,
         scratch: Classifier,
         clients: list[EdgeClient],
-        on_round: RoundCallback | None,
+        progress: Progress | None,
+        total_rounds: int,
         *,
         personal: bool = False,
     ) -> None:
@@ -226,7 +230,10 @@ class _Recorder:
         self._clients = clients
         self._transports = [c.transport for c in clients]
         self._personal = personal
-        self._on_round = on_round
+        self._progress = progress
+        self._total_rounds = total_rounds
+        self._round = 0
+        self._trained: set[str] = set()
         self._device_tests = [(d.test.x, d.test.y) for d in federation.devices]
         test = federation.test
         self._global_test = None if test is None else (test.x, test.y)
@@ -244,9 +251,18 @@ class _Recorder:
     def __call__(self, action: Action) -> None:
         if isinstance(action, RoundStarted):
             self._round_start = time.perf_counter()
+            self._round, self._trained = action.round, set()
+            if self._progress is not None:
+                text = f"round {action.round}/{self._total_rounds}: devices trained"
+                self._progress.step(text, total=len(action.selected))
+            return
+        if isinstance(action, Publish):
+            self._count_accepted_update(action)
             return
         if not isinstance(action, RoundClosed):
             return
+        if self._progress is not None:
+            self._progress.step(f"round {action.round}/{self._total_rounds}: evaluating")
         wall = time.perf_counter() - self._round_start
         now = self.totals()
         delta = [a - b for a, b in zip(now, self._last, strict=True)]
@@ -273,21 +289,38 @@ class _Recorder:
             models=metrics,
         )
         self.records.append(record)
-        if self._on_round is not None:
-            self._on_round(record)
+        if self._progress is not None:
+            self._progress.round_closed(record)
+
+    @property
+    def round_started(self) -> bool:
+        """Whether a round has started (its progress replaced the setup steps)."""
+        return self._round > 0
+
+    def _count_accepted_update(self, action: Publish) -> None:
+        """An accepted update of this round (its ack) is one more device trained."""
+        body, message = action.message.body, action.message
+        if not isinstance(body, Ack) or body.reason is not ReasonCode.OK:
+            return  # (late and duplicate updates are acknowledged with other reasons)
+        if message.round != self._round:
+            return
+        if action.topic not in self._trained and self._progress is not None:
+            self._progress.advance()
+        self._trained.add(action.topic)
 
 
 def run_simulation(
     config: SimConfig,
     *,
-    on_round: RoundCallback | None = None,
+    progress: Progress | None = None,
     final_models_dir: Path | None = None,
 ) -> RunReport:
     """Run the emulation described by ``config``; returns the report.
 
     Args:
         config: the run's settings.
-        on_round: called with each round's record as soon as it is measured.
+        progress: told what the run does as it goes: setup steps, devices trained in
+            each round, and each round's record as soon as it is measured.
         final_models_dir: where to save the final models (``.pt`` and ``.onnx``).
 
     Raises:
@@ -295,6 +328,8 @@ def run_simulation(
         TransportError / BrokerError: the broker cannot be started or reached.
     """
     started = time.perf_counter()
+    if progress is not None:
+        progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
     scratch = build_classifier(
@@ -302,6 +337,8 @@ def run_simulation(
     )
     with contextlib.ExitStack() as stack:
         root = config.state_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        if progress is not None and config.transport == "mqtt" and config.broker_url is None:
+            progress.step("starting the embedded MQTT broker")
         make_transport = stack.enter_context(_broker(config))
         store: Store = (
             FileStore(root / "coordinator", fsync=False) if config.state_dir else MemoryStore()
@@ -331,7 +368,9 @@ def run_simulation(
             transport = make_transport(f"{config.fleet}-{split.device_id}")
             clients.append(EdgeClient(client_config, transport, data, train_gate=gate))
         personal = config.sharing == "head"
-        recorder = _Recorder(federation, scratch, clients, on_round, personal=personal)
+        recorder = _Recorder(
+            federation, scratch, clients, progress, config.rounds, personal=personal
+        )
         coordinator.add_observer(recorder)
         outcome: dict[str, Any] = {}
 
@@ -344,10 +383,18 @@ def run_simulation(
         thread = threading.Thread(target=serve, name="sim-coordinator", daemon=True)
         thread.start()
         try:
+            if progress is not None:
+                progress.step("connecting devices", total=len(clients))
             for client in clients:
                 client.start()
+                if progress is not None and not recorder.round_started:
+                    progress.advance()  # (the first round may start before all connected)
+            if progress is not None and not recorder.round_started:
+                progress.step("waiting for the first round")
             thread.join()
         finally:
+            if progress is not None:
+                progress.step("stopping")
             coordinator.stop()
             thread.join(timeout=10)
             for client in clients:
@@ -371,6 +418,7 @@ def run_simulation(
         "peak_rss_bytes": _peak_rss_bytes(),
         "models": {k: v.to_dict() for k, v in records[-1].models.items()} if records else {},
         "final_model": coordinator.final_model,
+        "num_classes": federation.num_classes,
     }
     config_dict = config.model_dump(mode="json")
     return RunReport(config=config_dict, rounds=records, final=final)

@@ -1,196 +1,141 @@
-"""The ``run`` command of ``python -m sim`` (the default): flags, progress, outputs."""
+"""The ``run`` command of ``python -m sim`` (the default): flags, progress, outputs.
+
+Its flags are those of :class:`~sim.run.SimConfig` (the fleet's settings and their
+defaults are the coordinator's, :class:`~coordinator.config.FleetSettings`), built by
+:class:`~coordinator.cli_flags.ModelFlags`: a flag left out is not given, and the model
+fills it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import TrainingSettings
-from coordinator.strategies import strategy_names
-from models import classifier_names
-from protocol.tensors import Precision
+from coordinator.cli_flags import ModelFlags, add_fleet_flags, add_training_flags, given_settings
+from coordinator.config import FleetSettings
+from protocol.errors import BrokerError, TransportError
 from sim.datasets import dataset_names
 from sim.errors import SimError
+from sim.run import SimConfig
 
-__all__ = ["add_run_parser"]
+__all__ = ["add_run_parser", "broker_unreachable", "sim_config"]
 
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
+DESCRIPTION = (
+    "Run one coordinator and N edge clients in this process; every message goes through "
+    "an MQTT broker (embedded amqtt unless --broker) or, with --transport inproc, through "
+    "the in-memory twin with the same byte counts."
+)
+FLEET_FIELDS = ("devices", *(n for n in FleetSettings.model_fields if n != "training"))
+DATA_FIELDS = ("dataset", "data_dir", "class_fraction", "alpha", "min_samples", "test_fraction")
+DATA_CHOICES = {"dataset": dataset_names()}
+_LIST = {"device_precisions": "LIST"}
 
-def add_run_parser(sub: Any) -> None:
-    """Add the ``run`` command to the subparsers ``sub``."""
-    run = sub.add_parser(
+
+class BrokerUnreachableError(SimError):
+    """The MQTT broker of the run cannot be reached (exit code 1)."""
+
+
+def add_run_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``run`` command to the subparsers ``sub``; returns its parser."""
+    run: argparse.ArgumentParser = sub.add_parser(
         "run",
         help="emulate a fleet: coordinator + N edge clients (the default command)",
-        description="Run one coordinator and N edge clients in this process; every message "
-        "goes through an MQTT broker (embedded amqtt unless --broker) or, with --transport "
-        "inproc, through the in-memory twin with the same byte counts.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION,
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    run.add_argument("--devices", type=int, default=50, help="emulated devices K (50)")
-    run.add_argument("--rounds", type=int, default=10, help="federated rounds (10)")
-    run.add_argument("--strategy", choices=strategy_names(), default="fedavg")
-    run.add_argument(
-        "--downlink",
-        choices=["dual", "single"],
-        default="dual",
-        help="fedkf: send ACA (student) + OCA (teacher), or the ACA alone (FedKF-)",
+    flags = ModelFlags()
+    run.set_defaults(handler=run_from_args, settings_flags=flags)
+    fleet = run.add_argument_group("fleet")
+    add_fleet_flags(fleet, flags, SimConfig, include=FLEET_FIELDS)
+    flags.add(fleet, SimConfig, include=("device_precisions", "fleet"), metavars=_LIST)
+    add_training_flags(run.add_argument_group("training (sent to the devices)"), flags)
+    flags.add(run.add_argument_group("data"), SimConfig, include=DATA_FIELDS, choices=DATA_CHOICES)
+    flags.add(
+        run.add_argument_group("transport"),
+        SimConfig,
+        include=("transport", "broker_url", "train_slots"),
+        flags={"broker_url": "--broker"},
+        metavars={"broker_url": "URL"},
     )
-    run.add_argument(
-        "--final-model",
-        choices=["aca", "oca"],
-        help="the model the run delivers (default: oca where the strategy keeps one)",
+    outputs = run.add_argument_group("outputs")
+    flags.add(outputs, SimConfig, include=("state_dir",))
+    outputs.add_argument("--json-out", type=Path, help="write the run's JSON report here")
+    outputs.add_argument("--report-dir", type=Path, help="write rounds.csv and PNG plots here")
+    outputs.add_argument(
+        "--save-models", type=Path, help="save the final models (.pt and .onnx) here"
     )
-    run.add_argument(
-        "--sharing",
-        choices=["full", "head"],
-        default="full",
-        help="fedavg / fedgen: devices share the whole model or only the prediction head",
-    )
-    run.add_argument("--model", choices=classifier_names(), default="lenet5")
-    run.add_argument("--dataset", choices=dataset_names(), default="synthetic")
-    run.add_argument("--data-dir", type=Path, help="folder with the dataset's files")
-    run.add_argument(
-        "--class-fraction",
-        type=float,
-        default=1.0,
-        help="keep this share of each class of the train split (FedKF's EMNIST: 0.1)",
-    )
-    run.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha; inf = IID (0.5)")
-    run.add_argument("--participation", type=float, default=0.2, help="fraction C per round")
-    defaults = TrainingSettings()
-    run.add_argument("--local-epochs", type=int, help="epochs E (the strategy's default)")
-    run.add_argument("--local-steps", type=int, help="local mini-batches instead of epochs")
-    run.add_argument("--batch-size", type=int, help="batch size B (the strategy's default)")
-    run.add_argument("--lr", type=float, default=defaults.lr, help="local SGD learning rate")
-    run.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
-    run.add_argument("--mu", type=float, default=defaults.mu, help="FedProx mu")
-    run.add_argument("--gamma", type=float, default=defaults.gamma, help="fedkf: KD weight")
-    run.add_argument(
-        "--lambda1", type=float, default=defaults.lambda1, help="fedkf: generator L_OH weight"
-    )
-    run.add_argument(
-        "--lambda2", type=float, default=defaults.lambda2, help="fedkf: generator L_A weight"
-    )
-    add_precision_args(run)
-    run.add_argument(
-        "--device-precisions",
-        metavar="LIST",
-        help="comma-separated precisions the devices ask for, round robin (int8,int4/int8,"
-        "fp32 ...; DOWN/UP per direction); default: all take the fleet's",
-    )
-    run.add_argument(
-        "--no-downlink-deltas",
-        action="store_true",
-        help="always send full models (no deltas against the model a device holds)",
-    )
-    run.add_argument(
-        "--teacher-budget",
-        type=float,
-        default=0.25,
-        help="fedkf dual: teacher delta bytes as a fraction of the model's",
-    )
-    run.add_argument(
-        "--qat", action="store_true", help="int8 devices train with fake-quantized weights"
-    )
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--transport", choices=["mqtt", "inproc"], default="mqtt")
-    run.add_argument("--broker", metavar="URL", help="external broker for --transport mqtt")
-    run.add_argument("--round-timeout", type=float, default=600.0, help="seconds per round")
-    run.add_argument("--train-slots", type=int, help="concurrent trainings (CPU count)")
-    run.add_argument("--state-dir", type=Path, help="keep coordinator/device state here")
-    run.add_argument("--json-out", type=Path, help="write the run's JSON report here")
-    run.add_argument("--report-dir", type=Path, help="write rounds.csv and PNG plots here")
-    run.add_argument("--save-models", type=Path, help="save the final models (.pt/.onnx) here")
-    run.set_defaults(handler=run_from_args)
+    return run
 
 
-def add_precision_args(parser: argparse.ArgumentParser) -> None:
-    """``--precision``, ``--downlink-precision`` and ``--uplink-precision``."""
-    names = [p.value for p in Precision]
-    parser.add_argument(
-        "--precision", choices=names, default="fp32", help="transfer precision both ways"
-    )
-    parser.add_argument(
-        "--downlink-precision", choices=names, help="models to devices (default: --precision)"
-    )
-    parser.add_argument(
-        "--uplink-precision", choices=names, help="updates to the coordinator (--precision)"
-    )
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """The run's settings from the flags given (the others take SimConfig's defaults).
+
+    Raises:
+        SimError: invalid settings, every problem listed.
+    """
+    from pydantic import ValidationError
+
+    try:
+        return SimConfig(**given_settings(args))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SimError(f"invalid settings: {problems}") from exc
 
 
-def precision_settings(args: argparse.Namespace) -> dict[str, str]:
-    """The fleet's downlink and uplink precisions from :func:`add_precision_args` flags."""
-    return {
-        "downlink_precision": args.downlink_precision or args.precision,
-        "uplink_precision": args.uplink_precision or args.precision,
-    }
+def broker_unreachable(url: str, timeout_s: float = 5.0) -> str | None:
+    """Why the broker at ``url`` cannot be reached over TCP (None: it can).
+
+    A cheap check made before the fleet starts, so that a refused or unknown broker ends
+    the run at once instead of after every device's connection retries.
+
+    Raises:
+        SimError: ``url`` is not an MQTT broker URL.
+    """
+    from protocol.transport import MqttConfig
+
+    try:
+        config = MqttConfig.from_url(url, client_id="edgefl-sim-check")
+    except (ValueError, TransportError) as exc:
+        raise SimError(f"invalid --broker {url!r}: {exc}") from exc
+    where = f"{config.host}:{config.port}"
+    try:
+        with socket.create_connection((config.host, config.port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"cannot reach the MQTT broker at {where}: no answer within {timeout_s:g} s"
+    except socket.gaierror as exc:
+        return f"cannot reach the MQTT broker at {where}: unknown host ({exc.strerror})"
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        return f"cannot reach the MQTT broker at {where}: {reason}"
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Handler of ``python -m sim run``."""
     import torch
-    from pydantic import ValidationError
 
-    from protocol.errors import BrokerError, TransportError
-    from sim.report import ProgressBar, human_bytes, write_csv, write_plots
-    from sim.run import SimConfig, run_simulation
+    from edge_client.errors import ConnectError
+    from sim.progress import TerminalProgress
+    from sim.report import human_bytes, write_csv, write_plots
+    from sim.run import run_simulation
 
-    if args.transport == "inproc" and args.broker:
+    config = sim_config(args)
+    if config.transport == "inproc" and config.broker_url:
         raise SimError("--broker needs --transport mqtt")
     if args.report_dir is not None:
         _require_matplotlib()
-    settings: dict[str, Any] = {
-        "devices": args.devices,
-        "rounds": args.rounds,
-        "strategy": args.strategy,
-        "downlink": args.downlink,
-        "final_model": args.final_model,
-        "sharing": args.sharing,
-        "class_fraction": args.class_fraction,
-        "model": args.model,
-        "dataset": args.dataset,
-        "data_dir": args.data_dir,
-        "alpha": math.inf if math.isinf(args.alpha) else args.alpha,
-        "participation": args.participation,
-        "seed": args.seed,
-        "transport": args.transport,
-        "broker_url": args.broker,
-        "round_timeout_s": args.round_timeout,
-        "state_dir": args.state_dir,
-        **precision_settings(args),
-        "device_precisions": tuple(
-            t.strip() for t in (args.device_precisions or "").split(",") if t.strip()
-        ),
-        "downlink_deltas": not args.no_downlink_deltas,
-        "teacher_budget": args.teacher_budget,
-    }
-    if args.train_slots is not None:
-        settings["train_slots"] = args.train_slots
-    try:
-        settings["training"] = TrainingSettings(
-            local_epochs=args.local_epochs,
-            local_steps=args.local_steps,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            momentum=args.momentum,
-            mu=args.mu,
-            gamma=args.gamma,
-            lambda1=args.lambda1,
-            lambda2=args.lambda2,
-            qat=args.qat,
-        )
-        config = SimConfig(**settings)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise SimError(f"invalid settings: {problems}") from exc
+    if config.transport == "mqtt" and config.broker_url is not None:
+        problem = broker_unreachable(config.broker_url)
+        if problem is not None:
+            raise BrokerUnreachableError(problem)
     torch.set_num_threads(1)  # one thread per training; --train-slots trainings at once
     print(
         f"{config.devices} devices, {describe(config)} on {config.model}, {config.dataset} "
@@ -198,19 +143,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"transport {config.transport}",
         file=sys.stderr,
     )
-    cumulative = [0, 0]
-    with ProgressBar(config.rounds) as bar:
-
-        def progress(record: Any) -> None:
-            cumulative[0] += record.bytes_up
-            cumulative[1] += record.bytes_down
-            bar.update(record, cumulative[0], cumulative[1])
-
+    with TerminalProgress(config.rounds) as progress:
         try:
-            report = run_simulation(config, on_round=progress, final_models_dir=args.save_models)
-        except (TransportError, BrokerError) as exc:
-            print(f"python -m sim: error: broker: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+            report = run_simulation(config, progress=progress, final_models_dir=args.save_models)
+        except (TransportError, BrokerError, ConnectError) as exc:
+            raise BrokerUnreachableError(f"MQTT broker: {exc}") from exc
     final = report.final
     names = ", ".join(
         f"{name} AMP {m['amp']:.2f}%" for name, m in (final.get("models") or {}).items()

@@ -158,3 +158,38 @@ def test_precision_flags_reach_the_config() -> None:
     assert not mixed.downlink_deltas and mixed.teacher_budget == 0.2 and mixed.training.qat
     assert (plain.downlink_precision, plain.uplink_precision) == ("fp32", "fp32")
     assert plain.downlink_deltas and not plain.training.qat
+
+
+def test_flags_left_out_are_not_given_so_the_file_keeps_its_values(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(TOML.replace("lr = 0.02", "lr = 0.02\nmomentum = 0.5"))
+
+    config = parse("--config", str(path), "--no-downlink-deltas", "--weight-decay", "0.001")
+
+    assert config.training.momentum == 0.5 and config.training.lr == pytest.approx(0.02)
+    assert config.training.weight_decay == 0.001 and not config.downlink_deltas
+    assert config.rounds == 7 and config.export_onnx  # neither given: the file, the default
+
+
+def test_help_shows_every_setting_with_its_model_default() -> None:
+    text = build_parser().format_help()
+
+    for flag in ("--broker URL", "--embedded-broker", "--round-timeout", "--no-onnx", "--resume"):
+        assert flag in text
+    assert "--momentum MOMENTUM" in text and "(default: 0.9)" in text
+    assert "--weight-decay" in text and "--generative-alpha-decay" in text
+
+
+def test_resume_without_a_saved_run_says_it_starts_fresh(tmp_path: Path) -> None:
+    missing = tmp_path / "state"
+    argv = ["--broker", "mqtt://127.0.0.1:1", "--state-dir", str(missing), "--resume"]
+
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert f"WARNING coordinator: no saved run in {missing}: starting a fresh run" in result.stderr
+    assert result.returncode == 1  # then the broker is refused: a runtime failure

@@ -173,3 +173,17 @@ def test_bad_data_file_exits_2_and_unreachable_broker_exits_1(tmp_path: Path) ->
         last = stderr.strip().splitlines()[-1]
         assert last.startswith("error:") and text in last
         assert "Traceback" not in stderr
+
+
+def test_precision_flags_offer_the_protocols_precisions() -> None:
+    from edge_client.__main__ import _build_parser
+    from protocol.tensors import Precision
+
+    _, commands = _build_parser()
+    run = commands["run"]
+    args = run.parse_args(["--data", "d.npz", "--precision", "bf16", "--uplink-precision", "int4"])
+
+    for action in run._actions:
+        if action.dest in ("precision", "downlink_precision", "uplink_precision"):
+            assert list(action.choices or ()) == [p.value for p in Precision]
+    assert (args.precision, args.uplink_precision) == ("bf16", "int4")

@@ -226,7 +226,7 @@ def test_a_qat_model_loses_less_to_int8_than_a_float_trained_one() -> None:
     x, y = data(256, 1)
     x_test, y_test = data(512, 2)
     plain, qat = mlp(outlier=25.4), mlp(outlier=25.4)
-    config = TrainConfig(local_steps=300, batch_size=32, lr=0.1)
+    config = TrainConfig(local_steps=300, batch_size=32, lr=0.1, momentum=0.0)  # plain SGD
 
     train_local(plain, x, y, config)
     train_local(qat, x, y, config.model_copy(update={"qat": True}), [FakeQuantHook()])

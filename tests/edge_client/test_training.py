@@ -167,6 +167,7 @@ def test_defaults_and_valid_hyperparameters() -> None:
     assert (defaults.generator_lr, defaults.generator_width) == (1e-3, 16)
     assert (defaults.generator_noise_dim, defaults.generator_hidden) == (0, 256)
     assert (defaults.generative_alpha, defaults.generator_batch_size) == (0.0, 0)
+    assert (defaults.momentum, defaults.mu) == (0.9, 0.01)  # protocol.hyperparams' defaults
     assert TrainConfig.from_hyperparameters({"gamma": 2, "generative_alpha": 1}).gamma == 2.0
     assert config.total_steps(17) == 2 * 3 and config.total_steps(0) == 0
 
@@ -186,6 +187,7 @@ def test_defaults_and_valid_hyperparameters() -> None:
         ({"seed": -1}, "seed"),
         ({"mu": -0.1}, "mu"),
         ({"momentum": -0.5}, "momentum"),
+        ({"momentum": 1.0}, "momentum: Input should be less than 1"),
         ({"weight_decay": "0"}, "weight_decay"),
         ({"gamma": -1.0}, "gamma"),
         ({"lambda1": -0.1}, "lambda1"),
@@ -205,5 +207,6 @@ def test_invalid_hyperparameters_raise_task_error(
     with pytest.raises(TaskError, match=message) as caught:
         TrainConfig.from_hyperparameters(hyperparameters)
 
-    assert "known keys: local_epochs" in str(caught.value)
+    known = str(caught.value).split("known keys: ")[1]
+    assert "local_epochs" in known and "momentum" in known and "seed" in known
     assert isinstance(caught.value, ValueError)

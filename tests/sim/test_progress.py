@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import io
 
+from coordinator.config import TrainingSettings
 from sim.progress import TerminalProgress
+from sim.report import RoundRecord
+from sim.run import SimConfig, run_simulation
 from tests.sim.test_report import make_report
 
 
@@ -58,3 +61,47 @@ def test_steps_without_a_count_show_what_is_under_way() -> None:
         shown = stream.getvalue()
 
     assert "loading synthetic" in shown
+
+
+class Recorded:
+    """A Progress that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, int | None]] = []
+        self.advanced: dict[str, int] = {}
+        self.closed: list[int] = []
+
+    def step(self, text: str, total: int | None = None) -> None:
+        self.steps.append((text, total))
+        self.advanced[text] = 0
+
+    def advance(self, units: int = 1) -> None:
+        self.advanced[self.steps[-1][0]] += units
+
+    def round_closed(self, record: RoundRecord) -> None:
+        self.closed.append(record.round)
+
+
+def test_a_run_reports_its_setup_and_the_devices_trained_in_each_round() -> None:
+    # Prepare: 4 devices, 3 selected per round, in process.
+    config = SimConfig(
+        devices=4,
+        rounds=2,
+        participation=0.75,
+        transport="inproc",
+        training=TrainingSettings(local_steps=1),
+    )
+    progress = Recorded()
+
+    # Execute
+    report = run_simulation(config, progress=progress)
+
+    # Assert: the setup steps, then per round a step counting its 3 devices to the end.
+    texts = [text for text, _ in progress.steps]
+    assert texts[0].startswith("loading synthetic")
+    assert ("connecting devices", 4) in progress.steps
+    for number in (1, 2):
+        step = f"round {number}/2: devices trained"
+        assert (step, 3) in progress.steps
+        assert progress.advanced[step] == 3
+    assert progress.closed == [1, 2] == [r.round for r in report.rounds]

@@ -96,7 +96,7 @@ def test_cli_default_command_writes_json_and_report(tmp_path: Path) -> None:
         "device_train_s",
         "models",
     }
-    assert set(data["rounds"][0]["models"]["aca"]) == {"amp", "fm", "wlp", "global_acc"}
+    assert set(data["rounds"][0]["models"]["aca"]) == {"amp", "fm", "wlp", "best", "global_acc"}
     assert (tmp_path / "report" / "rounds.csv").exists()
     assert (tmp_path / "report" / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "round 2/2" in result.stderr
