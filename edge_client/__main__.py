@@ -491,6 +491,9 @@ def _serve(service: _Service) -> int:
 
 
 def _run_template(args: argparse.Namespace) -> int:
+    from edge_client.errors import OnnxTemplateError
+    from edge_client.onnx_model import verify_template
+
     try:
         import torch
 
@@ -512,8 +515,14 @@ def _run_template(args: argparse.Namespace) -> int:
         data = export_template(
             model, model.input_shape, precision=args.precision, model_name=args.model
         )
-    except ModelError as exc:
-        raise _CliError(str(exc)) from exc
+        state = {
+            name: tensor.detach().cpu().numpy()
+            for name, tensor in model.state_dict().items()
+            if tensor.is_floating_point()
+        }
+        verify_template(data, state)
+    except (ModelError, OnnxTemplateError) as exc:
+        raise _CliError(f"{args.precision} template: {exc}") from exc
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(data)

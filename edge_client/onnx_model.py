@@ -2,35 +2,48 @@
 
 An inference-only device has numpy and onnxruntime but neither torch nor the ``onnx``
 package. It is provisioned with a *template* (:func:`models.onnx_export.export_template`,
-fp32 or int8), an ONNX model whose weights are initializers named by their torch
-``state_dict`` keys; after each round, :meth:`OnnxTemplate.render` writes the fleet's
-weights (numpy arrays keyed by those names) into it and returns a new ONNX model that
-onnxruntime (e.g. :class:`edge_client.infer.OnnxClassifier`) runs as it is. This module
-imports only the standard library and numpy (a test enforces it): it reads and writes
-the protobuf wire format itself, within the bounds below.
+fp32 or int8), an ONNX model whose float weights are initializers named by their torch
+``state_dict`` keys (int8 weights: see below); after each round,
+:meth:`OnnxTemplate.render` writes the fleet's weights (numpy arrays keyed by those
+names) into it and returns a new ONNX model that onnxruntime (e.g.
+:class:`edge_client.infer.OnnxClassifier`) runs as it is. This module imports only the
+standard library and numpy (a test enforces it): it reads and writes the protobuf wire
+format itself, within the bounds below.
 
 What is read (everything else is carried over byte for byte, unknown fields included):
 
 - ``ModelProto``: ``graph`` (exactly one) and ``metadata_props``;
 - ``GraphProto``: ``initializer`` (``TensorProto``: ``name``, ``dims``, ``data_type``,
-  ``raw_data`` or the typed field of its type) and ``node`` (``input``, ``op_type``,
-  and whether an attribute holds a subgraph).
+  ``raw_data`` or the typed field of its type) and ``node`` (``input``, ``output``,
+  ``op_type``, ``domain``, and whether an attribute holds a subgraph).
 
 A template must carry the metadata ``edgefl.template`` = ``"1"``, ``edgefl.precision``
 (``"fp32"`` or ``"int8"``) and ``edgefl.model``; an int8 template also
-``edgefl.quantization`` = ``"ort-dynamic-int8-symmetric-minmax/1"`` and
+``edgefl.quantization`` = ``"ort-dynamic-int8-symmetric-minmax/1"``,
+``edgefl.int8_weights``, a JSON list with the ``state_dict`` name of the weight each
+``ConvInteger`` / ``MatMulInteger`` node quantizes (one per node, in graph order), and
 ``edgefl.transposed``, a JSON list of the weights stored transposed (onnxruntime
 rewrites ``Gemm`` as ``MatMul`` on the transposed weight).
 
+Quantized weights are found by the graph's structure, never by the names of their
+initializers (onnxruntime chooses those, and they differ between its versions). Each
+``ConvInteger`` / ``MatMulInteger`` node ``k`` (``x`` its fp32 activation)::
+
+    x_q, x_scale, x_zero = DynamicQuantizeLinear(x)
+    y = ConvInteger | MatMulInteger(x_q, VALUES, x_zero, ZERO_POINT)
+    out = Mul(Cast(y), Mul(x_scale, SCALE))          # Mul inputs in either order
+
+quantizes the ``k``-th weight of ``edgefl.int8_weights``: ``VALUES`` and
+``ZERO_POINT`` (all zero) are ``INT8`` initializers and ``SCALE`` a ``FLOAT`` one,
+either a scalar (per tensor; the only form for ``ConvInteger``) or one scale per index
+of the last axis of ``VALUES`` (per output column of ``MatMulInteger``). Anything else
+around an integer node is refused, as is an initializer with two of these roles.
+
 Initializers, by data type:
 
-- ``FLOAT`` (float32): a fleet weight, replaced on render; or ``X_scale`` of a quantized
-  weight ``X``.
-- ``INT8``: ``X_quantized`` (consumed as input 1 of ``ConvInteger`` or
-  ``MatMulInteger``) and ``X_zero_point`` (all zero) of a quantized weight ``X``, which
-  also has a ``FLOAT`` ``X_scale``: either a scalar (per tensor; the only form for
-  ``ConvInteger``) or one scale per index of the last axis of ``X_quantized`` (per
-  output column of ``MatMulInteger``).
+- ``FLOAT`` (float32): a fleet weight, named by its ``state_dict`` key and replaced on
+  render; or the ``SCALE`` of a quantized weight.
+- ``INT8``: the ``VALUES`` or ``ZERO_POINT`` of a quantized weight.
 - ``INT32``, ``INT64``: constants (shapes), kept as they are.
 - Anything else (other float or integer types, external data, segments, sparse
   initializers, subgraphs) is refused: the template could not be kept up to date.
@@ -38,8 +51,8 @@ Initializers, by data type:
 Rendering. A float32 weight is written as little-endian float32; a quantized weight is
 recomputed from the float32 weight ``w`` (transposed first when listed in
 ``edgefl.transposed``) exactly as onnxruntime's ``quantize_dynamic`` computes it with
-``weight_type=QInt8``, symmetric weights, no reduced range (bit-identical; ``m`` ranges
-over the whole tensor, or per channel over the last axis)::
+``weight_type=QInt8``, symmetric weights, no reduced range (bit-identical; ``min`` and
+``max`` range over the whole tensor, or per channel over all axes but the last)::
 
     a     = max(|min(min(w), 0)|, |max(max(w), 0)|)        # float32
     s64   = (float64(a) - float64(-a)) / 254.0              # float64: (127 - -127)
@@ -79,6 +92,7 @@ __all__ = [
     "MAX_FIELDS_PER_MESSAGE",
     "MAX_TEMPLATE_BYTES",
     "OnnxTemplate",
+    "verify_template",
 ]
 
 MAX_TEMPLATE_BYTES = 256 * 1024 * 1024
@@ -99,7 +113,7 @@ _MAX_FIELD_NUMBER = (1 << 29) - 1
 # TensorProto, StringStringEntryProto).
 _MODEL_GRAPH, _MODEL_METADATA = 7, 14
 _GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_SPARSE_INITIALIZER = 1, 5, 15
-_NODE_INPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 4, 5, 7
+_NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 2, 4, 5, 7
 _ATTRIBUTE_GRAPH, _ATTRIBUTE_GRAPHS = 6, 11
 _TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_SEGMENT, _TENSOR_NAME = 1, 2, 3, 8
 _TENSOR_FLOAT_DATA, _TENSOR_INT32_DATA, _TENSOR_RAW_DATA = 4, 5, 9
@@ -122,8 +136,8 @@ _META_PRECISION = "edgefl.precision"
 _META_MODEL = "edgefl.model"
 _META_QUANTIZATION = "edgefl.quantization"
 _META_TRANSPOSED = "edgefl.transposed"
+_META_INT8_WEIGHTS = "edgefl.int8_weights"
 
-_QUANTIZED_SUFFIX, _SCALE_SUFFIX, _ZERO_POINT_SUFFIX = "_quantized", "_scale", "_zero_point"
 _INTEGER_WEIGHT_OPS = frozenset({"ConvInteger", "MatMulInteger"})
 _QUANTIZED_OPS = _INTEGER_WEIGHT_OPS | {
     "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear", "QLinearConv",
@@ -164,8 +178,17 @@ class _Tensor:
 
 
 @dataclass(frozen=True, slots=True)
+class _Node:
+    """A node of the graph: what the parser reads of it."""
+
+    op_type: str  # prefixed by "domain." outside the default domain
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _Quantized:
-    """A weight stored as int8 ``X_quantized``, ``X_scale``, ``X_zero_point``."""
+    """A weight stored as int8 values, a float32 scale and an int8 zero point."""
 
     name: str
     values: _Tensor
@@ -483,8 +506,7 @@ class OnnxTemplate:
         self._model_name = metadata.get(_META_MODEL, "")
         self._graph_fields = _fields(buf, graph_field.data, graph_field.end, "graph")
         tensors: dict[str, _Tensor] = {}
-        consumers: dict[str, list[tuple[str, int]]] = {}
-        op_types: set[str] = set()
+        nodes: list[_Node] = []
         for index, field in enumerate(self._graph_fields):
             if field.number == _GRAPH_INITIALIZER:
                 tensor = self._tensor(index, field)
@@ -492,13 +514,10 @@ class OnnxTemplate:
                     raise OnnxTemplateError(f"tensor {tensor.name!r}: duplicate initializer")
                 tensors[tensor.name] = tensor
             elif field.number == _GRAPH_NODE:
-                op_type, inputs = self._node(field)
-                op_types.add(op_type)
-                for position, name in enumerate(inputs):
-                    consumers.setdefault(name, []).append((op_type, position))
+                nodes.append(self._node(field))
             elif field.number == _GRAPH_SPARSE_INITIALIZER:
                 raise OnnxTemplateError("template: sparse initializers are not supported")
-        self._classify(tensors, consumers, op_types, metadata)
+        self._classify(tensors, nodes, metadata)
 
     def _metadata(self) -> dict[str, str]:
         buf = self._data
@@ -518,15 +537,18 @@ class OnnxTemplate:
             metadata[key] = value
         return metadata
 
-    def _node(self, field: _Field) -> tuple[str, list[str]]:
-        """(op_type, inputs) of a node; refuses nodes with subgraphs."""
+    def _node(self, field: _Field) -> _Node:
+        """op_type, inputs and outputs of a node; refuses nodes with subgraphs."""
         buf = self._data
         _expect(field, _LEN, "node")
         op_type, domain = "", ""
         inputs: list[str] = []
+        outputs: list[str] = []
         for part in _fields(buf, field.data, field.end, "node"):
             if part.number == _NODE_INPUT:
                 inputs.append(_text(buf, part, "node"))
+            elif part.number == _NODE_OUTPUT:
+                outputs.append(_text(buf, part, "node"))
             elif part.number == _NODE_OP_TYPE:
                 op_type = _text(buf, part, "node")
             elif part.number == _NODE_DOMAIN:
@@ -540,7 +562,7 @@ class OnnxTemplate:
                         )
         if domain not in ("", "ai.onnx"):
             op_type = f"{domain}.{op_type}"
-        return op_type, inputs
+        return _Node(op_type, tuple(inputs), tuple(outputs))
 
     def _tensor(self, index: int, field: _Field) -> _Tensor:
         buf = self._data
@@ -632,27 +654,12 @@ class OnnxTemplate:
         return values
 
     def _classify(
-        self,
-        tensors: dict[str, _Tensor],
-        consumers: dict[str, list[tuple[str, int]]],
-        op_types: set[str],
-        metadata: dict[str, str],
+        self, tensors: dict[str, _Tensor], nodes: list[_Node], metadata: dict[str, str]
     ) -> None:
         """Sort the initializers into weights, quantized weights and constants."""
-        quantized: list[_Quantized] = []
-        derived: set[str] = set()
-        for tensor in tensors.values():
-            if tensor.data_type != _INT8 or not tensor.name.endswith(_QUANTIZED_SUFFIX):
-                continue
-            base = tensor.name[: -len(_QUANTIZED_SUFFIX)]
-            scale = tensors.get(base + _SCALE_SUFFIX)
-            zero_point = tensors.get(base + _ZERO_POINT_SUFFIX)
-            if scale is None or scale.data_type != _FLOAT:
-                raise OnnxTemplateError(f"tensor {base!r}: no float32 {base + _SCALE_SUFFIX!r}")
-            if zero_point is None or zero_point.data_type != _INT8:
-                raise OnnxTemplateError(f"tensor {base!r}: no int8 {base + _ZERO_POINT_SUFFIX!r}")
-            quantized.append(self._quantized_weight(base, tensor, scale, zero_point, consumers))
-            derived |= {tensor.name, scale.name, zero_point.name}
+        self._check_precision(nodes, metadata)
+        quantized = self._quantized_weights(tensors, nodes, metadata)
+        derived = {t.name for q in quantized for t in (q.values, q.scale, q.zero_point)}
         for tensor in tensors.values():
             if tensor.data_type == _INT8 and tensor.name not in derived:
                 raise OnnxTemplateError(
@@ -662,7 +669,6 @@ class OnnxTemplate:
         float_weights = [
             t for t in tensors.values() if t.data_type == _FLOAT and t.name not in derived
         ]
-        self._check_precision(quantized, op_types, metadata)
         transposed = self._transposed_names(metadata)
         by_values = {q.values.name: q for q in quantized}
         weights: dict[str, tuple[int, ...]] = {}
@@ -694,15 +700,106 @@ class OnnxTemplate:
         self._quantized = tuple(quantized)
         self._transposed = tuple(sorted(transposed))
 
+    def _quantized_weights(
+        self, tensors: dict[str, _Tensor], nodes: list[_Node], metadata: dict[str, str]
+    ) -> list[_Quantized]:
+        """The quantized weights, found by structure and named by ``edgefl.int8_weights``.
+
+        The k-th ``ConvInteger`` / ``MatMulInteger`` node quantizes the k-th name of the
+        metadata list; its weight and zero point are its inputs 1 and 3, its scale is
+        found through the ``Cast`` and ``Mul`` that follow it (see the module docstring).
+        """
+        if self._precision == "fp32":
+            return []  # _check_precision: no quantized op
+        integer_nodes = [n for n in nodes if n.op_type in _INTEGER_WEIGHT_OPS]
+        names = self._int8_weight_names(metadata)
+        if len(names) != len(integer_nodes):
+            raise OnnxTemplateError(
+                f"template: {_META_INT8_WEIGHTS} names {len(names)} weights for "
+                f"{len(integer_nodes)} ConvInteger / MatMulInteger nodes"
+            )
+        producers: dict[str, _Node] = {}
+        consumers: dict[str, list[tuple[_Node, int]]] = {}
+        for node in nodes:
+            for name in node.outputs:
+                if name:
+                    if name in producers:
+                        raise OnnxTemplateError(f"template: two nodes output {name!r}")
+                    producers[name] = node
+            for position, name in enumerate(node.inputs):
+                consumers.setdefault(name, []).append((node, position))
+        by_values: dict[str, _Quantized] = {}
+        for node, name in zip(integer_nodes, names, strict=True):
+            weight = self._quantized_weight(name, node, tensors, producers, consumers)
+            known = by_values.setdefault(weight.values.name, weight)
+            if known == weight:
+                continue
+            raise OnnxTemplateError(
+                f"tensor {name!r}: its int8 values are also those of {known.name!r}"
+            )
+        seen: set[str] = set()
+        for weight in by_values.values():
+            for tensor in (weight.values, weight.scale, weight.zero_point):
+                if tensor.name in seen:
+                    raise OnnxTemplateError(
+                        f"tensor {weight.name!r}: the initializer {tensor.name!r} has two roles "
+                        "in its quantization or another weight's; not supported"
+                    )
+                seen.add(tensor.name)
+        if not by_values:
+            raise OnnxTemplateError("template: precision is 'int8' but no weight is quantized")
+        return list(by_values.values())
+
     def _quantized_weight(
         self,
         name: str,
-        values: _Tensor,
-        scale: _Tensor,
-        zero_point: _Tensor,
-        consumers: dict[str, list[tuple[str, int]]],
+        node: _Node,
+        tensors: dict[str, _Tensor],
+        producers: dict[str, _Node],
+        consumers: dict[str, list[tuple[_Node, int]]],
     ) -> _Quantized:
+        """The weight, scale and zero point of an integer node (structure checked)."""
         what = f"tensor {name!r}"
+
+        def fail(detail: str) -> OnnxTemplateError:
+            return OnnxTemplateError(f"{what}: its {node.op_type} node {detail}; not supported")
+
+        def sole_consumer(output: str, op_type: str) -> _Node:
+            users = consumers.get(output, [])
+            if len(users) != 1 or users[0][0].op_type != op_type:
+                raise fail(f"is not followed by exactly one {op_type}")
+            return users[0][0]
+
+        if len(node.inputs) != 4 or len(node.outputs) != 1:
+            raise fail("does not have 4 inputs and 1 output")
+        values = tensors.get(node.inputs[1])
+        zero_point = tensors.get(node.inputs[3])
+        if values is None or values.data_type != _INT8:
+            raise fail("does not take an INT8 initializer as input 1")
+        if zero_point is None or zero_point.data_type != _INT8:
+            raise fail("does not take an INT8 initializer as input 3 (zero point)")
+        dq = producers.get(node.inputs[0])
+        if (
+            dq is None
+            or dq.op_type != "DynamicQuantizeLinear"
+            or len(dq.outputs) != 3
+            or (dq.outputs[0], dq.outputs[2]) != (node.inputs[0], node.inputs[2])
+        ):
+            raise fail("does not take inputs 0 and 2 from one DynamicQuantizeLinear")
+        cast = sole_consumer(node.outputs[0], "Cast")
+        if len(cast.outputs) != 1:
+            raise fail("is followed by a Cast with several outputs")
+        scaled = sole_consumer(cast.outputs[0], "Mul")
+        if len(scaled.inputs) != 2:
+            raise fail("is followed by a Mul without two inputs")
+        scales = producers.get(scaled.inputs[1 - scaled.inputs.index(cast.outputs[0])])
+        if scales is None or scales.op_type != "Mul" or len(scales.inputs) != 2:
+            raise fail("output is not multiplied by a product of scales")
+        if dq.outputs[1] not in scales.inputs:
+            raise fail("output is not multiplied by its input's scale")
+        scale = tensors.get(scales.inputs[1 - scales.inputs.index(dq.outputs[1])])
+        if scale is None or scale.data_type != _FLOAT:
+            raise fail("output is not multiplied by a FLOAT initializer (the weight scale)")
         if scale.dims == ():
             per_channel = False
         elif values.dims and scale.dims == (values.dims[-1],):
@@ -718,25 +815,22 @@ class OnnxTemplate:
             raise OnnxTemplateError(
                 f"{what}: non-zero zero points (asymmetric quantization) are not supported"
             )
-        for op_type, position in consumers.get(values.name, []):
-            if op_type not in _INTEGER_WEIGHT_OPS or position != 1:
+        for user, position in consumers.get(values.name, []):
+            if user.op_type not in _INTEGER_WEIGHT_OPS or position != 1:
                 raise OnnxTemplateError(
-                    f"{what}: used as input {position} of {op_type}; only the weight input of "
-                    "ConvInteger or MatMulInteger is supported"
+                    f"{what}: used as input {position} of {user.op_type}; only the weight "
+                    "input of ConvInteger or MatMulInteger is supported"
                 )
-            if op_type == "ConvInteger" and per_channel:
+            if user.op_type == "ConvInteger" and per_channel:
                 raise OnnxTemplateError(f"{what}: per-channel ConvInteger weights unsupported")
         return _Quantized(name, values, scale, zero_point, per_channel)
 
-    def _check_precision(
-        self, quantized: list[_Quantized], op_types: set[str], metadata: dict[str, str]
-    ) -> None:
+    def _check_precision(self, nodes: list[_Node], metadata: dict[str, str]) -> None:
         if self._precision == "fp32":
-            found = sorted(op_types & _QUANTIZED_OPS)
-            if quantized or found:
+            found = sorted({n.op_type for n in nodes} & _QUANTIZED_OPS)
+            if found:
                 raise OnnxTemplateError(
-                    f"template: precision is 'fp32' but it holds quantized weights or ops "
-                    f"({found or [q.name for q in quantized][:3]})"
+                    f"template: precision is 'fp32' but it holds quantized ops ({found})"
                 )
             return
         scheme = metadata.get(_META_QUANTIZATION)
@@ -744,8 +838,21 @@ class OnnxTemplate:
             raise OnnxTemplateError(
                 f"template: unsupported quantization {scheme!r}; expected {INT8_SCHEME!r}"
             )
-        if not quantized:
-            raise OnnxTemplateError("template: precision is 'int8' but no weight is quantized")
+
+    def _int8_weight_names(self, metadata: dict[str, str]) -> list[str]:
+        raw = metadata.get(_META_INT8_WEIGHTS)
+        if raw is None:
+            raise OnnxTemplateError(
+                f"template: int8 without {_META_INT8_WEIGHTS} (made by an older edgefl?); "
+                "export it again (python -m edge_client template)"
+            )
+        try:
+            names = json.loads(raw)
+        except ValueError:
+            names = None
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise OnnxTemplateError(f"template: {_META_INT8_WEIGHTS} is not a JSON list of names")
+        return names
 
     def _transposed_names(self, metadata: dict[str, str]) -> frozenset[str]:
         raw = metadata.get(_META_TRANSPOSED, "[]")
@@ -777,3 +884,35 @@ def _checked_weight(
     if not np.isfinite(values).all():
         raise OnnxTemplateError(f"tensor {name!r} has non-finite values (as float32)")
     return values
+
+
+def verify_template(template: bytes, state: Mapping[str, np.ndarray]) -> None:
+    """Check a freshly exported template as a device will use it.
+
+    ``state`` holds the float weights the template was exported from (the model's
+    floating ``state_dict`` tensors as numpy arrays). The template must parse, need
+    exactly tensors of ``state`` with their shapes, and render ``state`` back into the
+    very same bytes: for int8, the device's quantization reproduces onnxruntime's bit for
+    bit and every quantized weight maps to the right tensor. ``python -m edge_client
+    template`` runs this on every export, so a change of onnxruntime that breaks the
+    template fails there rather than on a device.
+
+    Raises:
+        OnnxTemplateError: the renderer refuses the template, needs other tensors, or
+            does not reproduce it.
+    """
+    what = "the device-side renderer (edge_client.onnx_model)"
+    try:
+        device = OnnxTemplate.from_bytes(template)
+        needed = {name: shape for name, (shape, _) in device.weights.items()}
+        rendered = device.render(state)
+    except OnnxTemplateError as exc:
+        raise OnnxTemplateError(f"{what} refuses the template: {exc}") from exc
+    expected = {name: tuple(state[name].shape) for name in needed if name in state}
+    if needed != expected:
+        raise OnnxTemplateError(f"{what} needs tensors {sorted(needed)}, not {sorted(state)}")
+    if rendered != template:
+        raise OnnxTemplateError(
+            f"{what} does not reproduce the template from the model's own weights (the "
+            "quantization or the weight mapping differs from onnxruntime's)"
+        )

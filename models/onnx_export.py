@@ -9,8 +9,11 @@ and the quantization cost in accuracy.
 
 Devices that receive the fleet's weights after every round but have neither torch nor
 onnx get a *template* instead (:func:`export_template`, fp32 or dynamically quantized
-int8): an ONNX model whose initializers keep their ``state_dict`` names, into which
-:class:`edge_client.onnx_model.OnnxTemplate` writes new weights with numpy alone.
+int8): an ONNX model whose float initializers keep their ``state_dict`` names, into
+which :class:`edge_client.onnx_model.OnnxTemplate` writes new weights with numpy alone.
+The int8 weights of a template are found by the graph's structure (the integer node
+that consumes them), never by the names onnxruntime gives them, and the template's
+metadata says which ``state_dict`` tensor each of them quantizes.
 
 Every function takes and returns bytes / arrays; files are used only internally, in a
 temporary directory, where onnxruntime's quantizer requires paths.
@@ -78,6 +81,7 @@ _META_PRECISION = "edgefl.precision"
 _META_MODEL = "edgefl.model"
 _META_QUANTIZATION = "edgefl.quantization"
 _META_TRANSPOSED = "edgefl.transposed"
+_META_INT8_WEIGHTS = "edgefl.int8_weights"
 _FLOAT_TYPES = frozenset(
     {
         onnx.TensorProto.FLOAT,
@@ -89,6 +93,9 @@ _FLOAT_TYPES = frozenset(
 # Ops whose weights an int8 template quantizes: Conv -> ConvInteger, and MatMul (which
 # includes every Gemm: quantize_dynamic rewrites Gemm as MatMul + Add) -> MatMulInteger.
 _INT8_OP_TYPES = ("Conv", "MatMul")
+# The integer op of an int8 template -> the fp32 ops it may replace.
+_INTEGER_OPS = {"ConvInteger": ("Conv",), "MatMulInteger": ("Gemm", "MatMul")}
+_DEFAULT_DOMAINS = ("", "ai.onnx")
 _CALIBRATION_BATCH = 64  # images per calibration step of the int8 quantizer
 _RUN_CHUNK = 1024  # images per onnxruntime call when scoring large arrays
 
@@ -184,14 +191,34 @@ def export_template(
       onnxruntime's dynamic ``ConvInteger`` quantizer ignores the flag, so ``Conv``
       weights are quantized per tensor.
 
-    The quantized weight ``X`` is stored as ``X_quantized`` (int8), ``X_scale``
-    (float32) and ``X_zero_point`` (int8).
+    Each quantized weight is three initializers, found by the graph's structure and
+    never by the names onnxruntime gives them (which change between its versions): a
+    ``ConvInteger`` / ``MatMulInteger`` node takes the int8 weight as input 1 and its
+    int8 zero point as input 3; its input 0 comes from a ``DynamicQuantizeLinear``,
+    and its output goes through ``Cast`` to a ``Mul`` by the product
+    ``Mul(activation scale, weight scale)``, the weight scale being a float32
+    initializer. The fleet tensor each node quantizes is found by matching the node to
+    the fp32 ``Conv`` / ``Gemm`` / ``MatMul`` it replaces (same input activation; the
+    ``Mul``, or the bias ``Add`` after it, produces that node's output) and recorded
+    in the template's metadata.
 
     Metadata (``ModelProto.metadata_props``): ``edgefl.template`` = ``"1"``,
     ``edgefl.precision`` = ``precision``, ``edgefl.model`` = ``model_name``, and for
-    int8 templates ``edgefl.quantization`` = :data:`TEMPLATE_INT8_SCHEME` and
-    ``edgefl.transposed`` = a JSON list of the weights stored transposed (the Gemm
-    weights), which a device cannot tell from shapes alone (square matrices).
+    int8 templates ``edgefl.quantization`` = :data:`TEMPLATE_INT8_SCHEME`,
+    ``edgefl.int8_weights`` = a JSON list with, for each ``ConvInteger`` /
+    ``MatMulInteger`` node in graph order, the ``state_dict`` name of the weight it
+    quantizes, and ``edgefl.transposed`` = a JSON list of the weights stored
+    transposed (the Gemm weights), which a device cannot tell from shapes alone
+    (square matrices).
+
+    The device side checks the finished template as it will use it
+    (:func:`edge_client.onnx_model.verify_template`, which ``python -m edge_client
+    template`` runs on every export; ``models`` may not import the device's code): it
+    must load, need only ``model``'s float ``state_dict`` tensors (with their shapes),
+    and render ``model``'s own weights back into the same bytes (for int8: the device's
+    quantization reproduces onnxruntime's bit for bit, and every quantized weight maps
+    to the right tensor). A change of onnxruntime that breaks any of this fails there,
+    at export, rather than on a device.
 
     Args:
         model: the classifier; ``forward`` maps (B, C, H, W) float32 images to logits.
@@ -206,8 +233,9 @@ def export_template(
 
     Raises:
         ModelError: ``precision`` or the shape is invalid, the export or the
-            quantization failed, or an initializer breaks the rules above or is a shared
-            Gemm weight of an int8 template (the message names it).
+            quantization failed, an initializer breaks the rules above or is a shared
+            Gemm weight of an int8 template (the message names it), the quantized graph
+            does not have the structure above.
     """
     if precision not in ("fp32", "int8"):
         raise ModelError(f"precision must be 'fp32' or 'int8', got {precision!r}")
@@ -222,12 +250,13 @@ def export_template(
     _check_batch_dim(proto)
     _check_template_weights(proto, model)
     transposed: list[str] = []
+    int8_weights: list[str] = []
     if precision == "int8":
         transposed = _gemm_transposed_weights(proto)
         fp32 = proto
         proto = _quantize_template(fp32)
-        _check_int8_template(fp32, proto, transposed)
-    _set_template_metadata(proto, precision, model_name, transposed)
+        int8_weights = _int8_weight_sources(fp32, proto, transposed)
+    _set_template_metadata(proto, precision, model_name, transposed, int8_weights)
     template: bytes = proto.SerializeToString()
     _load_checked(template, what=f"{precision} template")
     logger.debug(
@@ -278,10 +307,12 @@ def quantize_onnx_int8(
     uint8 activations and int8 weights (U8S8, the CPU default), per output channel for
     weights if ``per_channel``. The result is then stripped for deployment: shape
     annotations (``value_info``), node names and doc strings are dropped and activation
-    tensors get short names (``a0``, ``a1``, ...); weight names and the graph's input and
-    output names are kept. onnxruntime's quantizer logs its warnings (for instance on
-    per-channel axes of GroupNorm constants) through the root logger; they are re-logged
-    at DEBUG on this module's logger.
+    tensors get short names (``a0``, ``a1``, ...; never a name kept); the names of the
+    initializers (the weights, whatever names onnxruntime gave them) and the graph's
+    input and output names are kept. Nothing here depends on the names onnxruntime
+    chooses. onnxruntime's quantizer logs its warnings (for instance on per-channel axes
+    of GroupNorm constants) through the root logger; they are re-logged at DEBUG on this
+    module's logger.
 
     Args:
         onnx_bytes: a serialized fp32 model as returned by :func:`export_onnx`.
@@ -378,7 +409,14 @@ def _strip_for_deployment(proto: onnx.ModelProto) -> None:
     short: dict[str, str] = {}
 
     def rename(name: str) -> str:
-        return name if name in keep else short.setdefault(name, f"a{len(short)}")
+        if name in keep:
+            return name
+        if name not in short:
+            new = f"a{len(short)}"
+            while new in keep:  # whatever names the exporter and the quantizer chose
+                new = f"_{new}"
+            short[name] = new
+        return short[name]
 
     for node in graph.node:
         node.name = ""
@@ -486,10 +524,11 @@ def _gemm_transposed_weights(proto: onnx.ModelProto) -> list[str]:
     """Initializers quantize_dynamic will store transposed: B of Gemm(transB=1) it rewrites.
 
     Mirrors onnxruntime's ``ONNXModel.replace_gemm_with_matmul``: a Gemm with alpha = beta
-    = 1, transA = 0 and transB = 1 whose B is an initializer becomes MatMul(A, B^T) with
-    B^T stored under B's name. That rewrite assumes no other node uses B (a second Gemm
-    would transpose it back, silently computing with the wrong layout), so a weight
-    shared by several nodes raises ModelError.
+    = 1, transA = 0 and transB = 1 whose B is an initializer becomes MatMul(A, B^T), B^T
+    being a new initializer (under B's own name up to onnxruntime 1.31, under a new name
+    since 1.32; the name does not matter here). Up to 1.31 that rewrite assumes no other
+    node uses B (a second Gemm would transpose it back, silently computing with the
+    wrong layout), so a weight shared by several nodes raises ModelError.
     """
     initializers = {t.name for t in proto.graph.initializer}
     uses: dict[str, int] = {}
@@ -538,52 +577,193 @@ def _quantize_template(fp32: onnx.ModelProto) -> onnx.ModelProto:
         return _load_checked(int8_path.read_bytes(), what="int8 template")
 
 
-def _check_int8_template(
+def _int8_weight_sources(
     fp32: onnx.ModelProto, int8: onnx.ModelProto, transposed: list[str]
-) -> None:
-    """Every fp32 weight is in ``int8`` as float or as an int8 triple, in the expected layout.
+) -> list[str]:
+    """The fp32 weight each ConvInteger / MatMulInteger node of ``int8`` quantizes.
 
-    Guards the assumptions :mod:`edge_client.onnx_model` makes about quantize_dynamic's
-    output, so that a change of onnxruntime fails here rather than on a device.
+    Found by structure alone (see :func:`export_template`): each integer node is
+    matched to the fp32 Conv / Gemm / MatMul it replaces, which reads the same
+    activation and whose output the integer node's ``Mul`` (or the bias ``Add`` after
+    it) produces; none of the names onnxruntime gives the new initializers and nodes is
+    used. Also checks the layout :mod:`edge_client.onnx_model` relies on: every fp32
+    weight is in ``int8`` either as a float32 initializer of the same name and shape
+    or as an int8 weight in the expected layout (transposed for the ``transposed``
+    Gemm weights); every other float initializer is a weight scale and every int8
+    initializer a quantized weight or its zero point. So a change of onnxruntime fails
+    here rather than on a device.
+
+    Returns:
+        One ``state_dict`` name per integer node, in graph order.
+
+    Raises:
+        ModelError: the quantized graph does not have the expected structure.
     """
-    tensors = {t.name: t for t in int8.graph.initializer}
     weights = {t.name: tuple(t.dims) for t in fp32.graph.initializer if t.data_type in _FLOAT_TYPES}
+    replaced: dict[str, onnx.NodeProto] = {}  # output of an fp32 Conv / Gemm / MatMul
+    for node in fp32.graph.node:
+        if (
+            node.domain in _DEFAULT_DOMAINS
+            and node.op_type in ("Conv", "Gemm", "MatMul")
+            and len(node.input) > 1
+            and node.input[1] in weights
+        ):
+            replaced[node.output[0]] = node
+    tensors = {t.name: t for t in int8.graph.initializer}
+    producers = {name: node for node in int8.graph.node for name in node.output if name}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in int8.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    sources: list[str] = []
+    quantized: dict[str, tuple[str, str, str]] = {}  # int8 values -> (weight, scale, zero)
     derived: set[str] = set()
-    quantized = 0
-    for name, dims in weights.items():
-        expected = dims[::-1] if name in transposed else dims
-        q = tensors.get(f"{name}_quantized")
-        if q is not None:
-            scale = tensors.get(f"{name}_scale")
-            zero_point = tensors.get(f"{name}_zero_point")
-            if (
-                q.data_type != onnx.TensorProto.INT8
-                or scale is None
-                or scale.data_type != onnx.TensorProto.FLOAT
-                or zero_point is None
-                or zero_point.data_type != onnx.TensorProto.INT8
-            ):
-                raise ModelError(f"int8 template: unexpected quantization of weight {name!r}")
-            derived.add(scale.name)
-            quantized += 1
-            actual = tuple(q.dims)
-        elif name in tensors:
-            actual = tuple(tensors[name].dims)
-        else:
-            raise ModelError(f"int8 template: weight {name!r} is missing after quantization")
-        if actual != expected:
+    for position, node in enumerate(int8.graph.node):
+        if node.op_type not in _INTEGER_OPS or node.domain not in _DEFAULT_DOMAINS:
+            continue
+        what = f"int8 template: {node.op_type} node #{position}"
+        values, scale, zero_point, dq_input, scaled = _integer_weight(
+            node, what, tensors, producers, consumers
+        )
+        source = _replaced_node(scaled, replaced, consumers)
+        if (
+            source is None
+            or source.op_type not in _INTEGER_OPS[node.op_type]
+            or source.input[0] != dq_input
+        ):
             raise ModelError(
-                f"int8 template: weight {name!r} has layout {actual}, expected {expected}"
+                f"{what} matches no fp32 {' / '.join(_INTEGER_OPS[node.op_type])} node of the "
+                "template (same input, same output); cannot tell which weight it quantizes"
+            )
+        name = source.input[1]
+        expected = weights[name][::-1] if name in transposed else weights[name]
+        if tuple(values.dims) != expected:
+            raise ModelError(
+                f"int8 template: weight {name!r} has layout {tuple(values.dims)}, expected "
+                f"{expected}"
+            )
+        triple = (name, scale.name, zero_point.name)
+        if quantized.setdefault(values.name, triple) != triple:
+            raise ModelError(
+                f"int8 template: one int8 initializer quantizes two weights ({name!r})"
+            )
+        sources.append(name)
+    for values_name, (_, scale_name, zero_point_name) in quantized.items():
+        for tensor_name in (values_name, scale_name, zero_point_name):
+            if tensor_name in derived:
+                raise ModelError("int8 template: quantized weights share an initializer")
+            derived.add(tensor_name)
+
+    by_source = {name for name, _, _ in quantized.values()}
+    for name, dims in weights.items():
+        if name in by_source:
+            continue
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ModelError(f"int8 template: weight {name!r} is missing after quantization")
+        if tensor.data_type != onnx.TensorProto.FLOAT or tuple(tensor.dims) != dims:
+            raise ModelError(
+                f"int8 template: weight {name!r} is not kept as float32 of shape {dims}"
             )
     for tensor in int8.graph.initializer:
-        if tensor.data_type in _FLOAT_TYPES and tensor.name not in weights.keys() | derived:
+        if tensor.name in derived:
+            continue
+        if tensor.data_type in _FLOAT_TYPES and tensor.name not in weights:
             raise ModelError(f"int8 template: unexpected float initializer {tensor.name!r}")
-    if quantized == 0:
+        if tensor.data_type == onnx.TensorProto.INT8:
+            raise ModelError(
+                f"int8 template: int8 initializer {tensor.name!r} is not the weight or the "
+                "zero point of a ConvInteger / MatMulInteger node"
+            )
+    if not sources:
         raise ModelError("int8 template: the model has no Conv or Linear weight to quantize")
+    return sources
+
+
+def _integer_weight(
+    node: onnx.NodeProto,
+    what: str,
+    tensors: dict[str, onnx.TensorProto],
+    producers: dict[str, onnx.NodeProto],
+    consumers: dict[str, list[onnx.NodeProto]],
+) -> tuple[onnx.TensorProto, onnx.TensorProto, onnx.TensorProto, str, str]:
+    """(weight, scale, zero point, fp32 activation, scaled output) of an integer node.
+
+    The structure quantize_dynamic writes (``x`` the fp32 activation)::
+
+        x_q, x_scale, x_zero = DynamicQuantizeLinear(x)
+        y_int32 = ConvInteger | MatMulInteger(x_q, weight, x_zero, weight_zero_point)
+        scales  = Mul(x_scale, weight_scale)      # either order; weight_scale float32
+        scaled  = Mul(Cast(y_int32, to=FLOAT), scales)   # either order
+
+    ``weight`` and ``weight_zero_point`` are int8 initializers, ``weight_scale`` a
+    float32 initializer. Raises ModelError (``what`` first) where the graph differs.
+    """
+
+    def fail(detail: str) -> ModelError:
+        return ModelError(f"{what}: {detail}; not the layout of onnxruntime's quantize_dynamic")
+
+    def initializer(name: str, data_type: int) -> onnx.TensorProto | None:
+        tensor = tensors.get(name)
+        return tensor if tensor is not None and tensor.data_type == data_type else None
+
+    def sole_consumer(name: str, op_type: str) -> onnx.NodeProto:
+        users = consumers.get(name, [])
+        if len(users) != 1 or users[0].op_type != op_type:
+            raise fail(f"{name!r} is not used by exactly one {op_type}")
+        return users[0]
+
+    if len(node.input) != 4 or len(node.output) != 1:
+        raise fail("expected 4 inputs and 1 output")
+    values = initializer(node.input[1], onnx.TensorProto.INT8)
+    zero_point = initializer(node.input[3], onnx.TensorProto.INT8)
+    if values is None or zero_point is None:
+        raise fail("inputs 1 and 3 are not int8 initializers")
+    dq = producers.get(node.input[0])
+    if (
+        dq is None
+        or dq.op_type != "DynamicQuantizeLinear"
+        or len(dq.output) != 3
+        or dq.output[0] != node.input[0]
+        or dq.output[2] != node.input[2]
+    ):
+        raise fail("inputs 0 and 2 do not come from one DynamicQuantizeLinear")
+    cast = sole_consumer(node.output[0], "Cast")
+    scaled = sole_consumer(cast.output[0], "Mul")
+    if len(scaled.input) != 2 or cast.output[0] not in scaled.input:
+        raise fail("the Cast output is not multiplied by the scales")
+    scales_name = scaled.input[1] if scaled.input[0] == cast.output[0] else scaled.input[0]
+    scales = producers.get(scales_name)
+    if scales is None or scales.op_type != "Mul" or len(scales.input) != 2:
+        raise fail("the scales are not a Mul")
+    if dq.output[1] not in scales.input:
+        raise fail("the scales do not include the activation scale")
+    other = scales.input[1] if scales.input[0] == dq.output[1] else scales.input[0]
+    scale = initializer(other, onnx.TensorProto.FLOAT)
+    if scale is None:
+        raise fail("the weight scale is not a float32 initializer")
+    return values, scale, zero_point, dq.input[0], scaled.output[0]
+
+
+def _replaced_node(
+    scaled: str, replaced: dict[str, onnx.NodeProto], consumers: dict[str, list[onnx.NodeProto]]
+) -> onnx.NodeProto | None:
+    """The fp32 node whose output ``scaled`` is, directly or after one bias ``Add``."""
+    if scaled in replaced:
+        return replaced[scaled]
+    users = consumers.get(scaled, [])
+    if len(users) == 1 and users[0].op_type == "Add" and len(users[0].output) == 1:
+        return replaced.get(users[0].output[0])
+    return None
 
 
 def _set_template_metadata(
-    proto: onnx.ModelProto, precision: str, model_name: str, transposed: list[str]
+    proto: onnx.ModelProto,
+    precision: str,
+    model_name: str,
+    transposed: list[str],
+    int8_weights: list[str],
 ) -> None:
     """Replace any ``edgefl.*`` metadata of ``proto`` with the template's, in place."""
     kept = [(e.key, e.value) for e in proto.metadata_props if not e.key.startswith("edgefl.")]
@@ -595,6 +775,7 @@ def _set_template_metadata(
     ]
     if precision == "int8":
         entries.append((_META_QUANTIZATION, TEMPLATE_INT8_SCHEME))
+        entries.append((_META_INT8_WEIGHTS, json.dumps(int8_weights)))
         entries.append((_META_TRANSPOSED, json.dumps(transposed)))
     del proto.metadata_props[:]
     for key, value in entries:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import models.onnx_export as onnx_export
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import (
     INPUT_NAME,
@@ -201,3 +202,37 @@ def test_quantization_and_agreement_reject_bad_arrays() -> None:
         quantize_onnx_int8(b"not onnx", np.zeros((4, 1, 28, 28), dtype=np.float32))
     with pytest.raises(ModelError, match="shape"):
         top1_agreement(fp32, fp32, np.zeros((28, 28), dtype=np.float32))
+
+
+def test_short_activation_names_never_collide_with_kept_names() -> None:
+    # The int8 model's activations get short names a0, a1, ...; weights keep the names
+    # the exporter and the quantizer gave them, whatever those are.
+    helper = onnx.helper
+    ones = np.ones((1, 3), dtype=np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", [INPUT_NAME, "a0"], ["t"]),
+            helper.make_node("Relu", ["t"], ["u"]),
+            helper.make_node("Add", ["u", "_a1"], ["v"]),
+            helper.make_node("Add", ["v", "a1"], [OUTPUT_NAME]),
+        ],
+        "g",
+        [helper.make_tensor_value_info(INPUT_NAME, onnx.TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info(OUTPUT_NAME, onnx.TensorProto.FLOAT, ["batch", 3])],
+        [
+            onnx.numpy_helper.from_array(ones, "a0"),
+            onnx.numpy_helper.from_array(2 * ones, "a1"),
+            onnx.numpy_helper.from_array(3 * ones, "_a1"),
+        ],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.array([[-5.0, 0.0, 1.0]], dtype=np.float32)
+
+    onnx_export._strip_for_deployment(proto)
+
+    onnx.checker.check_model(proto, full_check=True)
+    names = [name for node in proto.graph.node for name in node.output]
+    assert len(set(names)) == len(names)
+    assert not set(names) & {"a0", "a1", "_a1"}
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {INPUT_NAME: x})[0], [[5.0, 6.0, 7.0]])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import numpy as np
 import onnx
@@ -12,6 +13,9 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+import models.onnx_export as onnx_export
+from edge_client.errors import OnnxTemplateError
+from edge_client.onnx_model import OnnxTemplate, verify_template
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import (
     INPUT_NAME,
@@ -46,6 +50,68 @@ def _images(model: Classifier, batch: int = 32) -> np.ndarray:
 def _logits(data: bytes, x: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     return np.asarray(session.run(None, {INPUT_NAME: x})[0])
+
+
+def _state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {name: t.detach().cpu().numpy() for name, t in model.state_dict().items()}
+
+
+def _quantized(proto: onnx.ModelProto) -> dict[str, tuple[onnx.TensorProto, ...]]:
+    """state_dict name -> (int8 values, scale, zero point), found by structure alone.
+
+    The k-th ConvInteger / MatMulInteger node quantizes the k-th weight of
+    edgefl.int8_weights: its inputs 1 and 3 are the values and the zero point; the scale
+    is the initializer in the Mul that scales its (Cast) output.
+    """
+    tensors = {t.name: t for t in proto.graph.initializer}
+    producers = {name: node for node in proto.graph.node for name in node.output}
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    names = json.loads(_metadata(proto)["edgefl.int8_weights"])
+    integer = [n for n in proto.graph.node if n.op_type in ("ConvInteger", "MatMulInteger")]
+    assert len(names) == len(integer)
+    found: dict[str, tuple[onnx.TensorProto, ...]] = {}
+    for name, node in zip(names, integer, strict=True):
+        (cast,) = users[node.output[0]]
+        (scaled,) = users[cast.output[0]]
+        assert (cast.op_type, scaled.op_type) == ("Cast", "Mul")
+        (scales_name,) = [i for i in scaled.input if i != cast.output[0]]
+        (scale,) = [tensors[i] for i in producers[scales_name].input if i in tensors]
+        found[name] = (tensors[node.input[1]], scale, tensors[node.input[3]])
+    return found
+
+
+def _rename(data: bytes, keep: set[str], how: str, seed: int = 0) -> tuple[bytes, dict[str, str]]:
+    """``data`` with the initializers and tensors not in ``keep`` renamed (nodes follow).
+
+    ``how="random"``: fresh random names for those initializers, the intermediate
+    tensors and the nodes; ``how="shuffled"``: those initializers' names permuted among
+    themselves, so a reader that trusted onnxruntime's names (``X_quantized``,
+    ``X_scale``, ...) would pick another weight's tensors rather than fail. Returns the
+    model and the map old -> new name.
+    """
+    proto = onnx.load_from_string(data)
+    graph = proto.graph
+    keep = keep | {v.name for v in graph.input} | {v.name for v in graph.output} | {""}
+    old = [t.name for t in graph.initializer if t.name not in keep]
+    rng = np.random.default_rng(seed)
+    if how == "random":
+        old += [o for n in graph.node for o in n.output if o not in keep]
+        mapping = {name: f"t{uuid.UUID(bytes=rng.bytes(16)).hex}" for name in old}
+        for node in graph.node:
+            node.name = f"n{uuid.UUID(bytes=rng.bytes(16)).hex}"
+    else:
+        mapping = dict(zip(old, rng.permutation(old).tolist(), strict=True))
+        assert any(a != b for a, b in mapping.items())
+    for tensor in graph.initializer:
+        tensor.name = mapping.get(tensor.name, tensor.name)
+    for node in graph.node:
+        node.input[:] = [mapping.get(name, name) for name in node.input]
+        node.output[:] = [mapping.get(name, name) for name in node.output]
+    onnx.checker.check_model(proto, full_check=True)
+    return proto.SerializeToString(), mapping
 
 
 @pytest.fixture(scope="module", params=classifier_names())
@@ -116,13 +182,23 @@ def test_int8_template_quantizes_conv_and_linear_weights_dynamically(
     transposed = json.loads(meta["edgefl.transposed"])
     linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert set(transposed) == {f"{n}.weight" for n in linear}
+    quantized = _quantized(proto)
+    layers = {n for n, m in model.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)}
+    assert set(quantized) == {f"{n}.weight" for n in layers}
+    assert not set(quantized) & set(tensors)  # no float copy left under the fleet name
     for name, module in model.named_modules():
         if not isinstance(module, nn.Conv2d | nn.Linear):
             continue
-        q = tensors[f"{name}.weight_quantized"]
-        scale = numpy_helper.to_array(tensors[f"{name}.weight_scale"])
-        zero_point = numpy_helper.to_array(tensors[f"{name}.weight_zero_point"])
+        q, scale_tensor, zero_point_tensor = quantized[f"{name}.weight"]
+        scale = numpy_helper.to_array(scale_tensor)
+        zero_point = numpy_helper.to_array(zero_point_tensor)
         assert q.data_type == onnx.TensorProto.INT8
+        assert scale.dtype == np.float32 and zero_point.dtype == np.int8
+        expected = module.weight.detach().numpy()
+        if isinstance(module, nn.Linear):
+            expected = expected.T
+        dequantized = numpy_helper.to_array(q).astype(np.float32) * scale
+        np.testing.assert_allclose(dequantized, expected, rtol=0, atol=0.501 * float(scale.max()))
         assert not zero_point.any()  # symmetric
         if isinstance(module, nn.Linear):  # stored transposed, one scale per output
             assert tuple(q.dims) == tuple(module.weight.shape[::-1])
@@ -143,6 +219,129 @@ def test_int8_template_runs_on_the_cpu_provider_and_agrees_with_fp32(
 
     assert int8.shape == fp32.shape
     assert np.mean(fp32.argmax(axis=1) == int8.argmax(axis=1)) >= 0.9
+
+
+@pytest.mark.parametrize("how", ["random", "shuffled"])
+def test_rendering_does_not_rely_on_the_names_onnxruntime_gives_initializers(
+    model: Classifier, templates: dict[str, bytes], how: str
+) -> None:
+    # Every initializer onnxruntime created (int8 weights, scales, zero points, shapes)
+    # gets a random name, or another one's name; only the fleet's own names stay.
+    torch.manual_seed(1)
+    other = type(model)(model.config)  # the fleet's next weights, same architecture
+    state = _state(other)
+    renamed, mapping = _rename(templates["int8"], set(state), how)
+    x = _images(model, batch=64)
+
+    rendered = OnnxTemplate.from_bytes(renamed).render(state)
+
+    # The right weights, bit for bit, in the right places: as quantize_dynamic writes
+    # them for the new weights, under the renamed names.
+    expected_template = export_template(other, other.input_shape, precision="int8")
+    expected = {
+        t.name: numpy_helper.to_array(t)
+        for t in onnx.load_from_string(expected_template).graph.initializer
+    }
+    actual = {
+        t.name: numpy_helper.to_array(t) for t in onnx.load_from_string(rendered).graph.initializer
+    }
+    assert set(actual) == {mapping.get(name, name) for name in expected}
+    for name, array in expected.items():
+        np.testing.assert_array_equal(actual[mapping.get(name, name)], array, err_msg=name)
+    # And the rendered model computes what the new fp32 model computes, within int8 error.
+    logits = _logits(rendered, x)
+    np.testing.assert_allclose(logits, _logits(expected_template, x), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        fp32 = other.eval()(torch.from_numpy(x)).numpy()
+    assert np.mean(logits.argmax(1) == fp32.argmax(1)) >= 0.9
+    np.testing.assert_allclose(logits, fp32, rtol=0, atol=0.1 * float(np.abs(fp32).max()))
+
+
+@pytest.mark.parametrize("how", ["random", "shuffled"])
+def test_export_does_not_rely_on_the_names_onnxruntime_gives_initializers(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    model = _build("lenet5", seed=0)
+    state = _state(model)
+    reference = export_template(model, model.input_shape, precision="int8")
+    quantize = onnx_export._quantize_template
+
+    def quantize_then_rename(fp32: onnx.ModelProto) -> onnx.ModelProto:
+        # Every name onnxruntime chose changes; the fp32 graph's activations keep theirs
+        # (torch's exporter chose them): the export matches each integer node with the
+        # fp32 node it replaces by the activations the two read and write.
+        ours = set(state) | {name for node in fp32.graph.node for name in node.output}
+        data, _ = _rename(quantize(fp32).SerializeToString(), ours, how, seed=3)
+        return onnx.load_from_string(data)
+
+    monkeypatch.setattr(onnx_export, "_quantize_template", quantize_then_rename)
+
+    data = export_template(model, model.input_shape, precision="int8")
+
+    meta = _metadata(onnx.load_from_string(data))
+    assert (
+        meta["edgefl.int8_weights"]
+        == _metadata(onnx.load_from_string(reference))["edgefl.int8_weights"]
+    )
+    x = _images(model)
+    np.testing.assert_allclose(_logits(data, x), _logits(reference, x), rtol=0, atol=1e-5)
+    assert OnnxTemplate.from_bytes(data).render(state) == data
+
+
+def _float_state(model: nn.Module) -> dict[str, np.ndarray]:
+    """The model's floating state_dict tensors as numpy arrays (what a template holds)."""
+    return {
+        name: tensor.detach().cpu().numpy()
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point()
+    }
+
+
+def _halve_int8_weights(proto: onnx.ModelProto) -> None:
+    """Halve every int8 weight: a quantization other than the device's."""
+    for tensor in proto.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.INT8 and len(tensor.dims) > 1:
+            halved = (numpy_helper.to_array(tensor) // 2).astype(np.int8)
+            tensor.CopyFrom(numpy_helper.from_array(halved, tensor.name))
+
+
+def _drop_casts(proto: onnx.ModelProto) -> None:
+    """Turn the Casts after the integer ops into another op: not quantize_dynamic's layout."""
+    for node in proto.graph.node:
+        if node.op_type == "Cast":
+            node.op_type = "Identity"
+            del node.attribute[:]
+
+
+def _extra_float(proto: onnx.ModelProto) -> None:
+    proto.graph.initializer.append(numpy_helper.from_array(np.ones(3, np.float32), "stray"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_halve_int8_weights, "does not reproduce the template from the model's own weights"),
+        (_drop_casts, "not the layout of onnxruntime's quantize_dynamic"),
+        (_extra_float, "unexpected float initializer 'stray'"),
+    ],
+)
+def test_a_quantizer_whose_output_the_device_cannot_render_fails_the_export(
+    monkeypatch: pytest.MonkeyPatch, change: object, message: str
+) -> None:
+    # What a future onnxruntime might do differently must fail at export, loudly.
+    model = _build("lenet5", seed=0)
+    quantize = onnx_export._quantize_template
+
+    def quantize_then_change(fp32: onnx.ModelProto) -> onnx.ModelProto:
+        proto = quantize(fp32)
+        change(proto)  # type: ignore[operator]
+        return proto
+
+    monkeypatch.setattr(onnx_export, "_quantize_template", quantize_then_change)
+
+    with pytest.raises((ModelError, OnnxTemplateError), match=message):
+        data = export_template(model, model.input_shape, precision="int8")
+        verify_template(data, _float_state(model))
 
 
 def test_template_export_leaves_the_model_unchanged(model: Classifier) -> None:
