@@ -30,17 +30,19 @@ import pytest
 import torch
 
 from edge_client.infer import OnnxClassifier
-from models import build_classifier
-from models.onnx_export import export_template
-from sim.partition import partition_dataset, save_device_file
-from sim.synthetic import make_synthetic
+from tests.packaging.helpers import (
+    ROOT,
+    SIDE,
+    bundle_command,
+    run,
+    run_coordinator,
+    write_fleet_files,
+)
 from tests.protocol.brokers import Mosquitto
 
 pytestmark = [pytest.mark.mosquitto, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 FLEET = "bundled"
-SIDE, CLASSES = 8, 4
 
 
 @dataclass(frozen=True)
@@ -50,20 +52,12 @@ class Installed:
     config_dir: Path
 
 
-def run(command: list[str], timeout: float = 600, **kwargs: object) -> str:
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, check=False, **kwargs
-    )
-    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
 def build_and_install(root: Path, profile: str, config: Path, template: Path) -> Installed:
     bundle = root / f"bundle-{profile}"
-    flags = ["--profile", profile, "--config", str(config), "--onnx-template", str(template)]
+    flags = ["--config", str(config), "--onnx-template", str(template)]
     if profile == "train":  # torch: the version installed here, from pip's own source
         flags += ["--torch-index", "default", "--torch-version", torch.__version__]
-    run([sys.executable, "-m", "edge_client", "bundle", "--out", str(bundle), *flags], cwd=ROOT)
+    run(bundle_command(bundle, profile, *flags), cwd=ROOT)
     prefix, config_dir = root / f"opt-{profile}", root / f"etc-{profile}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PYTHONPATH"] = ""
@@ -88,15 +82,7 @@ def build_and_install(root: Path, profile: str, config: Path, template: Path) ->
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     root = tmp_path_factory.mktemp("bundles")
     with Mosquitto(root) as broker:
-        splits = make_synthetic(
-            train_samples=120, test_samples=20, image_size=SIDE, num_classes=CLASSES
-        )
-        device = partition_dataset(splits, 1, float("inf"), seed=0).devices[0]
-        data = root / "dev-000.npz"
-        save_device_file(data, device)
-        template = root / "template.onnx"
-        model = build_classifier("mlp", num_classes=CLASSES, in_channels=1, image_size=SIDE)
-        template.write_bytes(export_template(model, model.input_shape, model_name="mlp"))
+        data, template = write_fleet_files(root)
         common = (
             f'broker = "{broker.url}"\nfleet = "{FLEET}"\nconnect_retry = 30\n'
             f'onnx_template = "{root}/etc-PROFILE/template.onnx"\n'
@@ -212,43 +198,7 @@ def test_bundled_devices_complete_a_round_and_serve_the_fleet_model(
         **neutral,
     )
     state = tmp_path / "coordinator"
-    server = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coordinator",
-            "--broker",
-            broker.url,
-            "--fleet",
-            FLEET,
-            "--model",
-            "mlp",
-            "--num-classes",
-            str(CLASSES),
-            "--image-size",
-            str(SIDE),
-            "--rounds",
-            "1",
-            "--participation",
-            "1",
-            "--min-devices",
-            "1",
-            "--local-steps",
-            "2",
-            "--batch-size",
-            "16",
-            "--round-timeout",
-            "120",
-            "--broadcast-model",
-            "--state-dir",
-            str(state),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-    )
+    server = run_coordinator(broker.url, FLEET, state)
     try:
         _, device_log = device.communicate(timeout=120)
     finally:
