@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -233,6 +234,24 @@ def fleet_round(board: Board, tmp_path_factory: pytest.TempPathFactory) -> Round
         stderr=subprocess.PIPE,
         text=True,
     )
+    # The broadcast of this fp32 model needs two chunks, so the broker does not retain it:
+    # the follower (slow to start under emulation) must be subscribed before the round.
+    follower_lines: list[str] = []
+    subscribed = threading.Event()
+
+    def read_follower() -> None:
+        assert follower.stderr is not None
+        for line in follower.stderr:
+            follower_lines.append(line)
+            if "follows fleet" in line:
+                subscribed.set()
+
+    reader = threading.Thread(target=read_follower, daemon=True)
+    reader.start()
+    if not subscribed.wait(300):
+        follower.kill()
+        reader.join(10)
+        pytest.fail("follow on the board did not subscribe in 300 s:\n" + "".join(follower_lines))
     device = subprocess.Popen(
         [
             sys.executable,
@@ -266,15 +285,15 @@ def fleet_round(board: Board, tmp_path_factory: pytest.TempPathFactory) -> Round
         assert server.returncode == 0, server.stderr[-3000:]
         assert "round 1/1 closed" in server.stderr, server.stderr[-3000:]
         assert device.returncode == 0, device_log[-3000:]
-        # the broadcast model is retained (it fits one frame): a follower still starting
-        # under emulation gets it when it subscribes
         deadline = time.monotonic() + 180
         while not served.with_name("model.onnx.json").is_file():
             if follower.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         follower.terminate()
-        _, follower_log = follower.communicate(timeout=60)
+        follower.wait(timeout=60)
+        reader.join(timeout=10)
+        follower_log = "".join(follower_lines)
     finally:
         for process in (device, follower):
             if process.poll() is None:
