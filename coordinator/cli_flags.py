@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from coordinator.config import FleetSettings, TrainingSettings
 from coordinator.strategies import strategy_names
@@ -117,7 +116,8 @@ class ModelFlags:
                     metavars=metavars,
                 )
                 continue
-            default = info.default if info.default_factory is None else PydanticUndefined
+            # shown in the help only where the model has a plain default
+            default = None if info.is_required() or info.default_factory else info.default
             option = (flags or {}).get(name, "--" + name.replace("_", "-"))
             text = (help or {}).get(name, _describe(info))
             self._add_one(
@@ -195,7 +195,7 @@ def _describe(info: FieldInfo) -> str:
 
 
 def _shown(default: Any) -> str | None:
-    if default is None or default is PydanticUndefined:
+    if default is None:
         return None
     if isinstance(default, enum.Enum):
         return str(default.value)
