@@ -14,7 +14,7 @@ with what only a run has (epochs left to the strategy, FedGen's alpha schedule),
 :class:`Hyperparameters` with what only a task has (this round's alpha, the device's
 shuffling seed).
 
-Pydantic only (no torch): both the coordinator and the inference-free device import it.
+Pydantic only (no torch): the coordinator and the device (train profile) both import it.
 """
 
 from __future__ import annotations
