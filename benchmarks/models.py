@@ -8,7 +8,7 @@ fedgen_cnn, mlp; all on 1x28x28 inputs, 10 classes) it reports:
 - ``fp32_kB`` / ``int8_kB`` / ``size_ratio``: ONNX file sizes (kB = 1000 bytes) and
   int8 / fp32 (static QDQ quantization, per-channel, calibrated on 256 train images);
 - ``fp32_b1_ms`` ... ``int8_b64_ms``: median latency of one call, ms, batch 1 and 64,
-  onnxruntime on 1 thread through :class:`edge_client.infer.OnnxClassifier`;
+  onnxruntime on 1 thread through :class:`edge_client.serve.infer.OnnxClassifier`;
 - ``rss_b1_MB`` / ``rss_b64_MB``: peak RSS (VmHWM; MB = 2**20 bytes) of a fresh process
   running ``python -m edge_client infer`` with the int8 model on 1 / 64 images (the
   inference-only deployment).
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.infer import OnnxClassifier
+from edge_client.serve.infer import OnnxClassifier
 from models import Classifier, build_classifier
 from models.onnx_export import export_onnx, quantize_onnx_int8, top1_agreement
 from sim.datasets import ArrayDataset, load_dataset

@@ -16,7 +16,7 @@ Commands:
               and optionally saves the predictions (or logits) as ``.npy``.
     template  write the ONNX template (fp32 or int8) a device renders the fleet's model
               into (needs torch and onnx: the ``server`` extra).
-    bundle    build an offline install bundle for a board (see edge_client.bundle).
+    bundle    build an offline install bundle for a board (see edge_client.bundle.builder).
 
 ``run`` and ``follow`` take ``--config FILE.toml`` (edge_client.device_config): every flag
 is a key, flags given on the command line win. Each command imports what it needs when it
@@ -266,7 +266,7 @@ def _add_template_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def _add_bundle_parser(commands: Any) -> argparse.ArgumentParser:
-    from edge_client.bundle import PLATFORMS, TORCH_INDEXES
+    from edge_client.bundle.builder import PLATFORMS, TORCH_INDEXES
 
     bundle: argparse.ArgumentParser = commands.add_parser(
         "bundle",
@@ -399,7 +399,7 @@ def _run_device(args: argparse.Namespace) -> int:
         raise _CliError(f"--threads must be >= 1, got {args.threads}")
     _configure_logging(args)
     # Lazy: torch and the runtime are loaded only by this command.
-    from edge_client.data import load_device_data
+    from edge_client.train.data import load_device_data
 
     try:
         data = load_device_data(args.data)
@@ -418,8 +418,8 @@ def _run_device(args: argparse.Namespace) -> int:
     )
     import torch
 
-    from edge_client.resources import check_memory, estimate_training
-    from edge_client.runtime import EdgeClient
+    from edge_client.train.resources import check_memory, estimate_training
+    from edge_client.train.runtime import EdgeClient
     from protocol.transport import MqttTransport
 
     torch.set_num_threads(config.threads)
@@ -443,7 +443,7 @@ def _run_follow(args: argparse.Namespace) -> int:
     if args.serve_onnx is None or args.onnx_template is None:
         raise _CliError("follow needs --serve-onnx and --onnx-template (or the config keys)")
     _configure_logging(args)
-    from edge_client.serving import Follower, ModelRefresher
+    from edge_client.serve.follower import Follower, ModelRefresher
     from protocol.transport import MqttTransport
 
     config = _client_config(args, args.device_id)
@@ -484,7 +484,7 @@ def _serve(service: _Service) -> int:
         service.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        from edge_client.serving import peak_rss_bytes
+        from edge_client.link import peak_rss_bytes
 
         logging.getLogger("edge_client").info("peak RSS %.1f MB", peak_rss_bytes() / 2**20)
     return EXIT_OK
@@ -492,7 +492,7 @@ def _serve(service: _Service) -> int:
 
 def _run_template(args: argparse.Namespace) -> int:
     from edge_client.errors import OnnxTemplateError
-    from edge_client.onnx_model import verify_template
+    from edge_client.serve.template import verify_template
 
     try:
         import torch
@@ -533,7 +533,7 @@ def _run_template(args: argparse.Namespace) -> int:
 
 
 def _run_bundle(args: argparse.Namespace) -> int:
-    from edge_client.bundle import BundleError, BundleOptions, DownloadError, build_bundle
+    from edge_client.bundle.builder import BundleError, BundleOptions, DownloadError, build_bundle
 
     logging.getLogger().setLevel(logging.INFO)
     try:
@@ -561,7 +561,7 @@ def _run_bundle(args: argparse.Namespace) -> int:
 
 def _run_infer(args: argparse.Namespace) -> int:
     # Lazy: onnxruntime is loaded only by this command, and torch never is.
-    from edge_client.infer import OnnxClassifier
+    from edge_client.serve.infer import OnnxClassifier
 
     try:
         x = np.load(args.input, allow_pickle=False)

@@ -77,7 +77,7 @@ class ConfigError(EdgeClientError, ValueError):
 class OnnxTemplateError(EdgeClientError, ValueError):
     """An ONNX template is unreadable or unsupported, or the weights do not fit it.
 
-    Raised by :mod:`edge_client.onnx_model` before any output is produced: a render
+    Raised by :mod:`edge_client.serve.template` before any output is produced: a render
     either returns the whole new model or raises. The message names the offending
     tensor where there is one.
     """

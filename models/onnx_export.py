@@ -3,14 +3,14 @@
 The deployment path for inference-only devices: a trained classifier is exported to
 ONNX (:func:`export_onnx`), optionally quantized to int8 with onnxruntime's static
 QDQ quantizer calibrated on the device's own samples (:func:`quantize_onnx_int8`), and
-run on the device by :class:`edge_client.infer.OnnxClassifier`, which needs only numpy
+run on the device by :class:`edge_client.serve.infer.OnnxClassifier`, which needs only numpy
 and onnxruntime. :func:`onnx_parity` and :func:`top1_agreement` measure what the export
 and the quantization cost in accuracy.
 
 Devices that receive the fleet's weights after every round but have neither torch nor
 onnx get a *template* instead (:func:`export_template`, fp32 or dynamically quantized
 int8): an ONNX model whose float initializers keep their ``state_dict`` names, into
-which :class:`edge_client.onnx_model.OnnxTemplate` writes new weights with numpy alone.
+which :class:`edge_client.serve.template.OnnxTemplate` writes new weights with numpy alone.
 The int8 weights of a template are found by the graph's structure (the integer node
 that consumes them), never by the names onnxruntime gives them, and the template's
 metadata says which ``state_dict`` tensor each of them quantizes.
@@ -70,12 +70,12 @@ TEMPLATE_INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
 
 onnxruntime's ``quantize_dynamic`` with int8 symmetric min/max weights, no reduced range,
 per tensor for ``ConvInteger`` and per output column for ``MatMulInteger``; see
-:func:`export_template`. :mod:`edge_client.onnx_model` reproduces exactly this scheme and
+:func:`export_template`. :mod:`edge_client.serve.template` reproduces exactly this scheme and
 refuses templates that name another.
 """
 
 _BATCH_DIM = "batch"
-# Metadata of a template (ModelProto.metadata_props); edge_client.onnx_model reads them.
+# Metadata of a template (ModelProto.metadata_props); edge_client.serve.template reads them.
 _META_TEMPLATE = "edgefl.template"
 _META_PRECISION = "edgefl.precision"
 _META_MODEL = "edgefl.model"
@@ -142,7 +142,7 @@ def export_template(
     """Export ``model`` as an ONNX *template* whose weights a device can replace.
 
     A template is what an inference-only device gets at provisioning time; after each
-    round :class:`edge_client.onnx_model.OnnxTemplate` writes the fleet's new weights
+    round :class:`edge_client.serve.template.OnnxTemplate` writes the fleet's new weights
     into it (numpy only, no torch, no onnx). For that every weight must be an
     initializer named by its ``state_dict`` key, so the export differs from
     :func:`export_onnx` in two settings of the same TorchScript exporter (same input
@@ -186,7 +186,7 @@ def export_template(
       whose Linear weights are shared (tied) is refused.
     - ``weight_type=QInt8`` with ``WeightSymmetric=True``, ``reduce_range=False``:
       symmetric int8 weights, zero point 0 (``scale = max|w| / 127``); see
-      :mod:`edge_client.onnx_model` for the exact formula.
+      :mod:`edge_client.serve.template` for the exact formula.
     - ``per_channel=True``: ``MatMulInteger`` weights get one scale per output column;
       onnxruntime's dynamic ``ConvInteger`` quantizer ignores the flag, so ``Conv``
       weights are quantized per tensor.
@@ -212,7 +212,7 @@ def export_template(
     (square matrices).
 
     The device side checks the finished template as it will use it
-    (:func:`edge_client.onnx_model.verify_template`, which ``python -m edge_client
+    (:func:`edge_client.serve.template.verify_template`, which ``python -m edge_client
     template`` runs on every export; ``models`` may not import the device's code): it
     must load, need only ``model``'s float ``state_dict`` tensors (with their shapes),
     and render ``model``'s own weights back into the same bytes (for int8: the device's
@@ -586,7 +586,7 @@ def _int8_weight_sources(
     matched to the fp32 Conv / Gemm / MatMul it replaces, which reads the same
     activation and whose output the integer node's ``Mul`` (or the bias ``Add`` after
     it) produces; none of the names onnxruntime gives the new initializers and nodes is
-    used. Also checks the layout :mod:`edge_client.onnx_model` relies on: every fp32
+    used. Also checks the layout :mod:`edge_client.serve.template` relies on: every fp32
     weight is in ``int8`` either as a float32 initializer of the same name and shape
     or as an int8 weight in the expected layout (transposed for the ``transposed``
     Gemm weights); every other float initializer is a weight scale and every int8

@@ -5,10 +5,10 @@ of a :class:`~sim.run.SimConfig`, in seconds rather than the minutes a full emul
 takes, and with the very encoders a run uses. It drives the real
 :class:`~coordinator.engine.RoundEngine` (the strategy, the per-device transfers, the
 selection) with a fake clock and emulates each device at the message level, as
-:class:`~edge_client.runtime.EdgeClient` behaves: it announces itself (retained
+:class:`~edge_client.train.runtime.EdgeClient` behaves: it announces itself (retained
 ``online`` status and a :class:`~protocol.messages.Hello` with the precisions it asks
-for), decodes its model message with a :class:`~edge_client.transfer.TransferState`,
-trains with :func:`~edge_client.strategies.local_update` for a few SGD steps on its
+for), decodes its model message with a :class:`~edge_client.train.transfer.TransferState`,
+trains with :func:`~edge_client.train.strategies.local_update` for a few SGD steps on its
 share of the run's dataset (so that deltas quantize and compress as trained ones do),
 encodes its upload with error feedback and sends an :class:`~protocol.messages.Update`.
 
@@ -43,12 +43,12 @@ from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
 from edge_client.config import ClientConfig
-from edge_client.data import DeviceData
 from edge_client.errors import TaskError
-from edge_client.runtime import device_hello
-from edge_client.strategies import WEIGHTS_SET, LocalTask, UploadSubset, local_update
-from edge_client.training import TrainConfig
-from edge_client.transfer import TransferState
+from edge_client.train.data import DeviceData
+from edge_client.train.runtime import device_hello
+from edge_client.train.strategies import WEIGHTS_SET, LocalTask, UploadSubset, local_update
+from edge_client.train.training import TrainConfig
+from edge_client.train.transfer import TransferState
 from models import Classifier, build_classifier, state_arrays
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
 from protocol.codec import Codec
@@ -472,7 +472,7 @@ class _Emulation:
     def _message(self, device: _Device, body: Any, round_: int = -1) -> Message:
         return Message(fleet=self.config.fleet, sender=device.device_id, body=body, round=round_)
 
-    # -- the device side (as edge_client.runtime.EdgeClient) -----------------------------
+    # -- the device side (as edge_client.train.runtime.EdgeClient) -----------------------------
 
     def _drain(self) -> None:
         while self._inbox:

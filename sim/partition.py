@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.data import load_device_data
 from edge_client.errors import DataError
+from edge_client.train.data import load_device_data
 from sim.datasets import ArrayDataset, DatasetSplits
 from sim.errors import DatasetError, PartitionError
 
@@ -243,7 +243,7 @@ def save_device_file(path: str | os.PathLike[str], split: DeviceSplit) -> None:
 def load_device_file(path: str | os.PathLike[str]) -> DeviceSplit:
     """Read a file written by :func:`save_device_file` (format in its docstring).
 
-    The reader is the device's own (:func:`edge_client.data.load_device_data`), so the
+    The reader is the device's own (:func:`edge_client.train.data.load_device_data`), so the
     simulator and real devices accept exactly the same files. ``device_id`` falls back
     to the file name's stem when the key is absent.
 

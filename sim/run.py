@@ -2,7 +2,7 @@
 
 :func:`run_simulation` partitions a dataset across N devices, starts a broker (the
 embedded amqtt broker, an external one, or the in-memory twin), and runs the
-:class:`~coordinator.runtime.Coordinator` and N :class:`~edge_client.runtime.EdgeClient`
+:class:`~coordinator.runtime.Coordinator` and N :class:`~edge_client.train.runtime.EdgeClient`
 objects against it — the same code as ``python -m coordinator`` and ``python -m
 edge_client``; every message goes through the broker. Each client has its own transport,
 whose byte counters give the per-round bytes (up = published by devices, down = received
@@ -33,8 +33,8 @@ from coordinator.errors import ConfigError
 from coordinator.runtime import Coordinator, save_final_models
 from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
-from edge_client.data import DeviceData
-from edge_client.runtime import EdgeClient
+from edge_client.train.data import DeviceData
+from edge_client.train.runtime import EdgeClient
 from models import Classifier, build_classifier, state_arrays
 from models.classifiers import HEAD_PREFIX
 from protocol.messages import Ack, ReasonCode

@@ -69,3 +69,55 @@ def test_importing_all_of_protocol_does_not_load_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module named by an import statement of ``path`` (absolute imports)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+# edge_client holds three products: the inference device and the bundler never pull in the
+# training device or torch (the infer profile has neither).
+TORCH_FREE = ("edge_client/serve", "edge_client/bundle")
+TORCH_FREE_SHARED = ("config", "device_config", "errors", "link", "logs")
+
+
+def _torch_free_files() -> list[Path]:
+    files = [p for folder in TORCH_FREE for p in sorted((ROOT / folder).rglob("*.py"))]
+    return files + [ROOT / "edge_client" / f"{name}.py" for name in TORCH_FREE_SHARED]
+
+
+def test_serve_and_bundle_never_import_the_training_device_or_torch() -> None:
+    forbidden = ("torch", "models", "edge_client.train", "coordinator", "sim")
+    offenders = {
+        str(f.relative_to(ROOT)): sorted(
+            m
+            for m in imported_modules(f)
+            if m.split(".")[0] in forbidden or m.startswith(forbidden)
+        )
+        for f in _torch_free_files()
+    }
+    assert {f: bad for f, bad in offenders.items() if bad} == {}
+
+
+def test_importing_the_inference_device_does_not_load_torch() -> None:
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in _torch_free_files()
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'models') "
+        "or m.startswith('edge_client.train'))\n"
+        "assert not bad, bad\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

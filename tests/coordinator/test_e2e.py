@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.infer import OnnxClassifier
+from edge_client.serve.infer import OnnxClassifier
 from sim.datasets import load_dataset
 from sim.partition import partition_dataset, save_device_file
 from tests.protocol.brokers import Mosquitto

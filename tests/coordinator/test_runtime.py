@@ -77,8 +77,8 @@ def test_malformed_and_foreign_messages_change_nothing() -> None:
 
 def test_a_run_survives_a_broker_restart_mid_round() -> None:
     from edge_client.config import ClientConfig
-    from edge_client.data import DeviceData
-    from edge_client.runtime import EdgeClient
+    from edge_client.train.data import DeviceData
+    from edge_client.train.runtime import EdgeClient
     from sim.datasets import load_dataset
     from sim.partition import partition_dataset
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator.store import MemoryStore
-from edge_client.transfer import TransferState
+from edge_client.train.transfer import TransferState
 from protocol.arrays import content_fingerprint
 from protocol.codec import Codec
 from protocol.messages import Ack, Message, ModelPayload, ReasonCode, RoundTask, Update

@@ -15,7 +15,7 @@ from torch import nn
 
 import models.onnx_export as onnx_export
 from edge_client.errors import OnnxTemplateError
-from edge_client.onnx_model import OnnxTemplate, verify_template
+from edge_client.serve.template import OnnxTemplate, verify_template
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import (
     INPUT_NAME,

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_client.infer import OnnxClassifier
+from edge_client.serve.infer import OnnxClassifier
 from tests.packaging.helpers import (
     ROOT,
     SIDE,
@@ -178,7 +178,7 @@ def test_the_board_is_aarch64_with_onnxruntime_and_no_torch(board: Board) -> Non
     probe = (
         "import importlib, json, platform\n"
         "found = {}\n"
-        "for name in ('torch', 'onnxruntime', 'edge_client.serving', 'edge_client.infer'):\n"
+        "for name in ('torch', 'onnxruntime', 'edge_client.serve.follower', 'edge_client.serve.infer'):\n"
         "    try:\n"
         "        importlib.import_module(name); found[name] = True\n"
         "    except ImportError:\n"
@@ -190,8 +190,8 @@ def test_the_board_is_aarch64_with_onnxruntime_and_no_torch(board: Board) -> Non
     assert report["found"] == {
         "torch": False,
         "onnxruntime": True,
-        "edge_client.serving": True,
-        "edge_client.infer": True,
+        "edge_client.serve.follower": True,
+        "edge_client.serve.infer": True,
     }
     # nor anywhere else on the board: its own Python has no torch either
     bare = subprocess.run(
@@ -350,7 +350,7 @@ def test_follow_on_the_board_serves_the_fleet_model_it_is_broadcast(
 ) -> None:
     log = fleet_round.follower_log
     assert fleet_round.follower_exit == 0, log[-3000:]
-    assert "<6>edge_client.serving: round 1: served model refreshed" in log, log[-3000:]
+    assert "<6>edge_client.serve.follower: round 1: served model refreshed" in log, log[-3000:]
     meta = json.loads(fleet_round.served.with_name("model.onnx.json").read_text())
     assert meta["round"] == 1
     images = np.random.default_rng(1).random((16, 1, SIDE, SIDE), dtype=np.float32)

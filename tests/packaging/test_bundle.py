@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.infer import OnnxClassifier
+from edge_client.serve.infer import OnnxClassifier
 from tests.packaging.helpers import (
     ROOT,
     SIDE,
@@ -110,8 +110,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
 
 IMPORTS = ("torch", "onnxruntime", "onnx", "amqtt", "matplotlib")
 MUST = {
-    "train": {"torch", "edge_client.runtime", "edge_client.serving"},
-    "infer": {"onnxruntime", "edge_client.serving", "edge_client.infer"},
+    "train": {"torch", "edge_client.train.runtime", "edge_client.serve.follower"},
+    "infer": {"onnxruntime", "edge_client.serve.follower", "edge_client.serve.infer"},
 }
 COMMON = ("numpy", "paho.mqtt.client", "msgpack", "zstandard", "pydantic")
 
@@ -216,7 +216,7 @@ def test_bundled_devices_complete_a_round_and_serve_the_fleet_model(
     follower.terminate()
     _, follower_log = follower.communicate(timeout=30)
     assert follower.returncode == 0, follower_log[-3000:]
-    assert "<6>edge_client.serving: round 1: served model refreshed" in follower_log
+    assert "<6>edge_client.serve.follower: round 1: served model refreshed" in follower_log
     for path in served.values():
         assert json.loads(path.with_name("model.onnx.json").read_text())["round"] == 1
     assert served["pi-1"].read_bytes() == served["cam-1"].read_bytes()

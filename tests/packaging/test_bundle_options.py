@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edge_client.__main__ import main
-from edge_client.bundle import _PACKAGES, BundleError, BundleOptions, _Plan
+from edge_client.bundle.builder import _PACKAGES, BundleError, BundleOptions, _Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import pytest
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.runtime import Coordinator
 from edge_client.config import ClientConfig
-from edge_client.data import DeviceData
-from edge_client.runtime import EdgeClient
+from edge_client.train.data import DeviceData
+from edge_client.train.runtime import EdgeClient
 from protocol.channel import Channel
 from protocol.messages import Ack, Message, ModelPayload, ReasonCode, RoundTask, Update
 from protocol.transport import MqttConfig, MqttTransport

@@ -14,8 +14,8 @@ import torch
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, OnnxTemplateError
-from edge_client.infer import OnnxClassifier
-from edge_client.serving import Follower, ModelRefresher
+from edge_client.serve.follower import Follower, ModelRefresher
+from edge_client.serve.infer import OnnxClassifier
 from models import build_classifier, load_state_arrays, state_arrays
 from models.onnx_export import export_onnx, export_template
 from protocol.channel import Channel

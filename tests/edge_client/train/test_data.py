@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_client.data import DeviceData, load_device_data
 from edge_client.errors import DataError, EdgeClientError
+from edge_client.train.data import DeviceData, load_device_data
 from sim.partition import partition_dataset, save_device_file
 from sim.synthetic import make_synthetic
 

@@ -3,8 +3,8 @@
 A round task names a strategy; :func:`device_strategy` looks it up (never string
 matching elsewhere) and :func:`local_update` runs it: load the received tensor sets into
 the model, build the strategy's training hooks, train with
-:func:`edge_client.training.train_local`, return the new weights. Real devices (through
-:class:`edge_client.runtime.EdgeClient`) and the simulator call this very function.
+:func:`edge_client.train.training.train_local`, return the new weights. Real devices (through
+:class:`edge_client.train.runtime.EdgeClient`) and the simulator call this very function.
 
 ================  ============================================================
 name              device side
@@ -14,9 +14,9 @@ name              device side
                   parameters (``w_global``: the weights received this round)
 ``fedavg_oca``    as ``fedavg`` (the "FedAvg (OCA)" variant differs on the server only)
 ``fedkf``         the student learns CE plus ``gamma * KL(teacher || student)`` on
-                  samples of a local image generator (:mod:`edge_client.fedkf`)
+                  samples of a local image generator (:mod:`edge_client.train.fedkf`)
 ``fedgen``        CE plus ``alpha * CE(head(G(eps, y)), y)`` with the coordinator's
-                  latent generator; full or head-only sharing (:mod:`edge_client.fedgen`)
+                  latent generator; full or head-only sharing (:mod:`edge_client.train.fedgen`)
 ================  ============================================================
 
 Received tensor sets, by name (each strategy declares those it understands with
@@ -60,17 +60,17 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from edge_client.data import DeviceData
 from edge_client.errors import TaskError
-from edge_client.fedgen import (
+from edge_client.train.data import DeviceData
+from edge_client.train.fedgen import (
     FedGenHook,
     label_prior,
     latent_generator_shapes,
     received_generator,
 )
-from edge_client.fedkf import FedKFHook, frozen_teacher
-from edge_client.qat import FakeQuantHook
-from edge_client.training import TrainConfig, TrainHook, train_local
+from edge_client.train.fedkf import FedKFHook, frozen_teacher
+from edge_client.train.qat import FakeQuantHook
+from edge_client.train.training import TrainConfig, TrainHook, train_local
 from models import (
     Classifier,
     StateMismatchError,
@@ -138,7 +138,7 @@ class LocalTask:
     hyperparameters: Mapping[str, object] = field(default_factory=dict)
     """Training hyperparameters: the task's map, in the schema of
     :class:`protocol.hyperparams.Hyperparameters` (validated as
-    :class:`edge_client.training.TrainConfig`)."""
+    :class:`edge_client.train.training.TrainConfig`)."""
     sets: ReceivedSets = field(default_factory=dict)
     """Received tensor sets by name (e.g. ``"global"``), each name -> array. Empty: train
     the model as it is (a task without a model message)."""
@@ -307,7 +307,7 @@ class DeviceStrategy(ABC):
         extra_hooks: Sequence[TrainHook] = (),
     ) -> LocalResult:
         """:meth:`prepare`, train with its hooks, then (when ``config.qat``) a
-        :class:`~edge_client.qat.FakeQuantHook`, then ``extra_hooks``, and return the new
+        :class:`~edge_client.train.qat.FakeQuantHook`, then ``extra_hooks``, and return the new
         state (full or the head, as ``task.upload`` asks) as the ``"weights"`` set.
 
         Raises:
@@ -399,7 +399,7 @@ class FedKF(DeviceStrategy):
 
     Sets: ``"student"`` (required), ``"teacher"`` (optional; absent, the teacher is a
     frozen copy of the received student: FedKF-). The generator persists in the
-    learning state (see :mod:`edge_client.fedkf`). ``gamma`` 0: FedAvg on the student.
+    learning state (see :mod:`edge_client.train.fedkf`). ``gamma`` 0: FedAvg on the student.
     """
 
     name = "fedkf"

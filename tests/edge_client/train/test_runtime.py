@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.client_state import MODEL_FILE, read_model
 from edge_client.config import ClientConfig
-from edge_client.data import DeviceData
 from edge_client.errors import ConfigError, ConnectError
-from edge_client.runtime import STATE_FILE, EdgeClient
-from edge_client.transfer import RESIDUAL_FILE
+from edge_client.train.client_state import MODEL_FILE, read_model
+from edge_client.train.data import DeviceData
+from edge_client.train.runtime import STATE_FILE, EdgeClient
+from edge_client.train.transfer import RESIDUAL_FILE
 from models import build_classifier, state_arrays, state_shapes
 from protocol import (
     Ack,

@@ -20,7 +20,7 @@ One :class:`EdgeClient` is one device. The wire flow (topics from
    ``starting`` are ignored; handled task ids are persisted in ``state_dir`` so a
    restart does not train a handled task again.
 3. A worker thread (never the transport's handler thread) validates the task, publishes
-   status ``training``, runs :func:`edge_client.strategies.local_update` (holding the
+   status ``training``, runs :func:`edge_client.train.strategies.local_update` (holding the
    optional ``train_gate``), publishes the :class:`Update` on ``devices/{id}/update``
    (even past the deadline: the coordinator decides) and status ``idle``.
 4. :class:`Ack` messages are logged.
@@ -51,7 +51,11 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from edge_client.client_state import (
+from edge_client.config import ClientConfig
+from edge_client.errors import ConfigError, ConnectError, EdgeClientError, TaskError
+from edge_client.link import DeviceState, connect_with_retry, publish_status
+from edge_client.serve.follower import ModelRefresher
+from edge_client.train.client_state import (
     MODEL_FILE,
     STATE_FILE,
     SavedState,
@@ -60,18 +64,10 @@ from edge_client.client_state import (
     write_model,
     write_state,
 )
-from edge_client.config import ClientConfig
-from edge_client.data import DeviceData
-from edge_client.errors import ConfigError, ConnectError, EdgeClientError, TaskError
-from edge_client.serving import (
-    DeviceState,
-    ModelRefresher,
-    connect_with_retry,
-    publish_status,
-)
-from edge_client.strategies import WEIGHTS_SET, LocalTask, local_update, validate_task
-from edge_client.training import TrainHook
-from edge_client.transfer import TransferState
+from edge_client.train.data import DeviceData
+from edge_client.train.strategies import WEIGHTS_SET, LocalTask, local_update, validate_task
+from edge_client.train.training import TrainHook
+from edge_client.train.transfer import TransferState
 from models import Classifier, ModelError, build_classifier, load_state_arrays, state_arrays
 from protocol import __version__ as protocol_version
 from protocol.channel import Channel

@@ -279,7 +279,7 @@ def _check_config(path: Path) -> None:
 
 def _project_source() -> Path:
     """The source tree this package was loaded from (the bundle builds its wheel)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # edge_client/bundle/builder.py
     pyproject = root / "pyproject.toml"
     if not pyproject.is_file() or f'name = "{PROJECT}"' not in pyproject.read_text("utf-8"):
         raise BundleError(
@@ -520,9 +520,9 @@ fi
 echo "== checking the installation"
 "$prefix/venv/bin/python" -m edge_client @COMMAND@ --help >/dev/null
 if [ "@PROFILE@" = "train" ]; then
-    check='import torch, edge_client.runtime; print("torch", torch.__version__)'
+    check='import torch, edge_client.train.runtime; print("torch", torch.__version__)'
 else
-    check='import onnxruntime as o, edge_client.serving; print("onnxruntime", o.__version__)'
+    check='import onnxruntime as o, edge_client.serve.follower; print("onnxruntime", o.__version__)'
 fi
 "$prefix/venv/bin/python" -c "$check"
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from edge_client.errors import EdgeClientError
-from edge_client.serving import rss_bytes
+from edge_client.link import rss_bytes
 
 __all__ = [
     "NO_LIMIT",

@@ -10,7 +10,7 @@ numpy's ``round``; the scale rounded from float64, as onnxruntime does), so trai
 can see the weights the device will run.
 
 :class:`FakeQuantHook` (``TrainConfig.qat``) implements the straight-through estimator
-(STE) inside :func:`edge_client.training.train_local`, one batch at a time:
+(STE) inside :func:`edge_client.train.training.train_local`, one batch at a time:
 
 1. ``before_batch``: keep the float ("master") value of every trainable parameter of
    rank >= 2 and overwrite it in place with its fake-quantized value;
@@ -24,7 +24,7 @@ quantization step, which rounding every step would never do. Biases and normalis
 parameters (rank 1) stay float: onnxruntime keeps normalisation in float and quantizes
 biases to int32 with a scale far finer than the weights'. Activations are not
 fake-quantized: the quantizer calibrates their uint8 ranges on the device's data later.
-The loss and accuracy that :func:`~edge_client.training.train_local` reports are those
+The loss and accuracy that :func:`~edge_client.train.training.train_local` reports are those
 of the quantized weights.
 
 Pure: tensors in, tensors out; no I/O, no global state.
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edge_client.training import TrainHook
+from edge_client.train.training import TrainHook
 
 __all__ = ["INT8_LEVELS", "FakeQuantHook", "fake_quantize_int8"]
 

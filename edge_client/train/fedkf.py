@@ -15,7 +15,7 @@ copy of the student as received) and, for every local mini-batch ``(x, y)`` of s
 
 Step 1 runs in :meth:`FedKFHook.before_batch`, step 2's distillation term in
 :meth:`FedKFHook.extra_loss` of the one training loop,
-:func:`edge_client.training.train_local`. G is never uploaded: it stays in the device's
+:func:`edge_client.train.training.train_local`. G is never uploaded: it stays in the device's
 learning state across rounds together with its Adam moments (:func:`local_image_generator`).
 
 Compute cost. Per sample, the image generator (noise 100, 1x28x28) costs about 5.7 M
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from edge_client.errors import TaskError
-from edge_client.training import TrainConfig, TrainHook
+from edge_client.train.training import TrainConfig, TrainHook
 from models import (
     Classifier,
     ImageGenerator,

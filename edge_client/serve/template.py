@@ -6,7 +6,7 @@ fp32 or int8), an ONNX model whose float weights are initializers named by their
 ``state_dict`` keys (int8 weights: see below); after each round,
 :meth:`OnnxTemplate.render` writes the fleet's weights (numpy arrays keyed by those
 names) into it and returns a new ONNX model that onnxruntime (e.g.
-:class:`edge_client.infer.OnnxClassifier`) runs as it is. This module imports only the
+:class:`edge_client.serve.infer.OnnxClassifier`) runs as it is. This module imports only the
 standard library and numpy (a test enforces it): it reads and writes the protobuf wire
 format itself, within the bounds below.
 
@@ -901,7 +901,7 @@ def verify_template(template: bytes, state: Mapping[str, np.ndarray]) -> None:
         OnnxTemplateError: the renderer refuses the template, needs other tensors, or
             does not reproduce it.
     """
-    what = "the device-side renderer (edge_client.onnx_model)"
+    what = "the device-side renderer (edge_client.serve.template)"
     try:
         device = OnnxTemplate.from_bytes(template)
         needed = {name: shape for name, (shape, _) in device.weights.items()}

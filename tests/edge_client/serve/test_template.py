@@ -22,13 +22,13 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-import edge_client.onnx_model as onnx_model
+import edge_client.serve.template as onnx_model
 from edge_client.errors import EdgeClientError, OnnxTemplateError
-from edge_client.onnx_model import OnnxTemplate, verify_template
+from edge_client.serve.template import OnnxTemplate, verify_template
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import INPUT_NAME, export_onnx, export_template
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Small inputs and resnet8 at its FedDF widths keep the suite fast (lenet5 needs 28 or 32).
 SMALL_OPTIONS: dict[str, dict[str, object]] = {
     "resnet8": {"widths": (16, 32, 64), "image_size": 16},
@@ -469,7 +469,7 @@ def test_the_error_is_a_value_error_of_the_package() -> None:
 def test_importing_the_module_loads_neither_torch_nor_onnx_nor_onnxruntime() -> None:
     code = (
         "import sys\n"
-        "import edge_client.onnx_model\n"
+        "import edge_client.serve.template\n"
         "roots = {m.split('.')[0] for m in sys.modules}\n"
         "bad = sorted(roots & {'torch', 'onnx', 'onnxruntime', 'models'})\n"
         "bad += sorted(m for m in sys.modules if m.startswith('google.protobuf'))\n"

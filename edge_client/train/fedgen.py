@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from edge_client.errors import TaskError
-from edge_client.training import TrainConfig, TrainHook
+from edge_client.train.training import TrainConfig, TrainHook
 from models import (
     Classifier,
     LatentGenerator,

@@ -20,106 +20,24 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Literal
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, ConnectError, EdgeClientError
-from edge_client.onnx_model import OnnxTemplate
+from edge_client.link import DeviceState, connect_with_retry, publish_status
+from edge_client.serve.template import OnnxTemplate
 from protocol.arrays import content_fingerprint
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.deltas import decode_sets
-from protocol.errors import DecodeError, EncodeError, TransportError
+from protocol.errors import DecodeError, TransportError
 from protocol.messages import CoordinatorStatus, DeviceStatus, Message, ModelPayload
 from protocol.sets import GLOBAL_SET
 from protocol.topics import Topics
 from protocol.transport.base import Transport, Will
 
-__all__ = [
-    "DeviceState",
-    "Follower",
-    "ModelRefresher",
-    "connect_with_retry",
-    "peak_rss_bytes",
-    "publish_status",
-    "rss_bytes",
-]
+__all__ = ["Follower", "ModelRefresher"]
 
 logger = logging.getLogger(__name__)
-
-DeviceState = Literal["online", "offline", "idle", "training", "uploading", "error"]
-_DETAIL_MAX = 512  # DeviceStatus.detail limit, characters
-
-
-def rss_bytes(*, proc: Path = Path("/proc")) -> int | None:
-    """Current resident set size of this process in bytes (Linux), else None."""
-    try:
-        pages = int((proc / "self" / "statm").read_text(encoding="ascii").split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-
-
-def publish_status(
-    channel: Channel, config: ClientConfig, state: DeviceState, detail: str = ""
-) -> None:
-    """Publish the device's retained status (with its RSS); failures are logged."""
-    body = DeviceStatus(state=state, detail=detail[:_DETAIL_MAX], rss_bytes=rss_bytes())
-    message = Message(fleet=config.fleet, sender=config.device_id, body=body)
-    topic = Topics(config.fleet).device(config.device_id, "status")
-    try:
-        channel.send(topic, message, retain=True)
-    except (TransportError, EncodeError) as exc:
-        logger.warning("could not publish status %r: %s", state, exc)
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process in bytes: ``VmHWM`` (the high-water mark
-    of this program's memory, unlike ``ru_maxrss``, which also counts the parent's memory
-    at the fork before ``exec``), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def connect_with_retry(
-    transport: Transport, config: ClientConfig, will: Will, stop: threading.Event
-) -> bool:
-    """Connect with exponential backoff (``connect_backoff_s`` doubling up to
-    ``connect_backoff_max_s``) for up to ``connect_retry_s``; False if ``stop`` was set
-    before a session.
-
-    Raises:
-        ConnectError: no session within ``connect_retry_s``.
-    """
-    deadline = time.monotonic() + config.connect_retry_s
-    delay = config.connect_backoff_s
-    attempt = 0
-    while True:
-        if stop.is_set():
-            return False
-        attempt += 1
-        try:
-            transport.connect(will=will, timeout=config.broker.connect_timeout_s)
-            return True
-        except TransportError as exc:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ConnectError(
-                    f"no connection to the broker after {attempt} attempts in "
-                    f"{config.connect_retry_s:.0f} s: {exc}"
-                ) from exc
-            wait = min(delay, remaining)
-            logger.warning("connect attempt %d failed (%s); retry in %.1f s", attempt, exc, wait)
-            stop.wait(wait)
-            delay = min(delay * 2, config.connect_backoff_max_s)
 
 
 class ModelRefresher:

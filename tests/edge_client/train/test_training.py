@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from edge_client.errors import TaskError
-from edge_client.training import TrainConfig, TrainHook, train_local
+from edge_client.train.training import TrainConfig, TrainHook, train_local
 from models import Classifier, build_classifier
 
 

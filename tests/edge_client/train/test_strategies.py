@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.data import DeviceData
 from edge_client.errors import TaskError
-from edge_client.strategies import (
+from edge_client.train.data import DeviceData
+from edge_client.train.strategies import (
     FedProx,
     LocalTask,
     ProximalHook,
@@ -16,7 +16,7 @@ from edge_client.strategies import (
     local_update,
     strategy_names,
 )
-from edge_client.training import TrainConfig
+from edge_client.train.training import TrainConfig
 from models import Classifier, build_classifier, load_state_arrays, state_arrays, state_shapes
 
 

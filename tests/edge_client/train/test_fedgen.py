@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.data import DeviceData
 from edge_client.errors import TaskError
-from edge_client.fedgen import FedGenHook, label_prior, latent_generator_shapes
-from edge_client.strategies import FedGen, LocalTask, local_update, validate_task
-from edge_client.training import TrainConfig, train_local
+from edge_client.train.data import DeviceData
+from edge_client.train.fedgen import FedGenHook, label_prior, latent_generator_shapes
+from edge_client.train.strategies import FedGen, LocalTask, local_update, validate_task
+from edge_client.train.training import TrainConfig, train_local
 from models import (
     Classifier,
     LatentGenerator,

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edge_client.client_state import read_model, write_model
+from edge_client.train.client_state import read_model, write_model
 from protocol.arrays import content_fingerprint
 from protocol.deltas import decode_sets, encode_delta
 from protocol.errors import EncodeError

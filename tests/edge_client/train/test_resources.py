@@ -1,4 +1,4 @@
-"""edge_client.resources: memory limits from fake /proc and cgroup trees, the training
+"""edge_client.train.resources: memory limits from fake /proc and cgroup trees, the training
 estimate (hand counts, linearity, meta device) and the start-time check."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from edge_client.errors import EdgeClientError
-from edge_client.resources import (
+from edge_client.train.resources import (
     NO_LIMIT,
     MemoryEstimate,
     MemoryLimit,

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from edge_client.errors import EdgeClientError, InferenceError
-from edge_client.infer import OnnxClassifier
+from edge_client.serve.infer import OnnxClassifier
 from models import build_classifier
 from models.onnx_export import export_onnx
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +213,8 @@ def test_the_infer_path_never_imports_torch(tmp_path: Path, model_file: Path) ->
     np.save(tmp_path / "x.npy", np.zeros((1, 1, 28, 28), dtype=np.float32))
     code = (
         "import sys\n"
-        "import edge_client.infer\n"
-        "assert 'torch' not in sys.modules, 'import edge_client.infer loaded torch'\n"
+        "import edge_client.serve.infer\n"
+        "assert 'torch' not in sys.modules, 'import edge_client.serve.infer loaded torch'\n"
         "from edge_client.__main__ import main\n"
         f"rc = main(['infer', '--model', {str(model_file)!r}, '--input', 'x.npy'])\n"
         "assert rc == 0, rc\n"
