@@ -8,7 +8,7 @@ fp32 or int8), an ONNX model whose float weights are initializers named by their
 names) into it and returns a new ONNX model that onnxruntime (e.g.
 :class:`edge_client.serve.infer.OnnxClassifier`) runs as it is. This module imports only the
 standard library and numpy (a test enforces it): it reads and writes the protobuf wire
-format itself, within the bounds below.
+format itself (:mod:`edge_client.serve.protobuf`), within the bounds below.
 
 What is read (everything else is carried over byte for byte, unknown fields included):
 
@@ -67,10 +67,11 @@ back the same bytes.
 
 Bounds: templates larger than :data:`MAX_TEMPLATE_BYTES` are refused, as are lengths
 past the end of their message, varints longer than 10 bytes, more than
-:data:`MAX_FIELDS_PER_MESSAGE` fields in one message and more than :data:`MAX_DIMS`
-dimensions; the parser descends a fixed path (model, graph, node / tensor, attribute)
-and never recurses, so nesting is bounded by construction. Every failure raises
-:class:`~edge_client.errors.OnnxTemplateError` and no partial output is produced.
+:data:`~edge_client.serve.protobuf.MAX_FIELDS_PER_MESSAGE` fields in one message and
+more than :data:`MAX_DIMS` dimensions; the parser descends a fixed path (model, graph,
+node / tensor, attribute) and never recurses, so nesting is bounded by construction.
+Every failure raises :class:`~edge_client.errors.OnnxTemplateError` and no partial output
+is produced.
 """
 
 from __future__ import annotations
@@ -85,11 +86,23 @@ from typing import Any, Literal
 import numpy as np
 
 from edge_client.errors import OnnxTemplateError
+from edge_client.serve.protobuf import (
+    I32,
+    LEN,
+    VARINT,
+    Field,
+    count_varints,
+    encode_varint,
+    expect_wire,
+    len_field,
+    parse_fields,
+    read_text,
+    read_varints,
+)
 
 __all__ = [
     "INT8_SCHEME",
     "MAX_DIMS",
-    "MAX_FIELDS_PER_MESSAGE",
     "MAX_TEMPLATE_BYTES",
     "OnnxTemplate",
     "verify_template",
@@ -97,17 +110,10 @@ __all__ = [
 
 MAX_TEMPLATE_BYTES = 256 * 1024 * 1024
 """Largest template accepted, bytes (256 MiB)."""
-MAX_FIELDS_PER_MESSAGE = 200_000
-"""Most fields one protobuf message (model, graph, node, tensor, ...) may have."""
 MAX_DIMS = 64
 """Most dimensions a tensor may have."""
 INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
 """The ``edgefl.quantization`` of the int8 templates this module renders."""
-
-# Protobuf wire types.
-_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-_MAX_VARINT_BYTES = 10
-_MAX_FIELD_NUMBER = (1 << 29) - 1
 
 # Field numbers of onnx.proto (ModelProto, GraphProto, NodeProto, AttributeProto,
 # TensorProto, StringStringEntryProto).
@@ -150,18 +156,6 @@ Precision = Literal["fp32", "int8"]
 
 
 @dataclass(frozen=True, slots=True)
-class _Field:
-    """One field of a message: where it starts, its payload and where it ends."""
-
-    number: int
-    wire: int
-    start: int  # offset of the key
-    data: int  # offset of the payload (LEN: after the length; fixed: the bytes)
-    end: int  # offset past the field
-    value: int  # the varint value (wire type 0), else 0
-
-
-@dataclass(frozen=True, slots=True)
 class _Tensor:
     """An initializer: its graph field, header and data fields."""
 
@@ -169,8 +163,8 @@ class _Tensor:
     name: str
     dims: tuple[int, ...]
     data_type: int
-    fields: tuple[_Field, ...]
-    data_fields: tuple[_Field, ...]
+    fields: tuple[Field, ...]
+    data_fields: tuple[Field, ...]
 
     @property
     def count(self) -> int:
@@ -195,114 +189,6 @@ class _Quantized:
     scale: _Tensor
     zero_point: _Tensor
     per_channel: bool
-
-
-def _read_varint(buf: bytes, pos: int, end: int, what: str) -> tuple[int, int]:
-    """The unsigned varint at ``pos`` and the offset after it."""
-    result = 0
-    for i in range(_MAX_VARINT_BYTES):
-        if pos >= end:
-            raise OnnxTemplateError(f"{what}: truncated varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << (7 * i)
-        if byte < 0x80:
-            if i == _MAX_VARINT_BYTES - 1 and byte > 1:
-                raise OnnxTemplateError(f"{what}: varint overflows 64 bits")
-            return result, pos
-    raise OnnxTemplateError(f"{what}: varint longer than {_MAX_VARINT_BYTES} bytes")
-
-
-def _fields(buf: bytes, start: int, end: int, what: str) -> list[_Field]:
-    """The fields of the message in ``buf[start:end]``, in order (payloads not parsed)."""
-    fields: list[_Field] = []
-    pos = start
-    while pos < end:
-        if len(fields) >= MAX_FIELDS_PER_MESSAGE:
-            raise OnnxTemplateError(f"{what}: more than {MAX_FIELDS_PER_MESSAGE} fields")
-        key_start = pos
-        key, pos = _read_varint(buf, pos, end, what)
-        number, wire = key >> 3, key & 7
-        if not 1 <= number <= _MAX_FIELD_NUMBER:
-            raise OnnxTemplateError(f"{what}: invalid field number {number} at byte {key_start}")
-        value = 0
-        data = pos
-        if wire == _VARINT:
-            value, pos = _read_varint(buf, pos, end, what)
-        elif wire in (_I64, _I32):
-            pos += 8 if wire == _I64 else 4
-        elif wire == _LEN:
-            length, data = _read_varint(buf, pos, end, what)
-            if length > end - data:
-                raise OnnxTemplateError(
-                    f"{what}: field {number} has length {length}, past the end of its message"
-                )
-            pos = data + length
-        else:
-            raise OnnxTemplateError(f"{what}: unsupported wire type {wire} at byte {key_start}")
-        if pos > end:
-            raise OnnxTemplateError(f"{what}: field {number} is truncated")
-        fields.append(_Field(number, wire, key_start, data, pos, value))
-    return fields
-
-
-def _expect(field: _Field, wire: int, what: str) -> None:
-    if field.wire != wire:
-        raise OnnxTemplateError(f"{what}: field {field.number} has wire type {field.wire}")
-
-
-def _text(buf: bytes, field: _Field, what: str) -> str:
-    _expect(field, _LEN, what)
-    try:
-        return buf[field.data : field.end].decode("utf-8")
-    except UnicodeDecodeError:
-        raise OnnxTemplateError(f"{what}: a string is not valid UTF-8") from None
-
-
-def _signed64(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _varints(buf: bytes, field: _Field, what: str) -> list[int]:
-    """The (signed 64-bit) values of a repeated integer field, packed or not."""
-    if field.wire == _VARINT:
-        return [_signed64(field.value)]
-    _expect(field, _LEN, what)
-    values: list[int] = []
-    pos = field.data
-    while pos < field.end:
-        value, pos = _read_varint(buf, pos, field.end, what)
-        values.append(_signed64(value))
-    return values
-
-
-def _count_varints(buf: bytes, field: _Field, what: str) -> int:
-    """Number of values in a repeated varint field (packed or not), validated cheaply."""
-    if field.wire == _VARINT:
-        return 1
-    _expect(field, _LEN, what)
-    payload = np.frombuffer(buf, dtype=np.uint8, count=field.end - field.data, offset=field.data)
-    if len(payload) and payload[-1] >= 0x80:
-        raise OnnxTemplateError(f"{what}: truncated packed varints")
-    return int(np.count_nonzero(payload < 0x80))
-
-
-def _encode_varint(value: int) -> bytes:
-    """Protobuf varint of ``value`` (negative values as 64-bit two's complement)."""
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _len_field(number: int, payload: bytes) -> bytes:
-    return _encode_varint(number << 3 | _LEN) + _encode_varint(len(payload)) + payload
 
 
 def _quantize_int8(
@@ -450,7 +336,7 @@ class OnnxTemplate:
             replaced.get(i, buf[f.start : f.end]) for i, f in enumerate(self._graph_fields)
         )
         return b"".join(
-            _len_field(_MODEL_GRAPH, graph) if i == self._graph_index else buf[f.start : f.end]
+            len_field(_MODEL_GRAPH, graph) if i == self._graph_index else buf[f.start : f.end]
             for i, f in enumerate(self._model_fields)
         )
 
@@ -464,14 +350,14 @@ class OnnxTemplate:
         first = tensor.data_fields[0]
         if first.number == _TENSOR_RAW_DATA or tensor.data_type == _FLOAT:
             dtype = "<f4" if tensor.data_type == _FLOAT else "i1"
-            data = _len_field(first.number, values.astype(dtype).tobytes())
+            data = len_field(first.number, values.astype(dtype).tobytes())
         else:  # INT8 in int32_data: packed varints (negative as 10-byte two's complement)
             ints = values.astype(np.int64).ravel()
             if ints.size and ints.min() >= 0:  # every value < 128: one byte each
                 payload = ints.astype(np.uint8).tobytes()
             else:
-                payload = b"".join(_encode_varint(v) for v in ints.tolist())
-            data = _len_field(_TENSOR_INT32_DATA, payload)
+                payload = b"".join(encode_varint(v) for v in ints.tolist())
+            data = len_field(_TENSOR_INT32_DATA, payload)
         parts: list[bytes] = []
         for field in tensor.fields:
             if field.number in _TENSOR_DATA_FIELDS:
@@ -479,19 +365,19 @@ class OnnxTemplate:
                     parts.append(data)
             else:
                 parts.append(self._data[field.start : field.end])
-        return _len_field(_GRAPH_INITIALIZER, b"".join(parts))
+        return len_field(_GRAPH_INITIALIZER, b"".join(parts))
 
     # -- parsing ----------------------------------------------------------------------
 
     def _parse(self) -> None:
         buf = self._data
-        self._model_fields = _fields(buf, 0, len(buf), "model")
+        self._model_fields = parse_fields(buf, 0, len(buf), "model")
         graphs = [i for i, f in enumerate(self._model_fields) if f.number == _MODEL_GRAPH]
         if len(graphs) != 1:
             raise OnnxTemplateError(f"model: expected one graph, found {len(graphs)}")
         self._graph_index = graphs[0]
         graph_field = self._model_fields[self._graph_index]
-        _expect(graph_field, _LEN, "model")
+        expect_wire(graph_field, LEN, "model")
         metadata = self._metadata()
         if metadata.get(_META_TEMPLATE) != "1":
             raise OnnxTemplateError(
@@ -504,7 +390,7 @@ class OnnxTemplate:
             )
         self._precision: Precision = "fp32" if precision == "fp32" else "int8"
         self._model_name = metadata.get(_META_MODEL, "")
-        self._graph_fields = _fields(buf, graph_field.data, graph_field.end, "graph")
+        self._graph_fields = parse_fields(buf, graph_field.data, graph_field.end, "graph")
         tensors: dict[str, _Tensor] = {}
         nodes: list[_Node] = []
         for index, field in enumerate(self._graph_fields):
@@ -525,37 +411,37 @@ class OnnxTemplate:
         for field in self._model_fields:
             if field.number != _MODEL_METADATA:
                 continue
-            _expect(field, _LEN, "metadata")
+            expect_wire(field, LEN, "metadata")
             key = value = ""
-            for entry in _fields(buf, field.data, field.end, "metadata"):
+            for entry in parse_fields(buf, field.data, field.end, "metadata"):
                 if entry.number == _ENTRY_KEY:
-                    key = _text(buf, entry, "metadata")
+                    key = read_text(buf, entry, "metadata")
                 elif entry.number == _ENTRY_VALUE:
-                    value = _text(buf, entry, "metadata")
+                    value = read_text(buf, entry, "metadata")
             if key.startswith("edgefl.") and key in metadata:
                 raise OnnxTemplateError(f"template: metadata {key!r} appears twice")
             metadata[key] = value
         return metadata
 
-    def _node(self, field: _Field) -> _Node:
+    def _node(self, field: Field) -> _Node:
         """op_type, inputs and outputs of a node; refuses nodes with subgraphs."""
         buf = self._data
-        _expect(field, _LEN, "node")
+        expect_wire(field, LEN, "node")
         op_type, domain = "", ""
         inputs: list[str] = []
         outputs: list[str] = []
-        for part in _fields(buf, field.data, field.end, "node"):
+        for part in parse_fields(buf, field.data, field.end, "node"):
             if part.number == _NODE_INPUT:
-                inputs.append(_text(buf, part, "node"))
+                inputs.append(read_text(buf, part, "node"))
             elif part.number == _NODE_OUTPUT:
-                outputs.append(_text(buf, part, "node"))
+                outputs.append(read_text(buf, part, "node"))
             elif part.number == _NODE_OP_TYPE:
-                op_type = _text(buf, part, "node")
+                op_type = read_text(buf, part, "node")
             elif part.number == _NODE_DOMAIN:
-                domain = _text(buf, part, "node")
+                domain = read_text(buf, part, "node")
             elif part.number == _NODE_ATTRIBUTE:
-                _expect(part, _LEN, "node attribute")
-                for attr in _fields(buf, part.data, part.end, "node attribute"):
+                expect_wire(part, LEN, "node attribute")
+                for attr in parse_fields(buf, part.data, part.end, "node attribute"):
                     if attr.number in (_ATTRIBUTE_GRAPH, _ATTRIBUTE_GRAPHS):
                         raise OnnxTemplateError(
                             f"template: node {op_type or '?'} has a subgraph; not supported"
@@ -564,11 +450,11 @@ class OnnxTemplate:
             op_type = f"{domain}.{op_type}"
         return _Node(op_type, tuple(inputs), tuple(outputs))
 
-    def _tensor(self, index: int, field: _Field) -> _Tensor:
+    def _tensor(self, index: int, field: Field) -> _Tensor:
         buf = self._data
-        _expect(field, _LEN, "initializer")
-        parts = _fields(buf, field.data, field.end, "initializer")
-        names = [_text(buf, p, "initializer") for p in parts if p.number == _TENSOR_NAME]
+        expect_wire(field, LEN, "initializer")
+        parts = parse_fields(buf, field.data, field.end, "initializer")
+        names = [read_text(buf, p, "initializer") for p in parts if p.number == _TENSOR_NAME]
         if len(names) != 1 or not names[0]:
             raise OnnxTemplateError("initializer: expected exactly one non-empty name")
         name = names[0]
@@ -577,16 +463,16 @@ class OnnxTemplate:
         data_types: list[int] = []
         for part in parts:
             if part.number == _TENSOR_DIMS:
-                dims.extend(_varints(buf, part, what))
+                dims.extend(read_varints(buf, part, what))
                 if len(dims) > MAX_DIMS:
                     raise OnnxTemplateError(f"{what}: more than {MAX_DIMS} dimensions")
             elif part.number == _TENSOR_DATA_TYPE:
-                _expect(part, _VARINT, what)
+                expect_wire(part, VARINT, what)
                 data_types.append(part.value)
             elif part.number == _TENSOR_SEGMENT:
                 raise OnnxTemplateError(f"{what}: segmented tensors are not supported")
             elif part.number == _TENSOR_DATA_LOCATION:
-                _expect(part, _VARINT, what)
+                expect_wire(part, VARINT, what)
                 if part.value != 0:
                     raise OnnxTemplateError(f"{what}: external data is not supported")
             elif part.number == _TENSOR_EXTERNAL_DATA:
@@ -621,21 +507,21 @@ class OnnxTemplate:
             if len(tensor.data_fields) != 1:
                 raise OnnxTemplateError(f"{what}: more than one raw_data field")
             field = tensor.data_fields[0]
-            _expect(field, _LEN, what)
+            expect_wire(field, LEN, what)
             itemsize = 4 if tensor.data_type == _FLOAT else 1
             found = (field.end - field.data) // itemsize
             exact = (field.end - field.data) % itemsize == 0
         elif tensor.data_type == _FLOAT:
             found, exact = 0, True
             for field in tensor.data_fields:
-                if field.wire == _I32:
+                if field.wire == I32:
                     found += 1
                 else:
-                    _expect(field, _LEN, what)
+                    expect_wire(field, LEN, what)
                     found += (field.end - field.data) // 4
                     exact = exact and (field.end - field.data) % 4 == 0
         else:
-            found = sum(_count_varints(self._data, f, what) for f in tensor.data_fields)
+            found = sum(count_varints(self._data, f, what) for f in tensor.data_fields)
             exact = True
         if found != count or not exact:
             raise OnnxTemplateError(
@@ -650,7 +536,7 @@ class OnnxTemplate:
             if field.number == _TENSOR_RAW_DATA:
                 values.extend(np.frombuffer(buf[field.data : field.end], dtype=np.int8).tolist())
             else:
-                values.extend(_varints(buf, field, f"tensor {tensor.name!r}"))
+                values.extend(read_varints(buf, field, f"tensor {tensor.name!r}"))
         return values
 
     def _classify(
