@@ -132,7 +132,7 @@ def templates(root: Path) -> dict[str, Path]:
     import torch
 
     from models import build_classifier
-    from models.onnx_export import export_template
+    from models.onnx_template import export_template
 
     torch.manual_seed(0)
     model = build_classifier("lenet5")

@@ -498,7 +498,7 @@ def _run_template(args: argparse.Namespace) -> int:
         import torch
 
         from models import ModelError, build_classifier
-        from models.onnx_export import export_template
+        from models.onnx_template import export_template
     except ImportError as exc:
         raise _CliError(
             f"template needs torch and onnx ({exc}); pip install 'edgefl[server]'"

@@ -1,7 +1,7 @@
 """Write the fleet's weights into an ONNX template, with numpy alone.
 
 An inference-only device has numpy and onnxruntime but neither torch nor the ``onnx``
-package. It is provisioned with a *template* (:func:`models.onnx_export.export_template`,
+package. It is provisioned with a *template* (:func:`models.onnx_template.export_template`,
 fp32 or int8), an ONNX model whose float weights are initializers named by their torch
 ``state_dict`` keys (int8 weights: see below); after each round,
 :meth:`OnnxTemplate.render` writes the fleet's weights (numpy arrays keyed by those

@@ -13,17 +13,12 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-import models.onnx_export as onnx_export
+import models.onnx_template as onnx_template
 from edge_client.errors import OnnxTemplateError
 from edge_client.serve.template import OnnxTemplate, verify_template
 from models import Classifier, ModelError, build_classifier, classifier_names
-from models.onnx_export import (
-    INPUT_NAME,
-    OUTPUT_NAME,
-    TEMPLATE_INT8_SCHEME,
-    export_onnx,
-    export_template,
-)
+from models.onnx_export import INPUT_NAME, OUTPUT_NAME, export_onnx
+from models.onnx_template import TEMPLATE_INT8_SCHEME, export_template
 
 # Small inputs and resnet8 at its FedDF widths keep the suite fast (lenet5 needs 28 or 32).
 SMALL_OPTIONS: dict[str, dict[str, object]] = {
@@ -264,7 +259,7 @@ def test_export_does_not_rely_on_the_names_onnxruntime_gives_initializers(
     model = _build("lenet5", seed=0)
     state = _state(model)
     reference = export_template(model, model.input_shape, precision="int8")
-    quantize = onnx_export._quantize_template
+    quantize = onnx_template._quantize_template
 
     def quantize_then_rename(fp32: onnx.ModelProto) -> onnx.ModelProto:
         # Every name onnxruntime chose changes; the fp32 graph's activations keep theirs
@@ -274,7 +269,7 @@ def test_export_does_not_rely_on_the_names_onnxruntime_gives_initializers(
         data, _ = _rename(quantize(fp32).SerializeToString(), ours, how, seed=3)
         return onnx.load_from_string(data)
 
-    monkeypatch.setattr(onnx_export, "_quantize_template", quantize_then_rename)
+    monkeypatch.setattr(onnx_template, "_quantize_template", quantize_then_rename)
 
     data = export_template(model, model.input_shape, precision="int8")
 
@@ -330,14 +325,14 @@ def test_a_quantizer_whose_output_the_device_cannot_render_fails_the_export(
 ) -> None:
     # What a future onnxruntime might do differently must fail at export, loudly.
     model = _build("lenet5", seed=0)
-    quantize = onnx_export._quantize_template
+    quantize = onnx_template._quantize_template
 
     def quantize_then_change(fp32: onnx.ModelProto) -> onnx.ModelProto:
         proto = quantize(fp32)
         change(proto)  # type: ignore[operator]
         return proto
 
-    monkeypatch.setattr(onnx_export, "_quantize_template", quantize_then_change)
+    monkeypatch.setattr(onnx_template, "_quantize_template", quantize_then_change)
 
     with pytest.raises((ModelError, OnnxTemplateError), match=message):
         data = export_template(model, model.input_shape, precision="int8")

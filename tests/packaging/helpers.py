@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from models import build_classifier
-from models.onnx_export import export_template
+from models.onnx_template import export_template
 from sim.partition import partition_dataset, save_device_file
 from sim.synthetic import make_synthetic
 

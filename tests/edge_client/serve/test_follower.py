@@ -17,7 +17,8 @@ from edge_client.errors import ConfigError, OnnxTemplateError
 from edge_client.serve.follower import Follower, ModelRefresher
 from edge_client.serve.infer import OnnxClassifier
 from models import build_classifier, load_state_arrays, state_arrays
-from models.onnx_export import export_onnx, export_template
+from models.onnx_export import export_onnx
+from models.onnx_template import export_template
 from protocol.channel import Channel
 from protocol.errors import DecodeError
 from protocol.messages import DeviceStatus, Message, ModelPayload

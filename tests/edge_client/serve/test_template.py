@@ -1,7 +1,7 @@
 """OnnxTemplate: rendering fleet weights into ONNX templates without torch or onnx.
 
 Real parts throughout: templates come from torch's exporter and onnxruntime's
-quantize_dynamic (models.onnx_export.export_template), results are parsed with the
+quantize_dynamic (models.onnx_template.export_template), results are parsed with the
 onnx package and run with onnxruntime.
 """
 
@@ -26,7 +26,8 @@ import edge_client.serve.template as onnx_model
 from edge_client.errors import EdgeClientError, OnnxTemplateError
 from edge_client.serve.template import OnnxTemplate, verify_template
 from models import Classifier, ModelError, build_classifier, classifier_names
-from models.onnx_export import INPUT_NAME, export_onnx, export_template
+from models.onnx_export import INPUT_NAME, export_onnx
+from models.onnx_template import export_template
 
 ROOT = Path(__file__).resolve().parents[3]
 # Small inputs and resnet8 at its FedDF widths keep the suite fast (lenet5 needs 28 or 32).
