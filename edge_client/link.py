@@ -26,6 +26,7 @@ __all__ = [
     "peak_rss_bytes",
     "publish_status",
     "rss_bytes",
+    "total_memory_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,14 @@ def rss_bytes(*, proc: Path = Path("/proc")) -> int | None:
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def total_memory_bytes() -> int:
+    """Physical memory of the machine in bytes, 0 if unknown."""
+    try:
+        return max(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def publish_status(

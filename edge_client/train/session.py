@@ -1,0 +1,698 @@
+"""The training device's logic as a session: events in, actions out.
+
+:class:`DeviceSession` is the one device. It never touches a broker, a thread, a file or
+a clock: a shell feeds it events (started, a decoded inbox message, the coordinator's
+status, reconnected, a job's result, an update sent, time passing) and carries out the
+actions it returns (publish, set the retained status, send an update with retries, run a
+job on the trainer, persist, stop). :class:`~edge_client.train.runtime.EdgeClient` is the
+threaded MQTT shell on a device; :mod:`sim.budget` drives the same session synchronously.
+
+Training goes through the trainer seam (:mod:`edge_client.train.trainer`): a job
+(:class:`DecodeJob`, then :class:`TrainJob`) goes out in a :class:`RunJob` action, its
+result comes back in a :class:`JobDone` event. One job runs at a time; tasks wait in the
+session's queue and a task for a round older than the last one done is skipped when its
+turn comes.
+
+Task rules:
+
+* A :class:`RoundTask` names the model message holding its sets; the two may arrive in
+  either order. The last ``max_buffered_models`` model messages are kept; a task waits
+  for its model up to ``task_timeout_s`` (at most ``max_pending_tasks`` wait).
+* Duplicate tasks (handled, queued, running or waiting) are ignored; a duplicate of the
+  task whose update is unacknowledged sends that update again. Tasks for a round older
+  than the last one done since the coordinator last said ``starting`` are ignored.
+* A task that is rejected, fails or whose update is sent (or cannot be) is handled: its
+  id is remembered (the last ``remember_tasks``) and persisted (:class:`SaveState`).
+* The device announces itself (retained ``online`` status and a :class:`Hello`) when
+  started, reconnected, when the coordinator says ``starting`` and when it lacks the
+  base of a delta (so the coordinator resends the full model).
+* With ``exit_when_finished`` a ``finished`` coordinator stops the device once it saw
+  the coordinator live; ``stopped`` never does.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import platform
+from collections import OrderedDict, deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from edge_client.config import ClientConfig
+from edge_client.link import DeviceState
+from edge_client.train.client_state import SavedState
+from edge_client.train.strategies import WEIGHTS_SET, LocalTask
+from protocol import __version__ as protocol_version
+from protocol.errors import DecodeError
+from protocol.messages import (
+    Ack,
+    CoordinatorStatus,
+    Hello,
+    Message,
+    ModelPayload,
+    RoundTask,
+    Update,
+)
+from protocol.tensors import Precision
+from protocol.tensorset import TensorSet
+from protocol.topics import Topics, parse_topic
+
+__all__ = [
+    "Action",
+    "Cancelled",
+    "CommitUpload",
+    "CoordinatorStatusReceived",
+    "DecodeJob",
+    "Decoded",
+    "DeviceSession",
+    "Event",
+    "Failed",
+    "Job",
+    "JobDone",
+    "JobResult",
+    "NeedsBase",
+    "Publish",
+    "Received",
+    "Reconnected",
+    "Rejected",
+    "RunJob",
+    "SaveModel",
+    "SaveState",
+    "SendUpdate",
+    "SetStatus",
+    "Started",
+    "Stop",
+    "Tick",
+    "TrainJob",
+    "Trained",
+    "UpdateSent",
+    "device_hello",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# -- jobs and their results (the trainer seam) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """Decode the task's sets into a :class:`LocalTask` and check it fits the model."""
+
+    message: Message
+    task: RoundTask
+    sets: dict[str, TensorSet] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Train ``local`` and encode the upload the task asks for."""
+
+    message: Message
+    task: RoundTask
+    local: LocalTask
+    decode_s: float
+
+
+Job = DecodeJob | TrainJob
+
+
+@dataclass(frozen=True)
+class Decoded:
+    task_id: str
+    local: LocalTask
+    decode_s: float
+    held_base: str | None
+    """Content fingerprint of the model the device holds now (None: none)."""
+
+
+@dataclass(frozen=True)
+class NeedsBase:
+    """A set is a delta against a model the device does not hold."""
+
+    task_id: str
+    reason: str
+    held_base: str | None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The task cannot be run (missing or bad payload, unsupported upload, wrong model)."""
+
+    task_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Trained:
+    task_id: str
+    num_samples: int
+    weights: TensorSet
+    metrics: dict[str, float]
+    timings: dict[str, float]
+    """Seconds by phase (``decode_s``, training's own, ``encode_s``)."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Training or encoding raised ``error``."""
+
+    task_id: str
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """Training stopped because the device stops."""
+
+    task_id: str
+
+
+JobResult = Decoded | NeedsBase | Rejected | Trained | Failed | Cancelled
+
+
+# -- events --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    """The device is connected and subscribed."""
+
+
+@dataclass(frozen=True)
+class Received:
+    """A decoded message on the device's inbox topic ``topic``."""
+
+    topic: str
+    message: Message
+    now: float
+    """Monotonic seconds."""
+
+
+@dataclass(frozen=True)
+class CoordinatorStatusReceived:
+    topic: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class Reconnected:
+    """The connection to the broker was restored."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes (monotonic seconds): tasks whose model did not come are dropped."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class JobDone:
+    result: JobResult
+
+
+@dataclass(frozen=True)
+class UpdateSent:
+    """The :class:`SendUpdate` of ``task_id`` was published (``ok``) or given up."""
+
+    task_id: str
+    ok: bool
+
+
+Event = Started | Received | CoordinatorStatusReceived | Reconnected | Tick | JobDone | UpdateSent
+
+
+# -- actions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Publish once; a failure is logged and changes nothing."""
+
+    topic: str
+    message: Message
+    retain: bool = False
+    latest: bool = False
+
+
+@dataclass(frozen=True)
+class SetStatus:
+    """Publish the device's retained :class:`~protocol.messages.DeviceStatus`."""
+
+    state: DeviceState
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class SendUpdate:
+    """Publish the update, retrying up to ``upload_retry_s``; answer :class:`UpdateSent`
+    (or nothing when the device stops meanwhile)."""
+
+    topic: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """Run ``job`` on the trainer (off the transport's thread); answer :class:`JobDone`."""
+
+    job: Job
+
+
+@dataclass(frozen=True)
+class SaveState:
+    saved: SavedState
+
+
+@dataclass(frozen=True)
+class SaveModel:
+    """Persist the trainer's model (it was just trained)."""
+
+
+@dataclass(frozen=True)
+class CommitUpload:
+    """The update was sent: keep its uplink residual (error feedback)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The coordinator finished its run: stop the device."""
+
+
+Action = Publish | SetStatus | SendUpdate | RunJob | SaveState | SaveModel | CommitUpload | Stop
+
+
+def _software_version() -> str:
+    try:
+        return importlib.metadata.version("edgefl")[:64]
+    except importlib.metadata.PackageNotFoundError:
+        return protocol_version
+
+
+def device_hello(
+    config: ClientConfig,
+    *,
+    fingerprint: str,
+    num_samples: int,
+    held_base: str | None,
+    memory_bytes: int,
+) -> Hello:
+    """The hello a device with ``config`` announces itself with (``memory_bytes``: the
+    machine's physical memory, 0 if unknown)."""
+    return Hello(
+        device_id=config.device_id,
+        architecture=config.model,
+        fingerprint=fingerprint,
+        precisions=tuple(Precision),
+        memory_bytes=memory_bytes,
+        threads=config.threads,
+        software_version=_software_version(),
+        num_samples=num_samples,
+        share_label_counts=config.share_label_counts,
+        platform=platform.machine()[:64],
+        downlink_precision=config.downlink_precision,
+        uplink_precision=config.uplink_precision,
+        held_base=held_base,
+    )
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A task waiting for its model message until ``expires`` (monotonic seconds)."""
+
+    message: Message
+    task: RoundTask
+    expires: float
+
+
+class DeviceSession:
+    """One training device's state machine (see the module docstring for its rules).
+
+    Args:
+        config: the device's configuration.
+        fingerprint: the model's architecture fingerprint (for the hello).
+        num_samples: local training samples (for the hello).
+        label_counts: samples per class, sent when a task asks and the device consents.
+        memory_bytes: the machine's physical memory (for the hello), 0 if unknown.
+        held_base: content fingerprint of the model the device holds, None: none.
+        saved: the state persisted by an earlier run of this device; ignored (with a
+            warning) when it belongs to another fleet or device.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        fingerprint: str,
+        num_samples: int,
+        label_counts: tuple[int, ...],
+        memory_bytes: int,
+        held_base: str | None = None,
+        saved: SavedState | None = None,
+    ) -> None:
+        self.config = config
+        self._topics = Topics(config.fleet)
+        self._fingerprint = fingerprint
+        self._num_samples = num_samples
+        self._label_counts = label_counts
+        self._memory_bytes = memory_bytes
+        self._held_base = held_base
+        self._models: OrderedDict[str, ModelPayload] = OrderedDict()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._handled: OrderedDict[str, None] = OrderedDict()
+        self._queue: deque[DecodeJob] = deque()  # tasks waiting for the trainer
+        self._running: Job | None = None  # the job out on the trainer, or its upload
+        self._rounds_done = 0
+        self._last_round = -1  # latest round done in this coordinator run (not persisted)
+        self._unacked: Message | None = None  # the last update sent, until its Ack arrives
+        self._seen_live_coordinator = False  # a starting / waiting / running status came
+        self.restored = False
+        """Whether ``saved`` was taken (the shell then resumes the saved model too)."""
+        if saved is not None:
+            self._restore(saved)
+
+    @property
+    def rounds_done(self) -> int:
+        """Rounds whose update was published."""
+        return self._rounds_done
+
+    @property
+    def handled(self) -> Collection[str]:
+        """Ids of the tasks handled (the last ``remember_tasks``)."""
+        return tuple(self._handled)
+
+    @property
+    def next_expiry(self) -> float | None:
+        """When the next waiting task expires (monotonic seconds), None: none waits."""
+        return min((p.expires for p in self._pending.values()), default=None)
+
+    def handle(self, event: Event) -> list[Action]:
+        """The actions ``event`` leads to, in the order to carry them out."""
+        if isinstance(event, (Started, Reconnected)):
+            if isinstance(event, Reconnected):
+                logger.info("reconnected to the broker; announcing again")
+            return self._announce()
+        if isinstance(event, Received):
+            return self._on_inbox(event)
+        if isinstance(event, CoordinatorStatusReceived):
+            return self._on_coordinator_status(event.topic, event.message)
+        if isinstance(event, Tick):
+            self._expire(event.now)
+            return []
+        if isinstance(event, JobDone):
+            return self._on_result(event.result)
+        return self._on_update_sent(event)
+
+    # -- announcing ------------------------------------------------------------------------
+
+    def _message(self, body: object, round_: int = -1) -> Message:
+        return Message(
+            fleet=self.config.fleet, sender=self.config.device_id, body=body, round=round_
+        )
+
+    def _announce(self) -> list[Action]:
+        hello = device_hello(
+            self.config,
+            fingerprint=self._fingerprint,
+            num_samples=self._num_samples,
+            held_base=self._held_base,
+            memory_bytes=self._memory_bytes,
+        )
+        topic = self._topics.device(self.config.device_id, "hello")
+        return [SetStatus("online"), Publish(topic, self._message(hello))]
+
+    def _resend_unacked(self) -> list[Action]:
+        """The last update again if the coordinator never acknowledged it (it may have
+        been down when the update was sent); the coordinator ignores duplicates."""
+        message = self._unacked
+        if message is None:
+            return []
+        logger.info("round %d: sending the unacknowledged update again", message.round)
+        return [Publish(self._topics.device(self.config.device_id, "update"), message)]
+
+    # -- inbound ---------------------------------------------------------------------------
+
+    def _on_inbox(self, event: Received) -> list[Action]:
+        topic, message = event.topic, event.message
+        try:
+            info = parse_topic(topic)
+        except DecodeError:
+            logger.warning("ignored a %s message on unexpected topic %s", message.kind, topic)
+            return []
+        if message.fleet != self.config.fleet:
+            logger.warning("ignored a %s for fleet %r on %s", message.kind, message.fleet, topic)
+            return []
+        if message.kind != info.leaf:
+            logger.warning("ignored a %s message on %s", message.kind, topic)
+            return []
+        body = message.body
+        if isinstance(body, RoundTask):
+            return self._on_task(message, body, event.now)
+        if isinstance(body, ModelPayload):
+            return self._on_model(message, body)
+        if isinstance(body, Ack):
+            self._on_ack(message, body)
+        return []
+
+    def _on_task(self, message: Message, task: RoundTask, now: float) -> list[Action]:
+        task_id = message.message_id
+        if task_id in self._handled or task_id in self._active() or task_id in self._pending:
+            logger.info("ignored duplicate task %s (round %d)", task_id, message.round)
+            unacked = self._unacked
+            if unacked is not None and getattr(unacked.body, "task_message", None) == task_id:
+                return self._resend_unacked()  # the coordinator asks again: it lost the update
+            return []
+        if message.round < self._last_round:
+            logger.warning(
+                "ignored task %s for round %d: round %d is already done",
+                task_id,
+                message.round,
+                self._last_round,
+            )
+            return []
+        model_id = task.model_message
+        if model_id is None:
+            return self._enqueue(DecodeJob(message, task))
+        if model_id in self._models:
+            return self._enqueue(DecodeJob(message, task, dict(self._models[model_id].sets)))
+        self._pending[task_id] = _Pending(message, task, now + self.config.task_timeout_s)
+        while len(self._pending) > self.config.max_pending_tasks:
+            _, dropped = self._pending.popitem(last=False)
+            logger.warning("dropped task %s: too many tasks wait", dropped.message.message_id)
+        logger.debug("task %s waits for model message %s", task_id, model_id)
+        return []
+
+    def _on_model(self, message: Message, payload: ModelPayload) -> list[Action]:
+        model_id = message.message_id
+        if model_id in self._models:
+            logger.debug("ignored duplicate model message %s", model_id)
+            return []
+        self._models[model_id] = payload
+        while len(self._models) > self.config.max_buffered_models:
+            self._models.popitem(last=False)
+        actions: list[Action] = []
+        ready = [p for p in self._pending.values() if p.task.model_message == model_id]
+        for pending in ready:
+            del self._pending[pending.message.message_id]
+            actions += self._enqueue(DecodeJob(pending.message, pending.task, dict(payload.sets)))
+        logger.debug("model message %s (round %d) buffered", model_id, message.round)
+        return actions
+
+    def _on_ack(self, message: Message, ack: Ack) -> None:
+        if self._unacked is not None and ack.ref == self._unacked.message_id:
+            self._unacked = None
+        if ack.accepted:
+            logger.info("coordinator accepted %s (round %d) %s", ack.ref, message.round, ack.detail)
+        else:
+            logger.warning(
+                "coordinator rejected %s (round %d): %s %s",
+                ack.ref,
+                message.round,
+                ack.reason.value,
+                ack.detail,
+            )
+
+    def _on_coordinator_status(self, topic: str, message: Message) -> list[Action]:
+        status = message.body
+        if message.fleet != self.config.fleet or not isinstance(status, CoordinatorStatus):
+            logger.warning("ignored a %s (fleet %r) on %s", message.kind, message.fleet, topic)
+            return []
+        logger.info("coordinator status: %s %s", status.state, status.detail)
+        if status.state in ("starting", "waiting", "running"):
+            self._seen_live_coordinator = True
+        if status.state == "starting":  # perhaps a new run, numbering rounds from 0 again
+            self._last_round = -1
+            return self._announce() + self._resend_unacked()
+        if status.state == "stopped":
+            logger.info("the coordinator stopped (or crashed); waiting for it to come back")
+        elif status.state == "finished" and self.config.exit_when_finished:
+            if not self._seen_live_coordinator:
+                logger.info("a run finished before this device started; waiting for a new one")
+                return []
+            logger.info("the coordinator finished its run; the device stops")
+            return [Stop()]
+        return []
+
+    def _expire(self, now: float) -> None:
+        """Drop the tasks whose model did not come in time."""
+        for pending in [p for p in self._pending.values() if p.expires <= now]:
+            del self._pending[pending.message.message_id]
+            logger.warning(
+                "dropped task %s (round %d): model message %s did not arrive within %.0f s",
+                pending.message.message_id,
+                pending.message.round,
+                pending.task.model_message,
+                self.config.task_timeout_s,
+            )
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def _active(self) -> set[str]:
+        """Ids of the tasks queued or running."""
+        active = {job.message.message_id for job in self._queue}
+        if self._running is not None:
+            active.add(self._running.message.message_id)
+        return active
+
+    def _enqueue(self, job: DecodeJob) -> list[Action]:
+        self._queue.append(job)
+        return self._next_job()
+
+    def _next_job(self) -> list[Action]:
+        """Start the next queued task if the trainer is free (stale ones are skipped)."""
+        while self._running is None and self._queue:
+            job = self._queue.popleft()
+            if job.message.round < self._last_round:
+                logger.warning(
+                    "skipped task %s for round %d: a later round is done",
+                    job.message.message_id,
+                    job.message.round,
+                )
+                continue
+            self._running = job
+            return [RunJob(job)]
+        return []
+
+    def _on_result(self, result: JobResult) -> list[Action]:
+        job = self._running
+        if job is None or job.message.message_id != result.task_id:
+            logger.warning("ignored the result of task %s: it is not running", result.task_id)
+            return []
+        message, round_ = job.message, job.message.round
+        if isinstance(result, Decoded):
+            self._held_base = result.held_base
+            logger.info("round %d: training (%s)", round_, job.task.strategy)
+            train = TrainJob(message, job.task, result.local, result.decode_s)
+            self._running = train
+            return [SetStatus("training"), RunJob(train)]
+        if isinstance(result, Trained):
+            return self._on_trained(job, result)
+        self._running = None
+        if isinstance(result, NeedsBase):
+            self._held_base = result.held_base
+            logger.warning("round %d: %s; asking for the full model", round_, result.reason)
+            return self._announce() + self._next_job()
+        if isinstance(result, Rejected):
+            logger.warning(
+                "rejected task %s (round %d): %s", message.message_id, round_, result.reason
+            )
+            return [self._remember(message.message_id), *self._next_job()]
+        if isinstance(result, Cancelled):
+            logger.info("round %d: training cancelled, the device stops", round_)
+            return []
+        error = result.error
+        logger.error("round %d: training failed", round_, exc_info=error)
+        detail = f"round {round_}: {type(error).__name__}: {error}"
+        return [self._remember(message.message_id), SetStatus("error", detail), *self._next_job()]
+
+    def _on_trained(self, job: Job, result: Trained) -> list[Action]:
+        try:
+            update = self._update_body(job, result)
+        except ValidationError as exc:
+            return self._on_result(Failed(result.task_id, exc))
+        message = self._message(update, job.message.round)
+        self._unacked = message
+        topic = self._topics.device(self.config.device_id, "update")
+        return [SaveModel(), SendUpdate(topic, message)]
+
+    def _update_body(self, job: Job, result: Trained) -> Update:
+        metrics = result.metrics
+        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        if len(finite) != len(metrics):
+            logger.warning(
+                "non-finite training metrics left out: %s", sorted(set(metrics) - set(finite))
+            )
+        label_counts = None
+        if job.task.uplink.label_counts:
+            if self.config.share_label_counts:
+                label_counts = self._label_counts
+                logger.info("sharing label counts (the device consented)")
+            else:
+                logger.warning("the task asks for label counts; not sent (no consent)")
+        return Update(
+            task_message=job.message.message_id,
+            num_samples=result.num_samples,
+            sets={WEIGHTS_SET: result.weights},
+            label_counts=label_counts,
+            metrics=finite,
+            timings={k: max(0.0, v) for k, v in result.timings.items()},
+        )
+
+    def _on_update_sent(self, event: UpdateSent) -> list[Action]:
+        job = self._running
+        if job is None or job.message.message_id != event.task_id:
+            logger.warning("ignored the upload of task %s: it is not running", event.task_id)
+            return []
+        self._running = None
+        round_ = job.message.round
+        if not event.ok:
+            detail = f"round {round_}: the update could not be published"
+            return [self._remember(event.task_id), SetStatus("error", detail), *self._next_job()]
+        actions: list[Action] = [CommitUpload(), self._remember(event.task_id, round_=round_)]
+        update = self._unacked.body if self._unacked is not None else None
+        if isinstance(update, Update):
+            logger.info(
+                "round %d: update sent (%d samples, loss %.4f, accuracy %.3f)",
+                round_,
+                update.num_samples,
+                update.metrics.get("loss", float("nan")),
+                update.metrics.get("accuracy", float("nan")),
+            )
+        return [*actions, SetStatus("idle"), *self._next_job()]
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def _remember(self, task_id: str, *, round_: int | None = None) -> SaveState:
+        """Record a handled task (and a round done when ``round_`` is given)."""
+        self._handled[task_id] = None
+        while len(self._handled) > self.config.remember_tasks:
+            self._handled.popitem(last=False)
+        if round_ is not None:
+            self._rounds_done += 1
+            self._last_round = max(self._last_round, round_)
+        return SaveState(
+            SavedState(
+                fleet=self.config.fleet,
+                device_id=self.config.device_id,
+                rounds_done=self._rounds_done,
+                handled_tasks=list(self._handled),
+            )
+        )
+
+    def _restore(self, saved: SavedState) -> None:
+        if (saved.fleet, saved.device_id) != (self.config.fleet, self.config.device_id):
+            logger.warning(
+                "ignored the saved client state: it belongs to %s/%s",
+                saved.fleet,
+                saved.device_id,
+            )
+            return
+        self._handled = OrderedDict.fromkeys(saved.handled_tasks[-self.config.remember_tasks :])
+        self._rounds_done = saved.rounds_done
+        self.restored = True
+        logger.info("resumed: %d rounds done", saved.rounds_done)
