@@ -4,13 +4,12 @@
 of a :class:`~sim.run.SimConfig`, in seconds rather than the minutes a full emulation
 takes, and with the very encoders a run uses. It drives the real
 :class:`~coordinator.engine.RoundEngine` (the strategy, the per-device transfers, the
-selection) with a fake clock and emulates each device at the message level, as
-:class:`~edge_client.train.runtime.EdgeClient` behaves: it announces itself (retained
-``online`` status and a :class:`~protocol.messages.Hello` with the precisions it asks
-for), decodes its model message with a :class:`~edge_client.train.transfer.TransferState`,
-trains with :func:`~edge_client.train.strategies.local_update` for a few SGD steps on its
-share of the run's dataset (so that deltas quantize and compress as trained ones do),
-encodes its upload with error feedback and sends an :class:`~protocol.messages.Update`.
+selection) with a fake clock and, for each device, the real
+:class:`~edge_client.train.session.DeviceSession` that
+:class:`~edge_client.train.runtime.EdgeClient` runs, synchronously: the session's
+training jobs run inline on a :class:`~edge_client.train.trainer.LocalTrainer` for a few
+SGD steps on the device's share of the run's dataset (so that deltas quantize and
+compress as trained ones do).
 
 Every message is measured as the transports of ``python -m sim`` count it:
 :class:`~protocol.codec.Codec` frame, :func:`~protocol.chunking.split_frame` at the
@@ -31,11 +30,9 @@ import re
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Literal
-
-import torch
+from typing import Any
 
 from coordinator.engine import Action, Finished, Publish, Received, RoundEngine, RoundStarted
 from coordinator.errors import ConfigError
@@ -43,16 +40,38 @@ from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
 from edge_client.config import ClientConfig
-from edge_client.errors import TaskError
-from edge_client.train.data import DeviceData
-from edge_client.train.runtime import device_hello
-from edge_client.train.strategies import WEIGHTS_SET, LocalTask, UploadSubset, local_update
+from edge_client.errors import ConfigError as DeviceConfigError
+from edge_client.link import DeviceState, total_memory_bytes
+from edge_client.train.session import Action as DeviceAction
+from edge_client.train.session import (
+    CommitUpload,
+    CoordinatorStatusReceived,
+    DecodeJob,
+    DeviceSession,
+    Event,
+    Failed,
+    Job,
+    JobDone,
+    JobResult,
+    NeedsBase,
+    Rejected,
+    RunJob,
+    SendUpdate,
+    SetStatus,
+    Started,
+    Stop,
+    Trained,
+    TrainJob,
+    UpdateSent,
+)
+from edge_client.train.session import Publish as DevicePublish
+from edge_client.train.session import Received as DeviceReceived
+from edge_client.train.trainer import LocalTrainer, build_device_model
 from edge_client.train.training import TrainConfig
 from edge_client.train.transfer import TransferState
-from models import Classifier, build_classifier, state_arrays
+from models import state_arrays
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
 from protocol.codec import Codec
-from protocol.errors import DecodeError, EncodeError
 from protocol.messages import (
     Ack,
     CoordinatorStatus,
@@ -60,7 +79,6 @@ from protocol.messages import (
     Message,
     ModelPayload,
     RoundTask,
-    Update,
 )
 from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
@@ -300,24 +318,36 @@ def estimate(
     return _Emulation(config, train_steps, progress, label).run()
 
 
-_State = Literal["online", "training", "idle", "offline"]  # the statuses devices send here
+class _FewSteps:
+    """A device's trainer with at most ``steps`` local steps a round (0: as asked)."""
+
+    def __init__(self, trainer: LocalTrainer, steps: int) -> None:
+        self._trainer = trainer
+        self._steps = steps
+
+    def run(self, job: Job) -> JobResult:
+        if isinstance(job, TrainJob) and self._steps:
+            hyper = dict(job.local.hyperparameters)
+            asked = TrainConfig.from_hyperparameters(hyper).total_steps(
+                self._trainer.data.num_samples
+            )
+            if asked > self._steps:
+                hyper["local_steps"] = self._steps
+                job = replace(job, local=replace(job.local, hyperparameters=hyper))
+        return self._trainer.run(job)
+
+    def commit_upload(self) -> None:
+        self._trainer.commit_upload()
 
 
 @dataclass
 class _Device:
-    """One emulated edge client: what EdgeClient keeps between messages."""
+    """One emulated edge client: its session and its trainer."""
 
-    data: DeviceData
-    model: Classifier
-    config: ClientConfig
-    transfer: TransferState = field(default_factory=TransferState)
-    learning: dict[str, Any] = field(default_factory=dict)
-    models: dict[str, ModelPayload] = field(default_factory=dict)
+    session: DeviceSession
+    trainer: _FewSteps
+    device_id: str
     stopped: bool = False
-
-    @property
-    def device_id(self) -> str:
-        return self.data.device_id
 
 
 class _Emulation:
@@ -352,27 +382,34 @@ class _Emulation:
             num_classes=template.num_classes,
         )
         self.devices: dict[str, _Device] = {}
+        memory_bytes = total_memory_bytes()
         self._step("building the devices", total=len(federation.devices))
         for index, split in enumerate(federation.devices):
             down, up = config.device_link(index)
             data = device_data(federation, index)
-            with torch.random.fork_rng(devices=[]):  # as EdgeClient builds its model
-                torch.manual_seed(config.seed)
-                model = build_classifier(
-                    config.model,
-                    num_classes=federation.num_classes,
-                    in_channels=channels,
-                    image_size=side,
-                )
-            client = ClientConfig(
+            client = ClientConfig(  # as sim.run configures its devices
                 device_id=split.device_id,
                 fleet=config.fleet,
                 model=config.model,
+                exit_when_finished=True,
                 share_label_counts=True,  # emulated devices consent, as in the sim
+                init_seed=config.seed,
                 downlink_precision=down,
                 uplink_precision=up,
             )
-            self.devices[split.device_id] = _Device(data, model, client)
+            try:
+                model = build_device_model(client, data)
+            except DeviceConfigError as exc:
+                raise SimError(str(exc)) from exc
+            session = DeviceSession(
+                client,
+                fingerprint=model.fingerprint(),
+                num_samples=data.num_samples,
+                label_counts=tuple(int(c) for c in data.label_counts()),
+                memory_bytes=memory_bytes,
+            )
+            trainer = _FewSteps(LocalTrainer(model, data, TransferState()), train_steps)
+            self.devices[split.device_id] = _Device(session, trainer, split.device_id)
             if progress is not None:
                 progress.advance()
         self._joined: list[_Device] = []
@@ -393,7 +430,7 @@ class _Emulation:
             if self._retained is not None:
                 status_topic = self.topics.coordinator_status
                 self._inbox.append((device, status_topic, self._retained, False))
-            self._announce(device)
+            self._act(device, device.session.handle(Started()))
             self._drain()
         if not self._finished:
             raise SimError("the emulated run stopped before its last round (a bug)")
@@ -472,87 +509,61 @@ class _Emulation:
     def _message(self, device: _Device, body: Any, round_: int = -1) -> Message:
         return Message(fleet=self.config.fleet, sender=device.device_id, body=body, round=round_)
 
-    # -- the device side (as edge_client.train.runtime.EdgeClient) -----------------------------
+    # -- the device side (each device's session, as EdgeClient runs it) ------------------
 
     def _drain(self) -> None:
         while self._inbox:
             device, topic, message, selected = self._inbox.popleft()
-            body = message.body
             self._count(topic, message, up=False, selected=selected)
-            if isinstance(body, CoordinatorStatus):
-                if body.state == "starting":
-                    self._announce(device)
-                elif body.state == "finished" and not device.stopped:
-                    device.stopped = True
-                    self._status(device, "offline")
-            elif isinstance(body, ModelPayload):
-                device.models[message.message_id] = body
-            elif isinstance(body, RoundTask):
-                self._train(device, message, body)
+            event: Event
+            if isinstance(message.body, CoordinatorStatus):
+                event = CoordinatorStatusReceived(topic, message)
+            else:
+                event = DeviceReceived(topic, message, self._now)
+            self._act(device, device.session.handle(event))
 
-    def _status(self, device: _Device, state: _State, *, selected: bool = False) -> None:
+    def _act(self, device: _Device, actions: list[DeviceAction]) -> None:
+        """Carry out ``device``'s actions and those they lead to, depth first."""
+        todo = deque(actions)
+        while todo:
+            action = todo.popleft()
+            follow: list[DeviceAction] = []
+            if isinstance(action, SetStatus):
+                if action.state == "error":
+                    raise SimError(f"{device.device_id}: {action.detail}")
+                selected = action.state in ("training", "idle")
+                self._status(device, action.state, selected=selected)
+            elif isinstance(action, DevicePublish):
+                self._publish(device, action.topic, action.message, selected=False)
+            elif isinstance(action, SendUpdate):
+                self._update_ids.add(action.message.message_id)
+                self._publish(device, action.topic, action.message, selected=True)
+                follow = device.session.handle(UpdateSent(action.task_id, ok=True))
+            elif isinstance(action, RunJob):
+                result = self._run_job(device, action.job)
+                follow = device.session.handle(JobDone(result))
+            elif isinstance(action, CommitUpload):
+                device.trainer.commit_upload()
+            elif isinstance(action, Stop) and not device.stopped:
+                device.stopped = True
+                self._status(device, "offline")
+            # SaveState, SaveModel: an emulated device persists nothing
+            todo.extendleft(reversed(follow))
+
+    def _run_job(self, device: _Device, job: Job) -> JobResult:
+        if isinstance(job, DecodeJob):
+            self.device_rounds += 1
+        result = device.trainer.run(job)
+        cannot = f"{device.device_id} cannot run its round {job.message.round} task"
+        if isinstance(result, (NeedsBase, Rejected)):
+            raise SimError(f"{cannot}: {result.reason}")
+        if isinstance(result, Failed):
+            raise SimError(f"{cannot}: {result.error}") from result.error
+        if isinstance(result, Trained) and self._progress is not None:
+            self._progress.advance()
+        return result
+
+    def _status(self, device: _Device, state: DeviceState, *, selected: bool = False) -> None:
         body = DeviceStatus(state=state, rss_bytes=REPORTED_RSS)
         topic = self.topics.device(device.device_id, "status")
         self._publish(device, topic, self._message(device, body), selected=selected)
-
-    def _announce(self, device: _Device) -> None:
-        self._status(device, "online")
-        hello = device_hello(
-            device.config,
-            fingerprint=device.model.fingerprint(),
-            num_samples=device.data.num_samples,
-            held_base=device.transfer.held_fingerprint,
-        )
-        topic = self.topics.device(device.device_id, "hello")
-        self._publish(device, topic, self._message(device, hello), selected=False)
-
-    def _train(self, device: _Device, message: Message, task: RoundTask) -> None:
-        round_ = message.round
-        payload = device.models.pop(task.model_message or "", None)
-        if payload is None:
-            raise SimError(f"{device.device_id}: task without its model message (a bug)")
-        self.device_rounds += 1
-        try:
-            start = time.perf_counter()
-            names = task.payloads or tuple(payload.sets)
-            lossy = task.downlink_precision is not Precision.FP32 or task.uplink.mode == "delta"
-            arrays = device.transfer.decode(payload.sets, names, hold=lossy)
-            decode_s = time.perf_counter() - start
-            upload: UploadSubset = "head" if task.uplink.subset == "head" else "all"
-            hyper = self._emulated_steps(dict(task.hyperparameters), device.data.num_samples)
-            local = LocalTask(task.strategy, hyper, arrays, upload)
-            self._status(device, "training", selected=True)
-            result = local_update(device.model, device.data, local, device.learning)
-            if self._progress is not None:
-                self._progress.advance()
-            start = time.perf_counter()
-            weights = device.transfer.encode_upload(
-                result.sets[WEIGHTS_SET], task.uplink, local.sets
-            )
-            encode_s = time.perf_counter() - start
-        except (TaskError, DecodeError, EncodeError) as exc:
-            raise SimError(f"{device.device_id} cannot run its round {round_} task: {exc}") from exc
-        counts = None
-        if task.uplink.label_counts:
-            counts = tuple(int(c) for c in device.data.label_counts())
-        update = Update(
-            task_message=message.message_id,
-            num_samples=result.num_samples,
-            sets={WEIGHTS_SET: weights},
-            label_counts=counts,
-            metrics={k: v for k, v in result.metrics.items() if math.isfinite(v)},
-            timings={"decode_s": decode_s, **result.timings, "encode_s": encode_s},
-        )
-        sent = self._message(device, update, round_)
-        self._update_ids.add(sent.message_id)
-        self._publish(device, self.topics.device(device.device_id, "update"), sent, selected=True)
-        self._status(device, "idle", selected=True)
-
-    def _emulated_steps(self, hyper: dict[str, Any], num_samples: int) -> dict[str, Any]:
-        """The task's hyperparameters with at most ``train_steps`` local steps."""
-        if self.train_steps == 0:
-            return hyper
-        asked = TrainConfig.from_hyperparameters(hyper).total_steps(num_samples)
-        if asked > self.train_steps:
-            hyper["local_steps"] = self.train_steps
-        return hyper

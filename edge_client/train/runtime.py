@@ -424,7 +424,6 @@ class EdgeClient:
         session; nothing when a stop was requested meanwhile (the task stays unhandled
         and the error feedback unchanged, so a restarted device trains it again)."""
         message = action.message
-        task_id = getattr(message.body, "task_message", "")
         deadline = time.monotonic() + self.config.upload_retry_s
         delay = 0.5
         while True:
@@ -447,9 +446,9 @@ class EdgeClient:
                 if self._stop_requested.is_set():
                     logger.info("round %d: upload abandoned, the device stops", message.round)
                     return
-                self._handle(UpdateSent(task_id, ok=False))
+                self._handle(UpdateSent(action.task_id, ok=False))
                 return
-        self._handle(UpdateSent(task_id, ok=True))
+        self._handle(UpdateSent(action.task_id, ok=True))
 
     # ------------------------------------------------------------------ persistence
 

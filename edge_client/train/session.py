@@ -255,6 +255,7 @@ class SendUpdate:
 
     topic: str
     message: Message
+    task_id: str
 
 
 @dataclass(frozen=True)
@@ -618,7 +619,7 @@ class DeviceSession:
         message = self._message(update, job.message.round)
         self._unacked = message
         topic = self._topics.device(self.config.device_id, "update")
-        return [SaveModel(), SendUpdate(topic, message)]
+        return [SaveModel(), SendUpdate(topic, message, job.message.message_id)]
 
     def _update_body(self, job: Job, result: Trained) -> Update:
         metrics = result.metrics

@@ -1,0 +1,327 @@
+"""The device session, driven by hand (no broker, no threads, no trainer)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from edge_client.config import ClientConfig
+from edge_client.train.client_state import SavedState
+from edge_client.train.session import (
+    Action,
+    Cancelled,
+    CommitUpload,
+    CoordinatorStatusReceived,
+    Decoded,
+    DecodeJob,
+    DeviceSession,
+    Failed,
+    Job,
+    JobDone,
+    NeedsBase,
+    Publish,
+    Received,
+    Reconnected,
+    Rejected,
+    RunJob,
+    SaveModel,
+    SaveState,
+    SendUpdate,
+    SetStatus,
+    Started,
+    Stop,
+    Tick,
+    Trained,
+    TrainJob,
+    UpdateSent,
+)
+from edge_client.train.strategies import LocalTask
+from protocol import (
+    Ack,
+    CoordinatorStatus,
+    Hello,
+    Message,
+    ModelPayload,
+    RoundTask,
+    Topics,
+    Update,
+    UploadSpec,
+    encode_tensors,
+)
+
+FLEET = "fleet-s"
+DEVICE = "dev-001"
+TOPICS = Topics(FLEET)
+WEIGHTS = encode_tensors({"w": np.ones((2, 2), dtype=np.float32)})
+
+
+def make_session(saved: SavedState | None = None, **fields: Any) -> DeviceSession:
+    config = ClientConfig(device_id=DEVICE, fleet=FLEET, model="mlp", **fields)
+    return DeviceSession(
+        config,
+        fingerprint="0123456789abcdef",
+        num_samples=40,
+        label_counts=(10, 10, 10, 10),
+        memory_bytes=2**30,
+        saved=saved,
+    )
+
+
+def inbox(body: Any, round_: int = 0) -> Message:
+    return Message(fleet=FLEET, sender="coordinator", body=body, round=round_)
+
+
+def deliver(session: DeviceSession, message: Message, now: float = 0.0) -> list[Action]:
+    return session.handle(Received(TOPICS.device_inbox(DEVICE)[:-1] + message.kind, message, now))
+
+
+def model_message(round_: int = 0) -> Message:
+    return inbox(ModelPayload(sets={"global": WEIGHTS}), round_)
+
+
+def task_message(model: Message | None, round_: int = 0, **fields: Any) -> Message:
+    task = RoundTask(
+        strategy="fedavg",
+        hyperparameters={"local_epochs": 1},
+        deadline=time.time() + 60,
+        payloads=("global",),
+        model_message=None if model is None else model.message_id,
+        **fields,
+    )
+    return inbox(task, round_)
+
+
+def coordinator(session: DeviceSession, state: str) -> list[Action]:
+    message = inbox(CoordinatorStatus(state=state))
+    return session.handle(CoordinatorStatusReceived(TOPICS.coordinator_status, message))
+
+
+def of(actions: list[Action], kind: type) -> list[Any]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def statuses(actions: list[Action]) -> list[str]:
+    return [a.state for a in of(actions, SetStatus)]
+
+
+def the_job(actions: list[Action]) -> Job:
+    (run,) = of(actions, RunJob)
+    return run.job
+
+
+def decoded(job: Job) -> Decoded:
+    return Decoded(job.message.message_id, LocalTask("fedavg"), 0.01, None)
+
+
+def trained(job: Job, **metrics: float) -> Trained:
+    return Trained(job.message.message_id, 40, WEIGHTS, metrics, {"train_s": 0.5})
+
+
+def train_to_update(session: DeviceSession, task: Message, model: Message) -> SendUpdate:
+    """Model and task in, the jobs run by hand, the update sent out."""
+    deliver(session, model)
+    job = the_job(deliver(session, task))
+    train = the_job(session.handle(JobDone(decoded(job))))
+    (send,) = of(session.handle(JobDone(trained(train, loss=0.5))), SendUpdate)
+    return send
+
+
+def test_started_and_reconnected_announce_the_device() -> None:
+    session = make_session()
+
+    for event in (Started(), Reconnected()):
+        actions = session.handle(event)
+
+        assert statuses(actions) == ["online"]
+        (hello,) = of(actions, Publish)
+        assert hello.topic == TOPICS.device(DEVICE, "hello")
+        body = hello.message.body
+        assert isinstance(body, Hello)
+        assert (body.fingerprint, body.num_samples, body.memory_bytes) == (
+            "0123456789abcdef",
+            40,
+            2**30,
+        )
+        assert body.held_base is None
+
+
+def test_model_then_task_gives_a_decode_then_a_train_job() -> None:
+    session = make_session()
+    model = model_message()
+    task = task_message(model)
+
+    assert deliver(session, model) == []
+    job = the_job(deliver(session, task))
+
+    assert isinstance(job, DecodeJob) and job.sets == {"global": WEIGHTS}
+    after = session.handle(JobDone(decoded(job)))
+    assert statuses(after) == ["training"]
+    train = the_job(after)
+    assert isinstance(train, TrainJob) and train.message == task
+
+
+def test_task_before_its_model_waits_and_expires() -> None:
+    session = make_session(task_timeout_s=10)
+    model = model_message()
+
+    assert deliver(session, task_message(model), now=100.0) == []
+    assert session.next_expiry == 110.0
+    assert the_job(deliver(session, model, now=101.0)).message.round == 0
+
+    late = task_message(model_message(1), 1)
+    deliver(session, late, now=200.0)
+    assert session.handle(Tick(209.0)) == [] and session.next_expiry == 210.0
+    session.handle(Tick(210.0))
+    assert session.next_expiry is None
+
+
+def test_a_trained_job_publishes_the_update_then_idle_and_persists() -> None:
+    session = make_session()
+    model = model_message()
+    task = task_message(model, uplink=UploadSpec(label_counts=True))
+    deliver(session, model)
+    job = the_job(deliver(session, task))
+    train = the_job(session.handle(JobDone(decoded(job))))
+
+    actions = session.handle(JobDone(trained(train, loss=0.25, accuracy=float("nan"))))
+
+    assert isinstance(actions[0], SaveModel)
+    (send,) = of(actions, SendUpdate)
+    assert send.topic == TOPICS.device(DEVICE, "update") and send.task_id == task.message_id
+    update = send.message.body
+    assert isinstance(update, Update) and update.task_message == task.message_id
+    assert update.metrics == {"loss": 0.25}  # non-finite metrics are left out
+    assert update.label_counts is None  # the device did not consent
+    done = session.handle(UpdateSent(task.message_id, ok=True))
+    assert isinstance(done[0], CommitUpload) and statuses(done) == ["idle"]
+    (save,) = of(done, SaveState)
+    assert save.saved.rounds_done == 1 and save.saved.handled_tasks == [task.message_id]
+    assert session.rounds_done == 1
+
+
+def test_a_duplicate_task_is_ignored_and_resends_the_unacked_update() -> None:
+    session = make_session()
+    model = model_message()
+    task = task_message(model)
+    send = train_to_update(session, task, model)
+
+    session.handle(UpdateSent(task.message_id, ok=True))
+
+    (resend,) = deliver(session, task)
+    assert isinstance(resend, Publish) and resend.message == send.message
+
+
+def test_an_ack_forgets_the_update_and_a_starting_coordinator_resends_until_then() -> None:
+    session = make_session()
+    model = model_message()
+    task = task_message(model)
+    send = train_to_update(session, task, model)
+    session.handle(UpdateSent(task.message_id, ok=True))
+
+    restart = coordinator(session, "starting")
+    assert statuses(restart) == ["online"]
+    assert [a.message for a in of(restart, Publish)][-1] == send.message  # hello, then resend
+    nack = Ack(accepted=False, ref="0" * 32, reason="late")
+    assert deliver(session, inbox(nack)) == []
+    assert of(coordinator(session, "starting"), Publish)[-1].message == send.message
+
+    deliver(session, inbox(Ack(accepted=True, ref=send.message.message_id)))
+
+    (hello,) = of(coordinator(session, "starting"), Publish)
+    assert isinstance(hello.message.body, Hello)
+    assert deliver(session, task) == []  # handled, nothing to resend
+
+
+def test_one_job_at_a_time_and_stale_tasks_are_skipped() -> None:
+    session = make_session()
+    first, second = model_message(0), model_message(0)
+    deliver(session, first)
+    deliver(session, second)
+    job = the_job(deliver(session, task_message(first, 5)))
+    assert deliver(session, task_message(second, 2)) == []  # queued behind the first
+
+    train = the_job(session.handle(JobDone(decoded(job))))
+    session.handle(JobDone(trained(train)))
+    after = session.handle(UpdateSent(train.message.message_id, ok=True))
+
+    assert of(after, RunJob) == []  # round 2 < round 5 done: skipped
+    assert deliver(session, task_message(None, 4)) == []  # ignored at once
+
+
+def test_rejected_failed_and_cancelled_jobs() -> None:
+    session = make_session()
+    job = the_job(deliver(session, task_message(None)))
+    rejected = session.handle(JobDone(Rejected(job.message.message_id, "bad payload")))
+    assert statuses(rejected) == [] and len(of(rejected, SaveState)) == 1
+    assert deliver(session, job.message) == []  # handled
+
+    job = the_job(deliver(session, task_message(None)))
+    train = the_job(session.handle(JobDone(decoded(job))))
+    failed = session.handle(JobDone(Failed(train.message.message_id, RuntimeError("oom"))))
+    assert statuses(failed) == ["error"] and "RuntimeError: oom" in failed[-1].detail
+
+    job = the_job(deliver(session, task_message(None)))
+    train = the_job(session.handle(JobDone(decoded(job))))
+    assert session.handle(JobDone(Cancelled(train.message.message_id))) == []
+    assert job.message.message_id not in session.handled
+    assert session.rounds_done == 0
+
+
+def test_an_unknown_base_announces_the_device_again_and_the_task_can_come_back() -> None:
+    session = make_session()
+    job = the_job(deliver(session, task_message(None)))
+
+    again = session.handle(
+        JobDone(NeedsBase(job.message.message_id, "no base", "fedcba9876543210"))
+    )
+
+    assert statuses(again) == ["online"]
+    assert of(again, Publish)[0].message.body.held_base == "fedcba9876543210"
+    assert isinstance(the_job(deliver(session, job.message)), DecodeJob)  # not handled
+
+
+def test_an_update_that_cannot_be_published_is_an_error() -> None:
+    session = make_session()
+    model = model_message()
+    task = task_message(model)
+    train_to_update(session, task, model)
+
+    actions = session.handle(UpdateSent(task.message_id, ok=False))
+
+    assert statuses(actions) == ["error"] and session.rounds_done == 0
+    assert task.message_id in session.handled
+
+
+def test_a_finished_coordinator_stops_the_device_only_after_it_saw_it_live() -> None:
+    session = make_session(exit_when_finished=True)
+    assert coordinator(session, "finished") == []  # a retained one of an earlier run
+    coordinator(session, "running")
+    assert coordinator(session, "stopped") == []
+    assert coordinator(session, "finished") == [Stop()]
+    assert coordinator(make_session(), "finished") == []  # not asked to exit
+
+
+def test_foreign_and_misplaced_input_changes_nothing() -> None:
+    session = make_session()
+    task = task_message(None)
+    foreign = task.model_copy(update={"fleet": "other"})
+
+    assert deliver(session, foreign) == []
+    assert session.handle(Received(TOPICS.device_inbox(DEVICE)[:-1] + "model", task, 0.0)) == []
+    assert session.handle(Received("not/a/topic", task, 0.0)) == []
+    assert session.handle(CoordinatorStatusReceived(TOPICS.coordinator_status, task)) == []
+    assert isinstance(the_job(deliver(session, task)), DecodeJob)
+
+
+def test_persisted_state_is_restored_for_this_device_only() -> None:
+    saved = SavedState(fleet=FLEET, device_id=DEVICE, rounds_done=3, handled_tasks=["t-1"])
+    session = make_session(saved)
+    assert session.restored and session.rounds_done == 3 and list(session.handled) == ["t-1"]
+
+    other = make_session(saved.model_copy(update={"device_id": "dev-002"}))
+    assert not other.restored and other.rounds_done == 0 and list(other.handled) == []
+
+    handled = task_message(None).model_copy(update={"message_id": "t-1"})
+    assert deliver(session, handled) == []
