@@ -42,30 +42,7 @@ from coordinator.strategies import Strategy, build_strategy
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.link import DeviceState, total_memory_bytes
-from edge_client.train.session import Action as DeviceAction
-from edge_client.train.session import (
-    CommitUpload,
-    CoordinatorStatusReceived,
-    DecodeJob,
-    DeviceSession,
-    Event,
-    Failed,
-    Job,
-    JobDone,
-    JobResult,
-    NeedsBase,
-    Rejected,
-    RunJob,
-    SendUpdate,
-    SetStatus,
-    Started,
-    Stop,
-    Trained,
-    TrainJob,
-    UpdateSent,
-)
-from edge_client.train.session import Publish as DevicePublish
-from edge_client.train.session import Received as DeviceReceived
+from edge_client.train import session as dev
 from edge_client.train.trainer import LocalTrainer, build_device_model
 from edge_client.train.training import TrainConfig
 from edge_client.train.transfer import TransferState
@@ -325,8 +302,8 @@ class _FewSteps:
         self._trainer = trainer
         self._steps = steps
 
-    def run(self, job: Job) -> JobResult:
-        if isinstance(job, TrainJob) and self._steps:
+    def run(self, job: dev.Job) -> dev.JobResult:
+        if isinstance(job, dev.TrainJob) and self._steps:
             hyper = dict(job.local.hyperparameters)
             asked = TrainConfig.from_hyperparameters(hyper).total_steps(
                 self._trainer.data.num_samples
@@ -344,7 +321,7 @@ class _FewSteps:
 class _Device:
     """One emulated edge client: its session and its trainer."""
 
-    session: DeviceSession
+    session: dev.DeviceSession
     trainer: _FewSteps
     device_id: str
     stopped: bool = False
@@ -401,7 +378,7 @@ class _Emulation:
                 model = build_device_model(client, data)
             except DeviceConfigError as exc:
                 raise SimError(str(exc)) from exc
-            session = DeviceSession(
+            session = dev.DeviceSession(
                 client,
                 fingerprint=model.fingerprint(),
                 num_samples=data.num_samples,
@@ -430,7 +407,7 @@ class _Emulation:
             if self._retained is not None:
                 status_topic = self.topics.coordinator_status
                 self._inbox.append((device, status_topic, self._retained, False))
-            self._act(device, device.session.handle(Started()))
+            self._act(device, device.session.handle(dev.Started()))
             self._drain()
         if not self._finished:
             raise SimError("the emulated run stopped before its last round (a bug)")
@@ -515,51 +492,51 @@ class _Emulation:
         while self._inbox:
             device, topic, message, selected = self._inbox.popleft()
             self._count(topic, message, up=False, selected=selected)
-            event: Event
+            event: dev.Event
             if isinstance(message.body, CoordinatorStatus):
-                event = CoordinatorStatusReceived(topic, message)
+                event = dev.CoordinatorStatusReceived(topic, message)
             else:
-                event = DeviceReceived(topic, message, self._now)
+                event = dev.Received(topic, message, self._now)
             self._act(device, device.session.handle(event))
 
-    def _act(self, device: _Device, actions: list[DeviceAction]) -> None:
+    def _act(self, device: _Device, actions: list[dev.Action]) -> None:
         """Carry out ``device``'s actions and those they lead to, depth first."""
         todo = deque(actions)
         while todo:
             action = todo.popleft()
-            follow: list[DeviceAction] = []
-            if isinstance(action, SetStatus):
+            follow: list[dev.Action] = []
+            if isinstance(action, dev.SetStatus):
                 if action.state == "error":
                     raise SimError(f"{device.device_id}: {action.detail}")
                 selected = action.state in ("training", "idle")
                 self._status(device, action.state, selected=selected)
-            elif isinstance(action, DevicePublish):
+            elif isinstance(action, dev.Publish):
                 self._publish(device, action.topic, action.message, selected=False)
-            elif isinstance(action, SendUpdate):
+            elif isinstance(action, dev.SendUpdate):
                 self._update_ids.add(action.message.message_id)
                 self._publish(device, action.topic, action.message, selected=True)
-                follow = device.session.handle(UpdateSent(action.task_id, ok=True))
-            elif isinstance(action, RunJob):
+                follow = device.session.handle(dev.UpdateSent(action.task_id, ok=True))
+            elif isinstance(action, dev.RunJob):
                 result = self._run_job(device, action.job)
-                follow = device.session.handle(JobDone(result))
-            elif isinstance(action, CommitUpload):
+                follow = device.session.handle(dev.JobDone(result))
+            elif isinstance(action, dev.CommitUpload):
                 device.trainer.commit_upload()
-            elif isinstance(action, Stop) and not device.stopped:
+            elif isinstance(action, dev.Stop) and not device.stopped:
                 device.stopped = True
                 self._status(device, "offline")
             # SaveState, SaveModel: an emulated device persists nothing
             todo.extendleft(reversed(follow))
 
-    def _run_job(self, device: _Device, job: Job) -> JobResult:
-        if isinstance(job, DecodeJob):
+    def _run_job(self, device: _Device, job: dev.Job) -> dev.JobResult:
+        if isinstance(job, dev.DecodeJob):
             self.device_rounds += 1
         result = device.trainer.run(job)
         cannot = f"{device.device_id} cannot run its round {job.message.round} task"
-        if isinstance(result, (NeedsBase, Rejected)):
+        if isinstance(result, (dev.NeedsBase, dev.Rejected)):
             raise SimError(f"{cannot}: {result.reason}")
-        if isinstance(result, Failed):
+        if isinstance(result, dev.Failed):
             raise SimError(f"{cannot}: {result.error}") from result.error
-        if isinstance(result, Trained) and self._progress is not None:
+        if isinstance(result, dev.Trained) and self._progress is not None:
             self._progress.advance()
         return result
 

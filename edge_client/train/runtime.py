@@ -71,6 +71,7 @@ from edge_client.train.session import (
     Failed,
     Job,
     JobDone,
+    JobResult,
     Publish,
     Received,
     Reconnected,
@@ -402,14 +403,18 @@ class EdgeClient:
                 return
             if isinstance(item, _Wake):
                 continue
+            task_id = item.message.message_id
             try:
-                result = self._trainer.run(item)
-                if isinstance(result, Failed):
-                    self._last_error = result.error
+                result: JobResult = self._trainer.run(item)
+            except Exception as exc:  # a bug: the task fails, the device goes on
+                logger.exception("task %s failed unexpectedly", task_id)
+                result = Failed(task_id, exc)
+            if isinstance(result, Failed):
+                self._last_error = result.error
+            try:
                 self._handle(JobDone(result))
-            except Exception as exc:  # never let the worker die
-                logger.exception("task %s failed unexpectedly", item.message.message_id)
-                self._last_error = exc
+            except Exception:  # never let the worker die
+                logger.exception("task %s: its result was not handled", task_id)
 
     def _expire_pending(self) -> float | None:
         """Drop tasks whose model did not come in time; seconds until the next expiry."""
