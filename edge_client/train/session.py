@@ -368,6 +368,7 @@ class DeviceSession:
         self._handled: OrderedDict[str, None] = OrderedDict()
         self._queue: deque[DecodeJob] = deque()  # tasks waiting for the trainer
         self._running: Job | None = None  # the job out on the trainer, or its upload
+        self._upload: Update | None = None  # the update of the running job, being sent
         self._rounds_done = 0
         self._last_round = -1  # latest round done in this coordinator run (not persisted)
         self._unacked: Message | None = None  # the last update sent, until its Ack arrives
@@ -618,6 +619,7 @@ class DeviceSession:
             return self._on_result(Failed(result.task_id, exc))
         message = self._message(update, job.message.round)
         self._unacked = message
+        self._upload = update
         topic = self._topics.device(self.config.device_id, "update")
         return [SaveModel(), SendUpdate(topic, message, job.message.message_id)]
 
@@ -649,14 +651,14 @@ class DeviceSession:
         if job is None or job.message.message_id != event.task_id:
             logger.warning("ignored the upload of task %s: it is not running", event.task_id)
             return []
-        self._running = None
+        self._running, update = None, self._upload
+        self._upload = None
         round_ = job.message.round
         if not event.ok:
             detail = f"round {round_}: the update could not be published"
             return [self._remember(event.task_id), SetStatus("error", detail), *self._next_job()]
         actions: list[Action] = [CommitUpload(), self._remember(event.task_id, round_=round_)]
-        update = self._unacked.body if self._unacked is not None else None
-        if isinstance(update, Update):
+        if update is not None:
             logger.info(
                 "round %d: update sent (%d samples, loss %.4f, accuracy %.3f)",
                 round_,
