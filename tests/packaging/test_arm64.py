@@ -120,11 +120,15 @@ class Board:
         return run(self.command(*args), timeout=timeout)
 
 
+BOARD_SCRATCH = "srv/edgefl-test"
+"""Where a test run keeps its files inside the arm64 root (.ci/arm64-root removes leftovers)."""
+
+
 @pytest.fixture(scope="module")
 def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Board]:
     root = arm64_root()
     host = tmp_path_factory.mktemp("arm64")
-    inside = f"/tmp/edgefl-arm64-{uuid.uuid4().hex[:12]}"
+    inside = f"/{BOARD_SCRATCH}-{uuid.uuid4().hex[:12]}"  # a path on the board, not here
     work = root / inside.lstrip("/")
     version = run(
         in_root(root, ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"])
