@@ -29,27 +29,12 @@ from models.onnx_export import (
     root_warnings_to_debug,
     torchscript_export,
 )
+from protocol import template_meta as meta
 
-__all__ = ["TEMPLATE_INT8_SCHEME", "export_template"]
+__all__ = ["export_template"]
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE_INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
-"""``edgefl.quantization`` of every int8 template: the weight quantization it carries.
-
-onnxruntime's ``quantize_dynamic`` with int8 symmetric min/max weights, no reduced range,
-per tensor for ``ConvInteger`` and per output column for ``MatMulInteger``; see
-:func:`export_template`. :mod:`edge_client.serve.template` reproduces exactly this scheme and
-refuses templates that name another.
-"""
-
-# Metadata of a template (ModelProto.metadata_props); edge_client.serve.template reads them.
-_META_TEMPLATE = "edgefl.template"
-_META_PRECISION = "edgefl.precision"
-_META_MODEL = "edgefl.model"
-_META_QUANTIZATION = "edgefl.quantization"
-_META_TRANSPOSED = "edgefl.transposed"
-_META_INT8_WEIGHTS = "edgefl.int8_weights"
 _FLOAT_TYPES = frozenset(
     {
         onnx.TensorProto.FLOAT,
@@ -139,7 +124,7 @@ def export_template(
 
     Metadata (``ModelProto.metadata_props``): ``edgefl.template`` = ``"1"``,
     ``edgefl.precision`` = ``precision``, ``edgefl.model`` = ``model_name``, and for
-    int8 templates ``edgefl.quantization`` = :data:`TEMPLATE_INT8_SCHEME`,
+    int8 templates ``edgefl.quantization`` = :data:`protocol.template_meta.INT8_SCHEME`,
     ``edgefl.int8_weights`` = a JSON list with, for each ``ConvInteger`` /
     ``MatMulInteger`` node in graph order, the ``state_dict`` name of the weight it
     quantizes, and ``edgefl.transposed`` = a JSON list of the weights stored
@@ -493,14 +478,14 @@ def _set_template_metadata(
     kept = [(e.key, e.value) for e in proto.metadata_props if not e.key.startswith("edgefl.")]
     entries = [
         *kept,
-        (_META_TEMPLATE, "1"),
-        (_META_PRECISION, precision),
-        (_META_MODEL, model_name),
+        (meta.TEMPLATE, meta.TEMPLATE_VERSION),
+        (meta.PRECISION, precision),
+        (meta.MODEL, model_name),
     ]
     if precision == "int8":
-        entries.append((_META_QUANTIZATION, TEMPLATE_INT8_SCHEME))
-        entries.append((_META_INT8_WEIGHTS, json.dumps(int8_weights)))
-        entries.append((_META_TRANSPOSED, json.dumps(transposed)))
+        entries.append((meta.QUANTIZATION, meta.INT8_SCHEME))
+        entries.append((meta.INT8_WEIGHTS, json.dumps(int8_weights)))
+        entries.append((meta.TRANSPOSED, json.dumps(transposed)))
     del proto.metadata_props[:]
     for key, value in entries:
         entry = proto.metadata_props.add()

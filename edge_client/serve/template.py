@@ -6,9 +6,10 @@ fp32 or int8), an ONNX model whose float weights are initializers named by their
 ``state_dict`` keys (int8 weights: see below); after each round,
 :meth:`OnnxTemplate.render` writes the fleet's weights (numpy arrays keyed by those
 names) into it and returns a new ONNX model that onnxruntime (e.g.
-:class:`edge_client.serve.infer.OnnxClassifier`) runs as it is. This module imports only the
-standard library and numpy (a test enforces it): it reads and writes the protobuf wire
-format itself (:mod:`edge_client.serve.protobuf`), within the bounds below.
+:class:`edge_client.serve.infer.OnnxClassifier`) runs as it is. This module needs neither
+torch, onnx nor onnxruntime (a test enforces it): it reads and writes the protobuf wire
+format itself (:mod:`edge_client.serve.protobuf`), within the bounds below; the metadata
+keys it reads are :mod:`protocol.template_meta`, shared with the exporter.
 
 What is read (everything else is carried over byte for byte, unknown fields included):
 
@@ -99,9 +100,9 @@ from edge_client.serve.protobuf import (
     read_text,
     read_varints,
 )
+from protocol import template_meta as meta
 
 __all__ = [
-    "INT8_SCHEME",
     "MAX_DIMS",
     "MAX_TEMPLATE_BYTES",
     "OnnxTemplate",
@@ -112,8 +113,6 @@ MAX_TEMPLATE_BYTES = 256 * 1024 * 1024
 """Largest template accepted, bytes (256 MiB)."""
 MAX_DIMS = 64
 """Most dimensions a tensor may have."""
-INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
-"""The ``edgefl.quantization`` of the int8 templates this module renders."""
 
 # Field numbers of onnx.proto (ModelProto, GraphProto, NodeProto, AttributeProto,
 # TensorProto, StringStringEntryProto).
@@ -136,13 +135,6 @@ _TYPE_NAMES = {
 }  # fmt: skip
 _KEPT_TYPES = frozenset({_INT32, _INT64})
 _TYPED_FIELD = {_FLOAT: _TENSOR_FLOAT_DATA, _INT8: _TENSOR_INT32_DATA}
-
-_META_TEMPLATE = "edgefl.template"
-_META_PRECISION = "edgefl.precision"
-_META_MODEL = "edgefl.model"
-_META_QUANTIZATION = "edgefl.quantization"
-_META_TRANSPOSED = "edgefl.transposed"
-_META_INT8_WEIGHTS = "edgefl.int8_weights"
 
 _INTEGER_WEIGHT_OPS = frozenset({"ConvInteger", "MatMulInteger"})
 _QUANTIZED_OPS = _INTEGER_WEIGHT_OPS | {
@@ -379,17 +371,17 @@ class OnnxTemplate:
         graph_field = self._model_fields[self._graph_index]
         expect_wire(graph_field, LEN, "model")
         metadata = self._metadata()
-        if metadata.get(_META_TEMPLATE) != "1":
+        if metadata.get(meta.TEMPLATE) != meta.TEMPLATE_VERSION:
             raise OnnxTemplateError(
-                f"not an edgefl template: metadata {_META_TEMPLATE!r} is not '1'"
+                f"not an edgefl template: metadata {meta.TEMPLATE!r} is not '1'"
             )
-        precision = metadata.get(_META_PRECISION)
+        precision = metadata.get(meta.PRECISION)
         if precision not in ("fp32", "int8"):
             raise OnnxTemplateError(
-                f"template: metadata {_META_PRECISION!r} is {precision!r}, not 'fp32' or 'int8'"
+                f"template: metadata {meta.PRECISION!r} is {precision!r}, not 'fp32' or 'int8'"
             )
         self._precision: Precision = "fp32" if precision == "fp32" else "int8"
-        self._model_name = metadata.get(_META_MODEL, "")
+        self._model_name = metadata.get(meta.MODEL, "")
         self._graph_fields = parse_fields(buf, graph_field.data, graph_field.end, "graph")
         tensors: dict[str, _Tensor] = {}
         nodes: list[_Node] = []
@@ -577,7 +569,7 @@ class OnnxTemplate:
         unknown = sorted(transposed - weights.keys())
         if unknown:
             raise OnnxTemplateError(
-                f"template: {_META_TRANSPOSED} names tensors it has not: {unknown}"
+                f"template: {meta.TRANSPOSED} names tensors it has not: {unknown}"
             )
         if not weights:
             raise OnnxTemplateError("template: it has no weights")
@@ -601,7 +593,7 @@ class OnnxTemplate:
         names = self._int8_weight_names(metadata)
         if len(names) != len(integer_nodes):
             raise OnnxTemplateError(
-                f"template: {_META_INT8_WEIGHTS} names {len(names)} weights for "
+                f"template: {meta.INT8_WEIGHTS} names {len(names)} weights for "
                 f"{len(integer_nodes)} ConvInteger / MatMulInteger nodes"
             )
         producers: dict[str, _Node] = {}
@@ -719,17 +711,17 @@ class OnnxTemplate:
                     f"template: precision is 'fp32' but it holds quantized ops ({found})"
                 )
             return
-        scheme = metadata.get(_META_QUANTIZATION)
-        if scheme != INT8_SCHEME:
+        scheme = metadata.get(meta.QUANTIZATION)
+        if scheme != meta.INT8_SCHEME:
             raise OnnxTemplateError(
-                f"template: unsupported quantization {scheme!r}; expected {INT8_SCHEME!r}"
+                f"template: unsupported quantization {scheme!r}; expected {meta.INT8_SCHEME!r}"
             )
 
     def _int8_weight_names(self, metadata: dict[str, str]) -> list[str]:
-        raw = metadata.get(_META_INT8_WEIGHTS)
+        raw = metadata.get(meta.INT8_WEIGHTS)
         if raw is None:
             raise OnnxTemplateError(
-                f"template: int8 without {_META_INT8_WEIGHTS} (made by an older edgefl?); "
+                f"template: int8 without {meta.INT8_WEIGHTS} (made by an older edgefl?); "
                 "export it again (python -m edge_client template)"
             )
         try:
@@ -737,17 +729,17 @@ class OnnxTemplate:
         except ValueError:
             names = None
         if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-            raise OnnxTemplateError(f"template: {_META_INT8_WEIGHTS} is not a JSON list of names")
+            raise OnnxTemplateError(f"template: {meta.INT8_WEIGHTS} is not a JSON list of names")
         return names
 
     def _transposed_names(self, metadata: dict[str, str]) -> frozenset[str]:
-        raw = metadata.get(_META_TRANSPOSED, "[]")
+        raw = metadata.get(meta.TRANSPOSED, "[]")
         try:
             names = json.loads(raw)
         except ValueError:
             names = None
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise OnnxTemplateError(f"template: {_META_TRANSPOSED} is not a JSON list of names")
+            raise OnnxTemplateError(f"template: {meta.TRANSPOSED} is not a JSON list of names")
         return frozenset(names)
 
 

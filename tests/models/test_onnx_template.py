@@ -18,7 +18,8 @@ from edge_client.errors import OnnxTemplateError
 from edge_client.serve.template import OnnxTemplate, verify_template
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import INPUT_NAME, OUTPUT_NAME, export_onnx
-from models.onnx_template import TEMPLATE_INT8_SCHEME, export_template
+from models.onnx_template import export_template
+from protocol.template_meta import INT8_SCHEME as TEMPLATE_INT8_SCHEME
 
 # Small inputs and resnet8 at its FedDF widths keep the suite fast (lenet5 needs 28 or 32).
 SMALL_OPTIONS: dict[str, dict[str, object]] = {

@@ -1,0 +1,39 @@
+"""The metadata of an ONNX template: the contract between the code that writes templates
+(:func:`models.onnx_template.export_template`) and the device that renders them
+(:class:`edge_client.serve.template.OnnxTemplate`), defined once for both.
+
+A template carries these ``metadata_props`` entries. Plain constants: no onnx, no torch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "INT8_SCHEME",
+    "INT8_WEIGHTS",
+    "MODEL",
+    "PRECISION",
+    "QUANTIZATION",
+    "TEMPLATE",
+    "TEMPLATE_VERSION",
+    "TRANSPOSED",
+]
+
+TEMPLATE = "edgefl.template"
+"""Marks an edgefl template; its value is :data:`TEMPLATE_VERSION`."""
+TEMPLATE_VERSION = "1"
+PRECISION = "edgefl.precision"
+"""``"fp32"`` or ``"int8"``."""
+MODEL = "edgefl.model"
+"""The model's registry name (informational)."""
+QUANTIZATION = "edgefl.quantization"
+"""int8 templates: the weight quantization they carry, :data:`INT8_SCHEME`."""
+INT8_WEIGHTS = "edgefl.int8_weights"
+"""int8 templates: JSON list, the ``state_dict`` name each ConvInteger / MatMulInteger
+node quantizes, one per node in graph order."""
+TRANSPOSED = "edgefl.transposed"
+"""JSON list of the weights stored transposed (Gemm rewritten as MatMul)."""
+
+INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
+"""onnxruntime's ``quantize_dynamic`` with int8 symmetric min/max weights, no reduced
+range, per tensor for ``ConvInteger`` and per output column for ``MatMulInteger``; the
+device reproduces exactly this and refuses templates that name another."""
