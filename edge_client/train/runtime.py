@@ -323,7 +323,17 @@ class EdgeClient:
         """Feed ``event`` to the session and carry out its actions."""
         with self._lock:
             actions = self._session.handle(event)
-        for action in actions:
+            # Persistence (which the session lists first) is carried out under the lock:
+            # whoever reads the session's state (rounds done, handled tasks) finds it, the
+            # kept model and the committed residual on disk too. The rest may block on the
+            # broker or call back into the session, so it runs after.
+            later = []
+            for action in actions:
+                if isinstance(action, (SaveState, SaveModel, CommitUpload)):
+                    self._act(action)
+                else:
+                    later.append(action)
+        for action in later:
             self._act(action)
 
     def _act(self, action: Action) -> None:
