@@ -1,0 +1,191 @@
+"""The trainer seam for many emulated devices: jobs of a cohort in, their results out.
+
+:class:`BatchedTrainer` runs what the devices' sessions ask for
+(:class:`~edge_client.train.session.DecodeJob`,
+:class:`~edge_client.train.session.TrainJob`), many devices at a time: each device keeps
+its own :class:`~edge_client.train.trainer.LocalTrainer` (its model, data, held model,
+uplink residual and learning state); the decode jobs and the encoding of the uploads run
+on a thread pool (zstd and numpy release the GIL), the training of every train job at
+once in :func:`~sim.cohort.engine.train_cohort`. With ``engine="loop"`` the train jobs run
+one after the other on the per-device path instead (the reference).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from edge_client.train.resources import estimate_training, memory_limit
+from edge_client.train.session import DecodeJob, Failed, Job, JobResult, TrainJob
+from edge_client.train.trainer import LocalTrainer
+from edge_client.train.training import TrainConfig
+from models import Classifier
+from sim.cohort.engine import Member, train_cohort
+
+__all__ = ["BatchedTrainer", "CohortStats", "Engine", "auto_max_cohort", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+Engine = Literal["batched", "loop"]
+"""How the sim trains a round's devices: batched (:mod:`sim.cohort.engine`) or one after
+the other on the per-device path."""
+
+MEMORY_SHARE = 0.5
+"""Share of the free memory (GPU, or host on the CPU) a batched cohort may plan to use."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` (CUDA when there is a GPU, else the CPU), ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: an unknown name, or ``"cuda"`` without a usable GPU.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch build sees no usable GPU")
+        return torch.device("cuda")
+    raise ValueError(f"unknown device {name!r}: give auto, cpu or cuda")
+
+
+def auto_max_cohort(model: Classifier, batch_size: int, device: torch.device) -> int:
+    """The most devices one batched computation should hold: :data:`MEMORY_SHARE` of the
+    free memory of ``device`` over one device's training estimate (weights, gradients,
+    momentum, two more copies and the activations of a batch), at least 1."""
+    estimate = estimate_training(
+        model, model.input_shape, batch_size, model_copies=2, optimizer_slots=1
+    ).total
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = memory_limit().bytes
+    return max(1, int(MEMORY_SHARE * free // max(1, estimate)))
+
+
+@dataclass
+class CohortStats:
+    """What a :class:`BatchedTrainer` did so far."""
+
+    batched: int = 0
+    """Device rounds trained in batched computations."""
+    loop: int = 0
+    """Device rounds trained on the per-device path."""
+    peak_gpu_bytes: int = 0
+    """Most GPU memory torch allocated (0 on the CPU)."""
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """Peak resident memory of this process so far."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class BatchedTrainer:
+    """Runs many devices' jobs; each device is a :class:`LocalTrainer`.
+
+    Args:
+        trainers: every emulated device's trainer, by device id.
+        engine: ``"batched"`` or ``"loop"``.
+        device: where the batched engine computes.
+        max_cohort: most devices in one batched computation; None: from the free memory
+            (:func:`auto_max_cohort`).
+        workers: threads decoding and encoding messages.
+    """
+
+    def __init__(
+        self,
+        trainers: Mapping[str, LocalTrainer],
+        *,
+        engine: Engine = "batched",
+        device: torch.device = torch.device("cpu"),  # noqa: B008
+        max_cohort: int | None = None,
+        workers: int = 4,
+    ) -> None:
+        self._trainers = dict(trainers)
+        self.engine = engine
+        self.device = device
+        self.max_cohort = max_cohort
+        self.stats = CohortStats()
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
+        self._warned: set[str] = set()
+
+    def model(self, device_id: str) -> Classifier:
+        """The device's classifier."""
+        return self._trainers[device_id].model
+
+    def commit_upload(self, device_id: str) -> None:
+        """The device's last update was sent: keep its uplink residual."""
+        self._trainers[device_id].commit_upload()
+
+    def close(self) -> None:
+        """Stop the codec threads."""
+        self._pool.shutdown(wait=True)
+
+    def run_many(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
+        """Run ``(device_id, job)`` pairs; the results in the same order. Never raises
+        for a job that goes wrong (its result is :class:`Failed`)."""
+        results: list[JobResult | None] = [None] * len(jobs)
+        decodes = [k for k, (_, job) in enumerate(jobs) if isinstance(job, DecodeJob)]
+        decoded = self._map(lambda k: self._trainers[jobs[k][0]].run(jobs[k][1]), decodes)
+        for k, result in zip(decodes, decoded, strict=True):
+            results[k] = result
+        trains = [k for k, (_, job) in enumerate(jobs) if isinstance(job, TrainJob)]
+        if self.engine == "loop":
+            for k in trains:
+                device_id, job = jobs[k]
+                results[k] = self._trainers[device_id].run(job)
+                self.stats.loop += 1
+        elif trains:
+            trained = self._train_batched([jobs[k] for k in trains])
+            for k, result in zip(trains, trained, strict=True):
+                results[k] = result
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.stats.peak_gpu_bytes = max(self.stats.peak_gpu_bytes, peak)
+        return [
+            r if r is not None else Failed(job.message.message_id, RuntimeError("no result"))
+            for r, (_, job) in zip(results, jobs, strict=True)
+        ]
+
+    def _map(self, work: Callable[[int], JobResult], items: Sequence[int]) -> list[JobResult]:
+        return list(self._pool.map(work, items))
+
+    def _train_batched(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
+        members, train_jobs = [], []
+        for device_id, job in jobs:
+            assert isinstance(job, TrainJob)
+            trainer = self._trainers[device_id]
+            members.append(Member(trainer.model, trainer.data, job.local, trainer.learning_state))
+            train_jobs.append((trainer, job))
+        limit = self.max_cohort
+        if limit is None:
+            first = members[0]
+            config = TrainConfig.from_hyperparameters(first.task.hyperparameters)
+            limit = auto_max_cohort(first.model, config.batch_size, self.device)
+        outcomes = train_cohort(members, device=self.device, max_cohort=limit)
+        reasons = Counter(o.fallback_reason for o in outcomes if o.fallback_reason)
+        for reason, count in reasons.items():
+            if reason not in self._warned:
+                self._warned.add(reason)
+                log.warning("%d device(s) trained on the per-device path: %s", count, reason)
+        self.stats.loop += sum(1 for o in outcomes if not o.batched)
+        self.stats.batched += sum(1 for o in outcomes if o.batched and o.result is not None)
+
+        def finish(k: int) -> JobResult:
+            trainer, job = train_jobs[k]
+            outcome = outcomes[k]
+            if outcome.result is None:
+                error = outcome.error or RuntimeError("training gave no result")
+                return Failed(job.message.message_id, error)
+            return trainer.finish(job, outcome.result)
+
+        return list(self._map(finish, range(len(members))))
