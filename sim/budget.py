@@ -62,7 +62,7 @@ from protocol.messages import (
 from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
-from sim.cohort.trainer import BatchedTrainer
+from sim.cohort.trainer import BatchedTrainer, resolve_device
 from sim.errors import SimError
 from sim.progress import Progress
 from sim.run import SimConfig, build_federation, device_data
@@ -272,7 +272,6 @@ def estimate(
     *,
     progress: Progress | None = None,
     label: str = "budget",
-    device: torch.device = torch.device("cpu"),  # noqa: B008
 ) -> Budget:
     """The bytes the run ``config`` would move, measured on real messages.
 
@@ -280,13 +279,16 @@ def estimate(
         config: the run (its transport, broker and thread settings do not matter).
         progress: told the steps as they go (data, devices, each round's devices).
         label: names this estimate in the progress steps.
-        device: where the emulated devices train.
 
     Raises:
         SimError: unknown model or strategy, options the strategy cannot honour, a
             dataset that cannot be loaded or partitioned, or a device that cannot run
             its task.
     """
+    try:
+        device = resolve_device(config.device)
+    except ValueError as exc:
+        raise SimError(str(exc)) from exc
     return _Emulation(config, progress, label, device).run()
 
 
@@ -361,7 +363,13 @@ class _Emulation:
             self.devices[split.device_id] = _Device(session, split.device_id)
             if progress is not None:
                 progress.advance()
-        self.trainer = BatchedTrainer(trainers, device=device, workers=1)
+        self.trainer = BatchedTrainer(
+            trainers,
+            engine=config.engine,
+            device=device,
+            max_cohort=config.max_cohort,
+            workers=1,
+        )
         self._training: list[tuple[_Device, dev.TrainJob]] = []  # deferred to the cohort
         self._joined: list[_Device] = []
         self._retained: Message | None = None  # the coordinator's retained status

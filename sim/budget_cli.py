@@ -93,7 +93,16 @@ def budget_from_args(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_SIM_ONLY = {"transport", "broker_url", "train_slots", "state_dir", "round_timeout_s"}
+_SIM_ONLY = {
+    "transport",
+    "broker_url",
+    "train_slots",
+    "state_dir",
+    "round_timeout_s",
+    "engine",
+    "device",
+    "max_cohort",
+}
 
 
 def budget_json(

@@ -41,6 +41,7 @@ from protocol.messages import Ack, ReasonCode
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
+from sim.cohort.trainer import Engine
 from sim.datasets import load_dataset
 from sim.errors import SimError
 from sim.metrics import evaluate_models, evaluate_personal
@@ -90,6 +91,14 @@ class SimConfig(FleetSettings):
     """Keep the coordinator's and the devices' state here (unset: a temporary folder)."""
     fleet: str = "sim"
     """Fleet name of the emulated run (topics fl/FLEET/)."""
+    engine: Engine = "batched"
+    """How the devices of a round train: batched (all at once, torch.func) or loop (one
+    after the other, the per-device reference)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the emulated devices train: auto = CUDA when a GPU is there, else the CPU."""
+    max_cohort: int | None = Field(default=None, ge=1)
+    """Most devices in one batched computation (unset: as many as fit in half the free
+    memory)."""
 
     @field_serializer("alpha", when_used="json")
     def _alpha_as_json(self, alpha: float) -> float | str:

@@ -90,6 +90,17 @@ def test_budget_equals_the_bytes_a_sim_run_counts(settings: dict[str, Any]) -> N
         assert budget.total.to_dict()[field] == pytest.approx(counted[field], rel=0.01), field
 
 
+@pytest.mark.parametrize("strategy", ["fedavg", "fedkf"])
+def test_the_batched_engine_and_the_loop_give_the_same_budget(strategy: str) -> None:
+    settings = {"strategy": strategy, "downlink_precision": "int8", "uplink_precision": "int4"}
+    batched = estimate(small(rounds=2, max_cohort=3, **settings))
+    loop = estimate(small(rounds=2, engine="loop", **settings))
+
+    assert batched.device_rounds == loop.device_rounds
+    for field in FIELDS:  # lossy deltas of (nearly) the same weights
+        assert getattr(batched.total, field) == pytest.approx(getattr(loop.total, field), rel=1e-3)
+
+
 def sim_totals(final: dict[str, Any]) -> dict[str, int]:
     """A sim report's four byte totals under the budget's names."""
     return {
