@@ -169,7 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                         "max_cohort": args.max_cohort,
                         "data_dir": None if args.data_dir is None else str(args.data_dir),
                     }
-                    command = [sys.executable, "-m", "benchmarks.cohort", "--one", json.dumps(options)]
+                    command = [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.cohort",
+                        "--one",
+                        json.dumps(options),
+                    ]
                     done = subprocess.run(command, capture_output=True, text=True, check=False)
                     if done.returncode != 0:
                         print(f"{engine} {model} {strategy} {devices}: failed\n{done.stderr}")
