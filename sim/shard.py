@@ -128,7 +128,7 @@ class RoundSync:
 
     def _serve(self) -> None:
         while True:
-            question = broadcast(None)
+            question: str | None = broadcast(None)
             if question is None:
                 return
             answers: list[Any] = [None] * self.shard.world
