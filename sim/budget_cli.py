@@ -106,7 +106,14 @@ def budget_from_args(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_SIM_ONLY = {"transport", "broker_url", "train_slots", "state_dir", "round_timeout_s"}
+_SIM_ONLY = {
+    "transport",
+    "broker_url",
+    "connections",
+    "max_cohort",
+    "state_dir",
+    "round_timeout_s",
+}
 
 
 def budget_json(
