@@ -171,6 +171,7 @@ class Fleet:
         self._all_stopped = threading.Event()
         self._stop = threading.Event()
         self._closed = False
+        self._received: Counts | None = None  # what was received until the fleet closed
         self._threads = [
             threading.Thread(target=self._event_loop, name="fleet-events", daemon=True),
             threading.Thread(target=self._train_loop, name="fleet-trainer", daemon=True),
@@ -194,8 +195,10 @@ class Fleet:
 
     def traffic(self) -> tuple[Counts, Counts]:
         """Messages, payload and wire bytes the devices published and received so far,
-        counted as N separate devices would: (out, in)."""
-        return self._pool.traffic()
+        counted as N separate devices would: (out, in). Nothing is received once the
+        fleet is closing (a device that stops disconnects)."""
+        out, inn = self._pool.traffic()
+        return out, self._received if self._received is not None else inn
 
     def start(self, on_subscribed: Callable[[str], None] | None = None) -> None:
         """Connect, subscribe and announce every device; returns once all are announced.
@@ -265,6 +268,8 @@ class Fleet:
                 thread.join(timeout)
                 if thread.is_alive():
                     logger.warning("fleet: %s still busy after %.1f s", thread.name, timeout)
+        self._drop_undelivered()
+        self._received = self._pool.traffic()[1]
         for device_id, device in self._devices.items():
             if not device.stopped:
                 device.stopped = True
@@ -272,6 +277,16 @@ class Fleet:
         self._pool.close(timeout)
         stopped = sum(d.session.rounds_done for d in self._devices.values())
         logger.info("fleet stopped: %d devices, %d rounds done in all", len(self._devices), stopped)
+
+    def _drop_undelivered(self) -> None:
+        """Statuses that arrived as the fleet closed reached no device: uncount them."""
+        while True:
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, StatusArrived):
+                self._pool.count_deliveries(item.topic, item.payload_bytes, item.wire_bytes, 0)
 
     # -- the event thread --------------------------------------------------------------------
 
@@ -309,9 +324,7 @@ class Fleet:
                 if not self._devices[device_id].stopped:
                     delivered += 1
                     self._handle(device_id, event)
-            # the transport counted it once; every other device it reached counts too
-            extra = max(0, delivered - 1)
-            self._pool.count_fanout(item.topic, item.payload_bytes, item.wire_bytes, extra)
+            self._pool.count_deliveries(item.topic, item.payload_bytes, item.wire_bytes, delivered)
         elif isinstance(item, ConnectionRestored):
             for device_id in self._pool.devices_of(item.connection):
                 self._handle(device_id, Reconnected())

@@ -138,7 +138,9 @@ class Pool:
             ids = tuple(c.device_id for c in group)
             self._connections.append(_Connection(self, index, channel, ids))
             self._connection_of.update(dict.fromkeys(ids, index))
-        self._fanout = TrafficStats()
+        self._fanout = TrafficStats()  # further deliveries of a message received once
+        self._undelivered = Counts()  # received by a transport, delivered to no device
+        self._lock = threading.Lock()
         self._stopping = threading.Event()
 
     @property
@@ -171,10 +173,15 @@ class Pool:
         """Carry out ``action`` for ``device_id`` on its connection's publisher thread."""
         self._connections[self._connection_of[device_id]].put(device_id, action)
 
-    def count_fanout(self, topic: str, payload_bytes: int, wire_bytes: int, times: int) -> None:
-        """Count ``times`` more deliveries of a message a transport received (and counted)
-        once on ``topic`` for several of its devices."""
-        for _ in range(times):
+    def count_deliveries(
+        self, topic: str, payload_bytes: int, wire_bytes: int, devices: int
+    ) -> None:
+        """A message that a transport received (and counted) once on ``topic`` reached
+        ``devices`` of its devices: count it once per device (none: not at all, as a
+        stopped device, disconnected, would not have received it)."""
+        if devices == 0:
+            self._uncount(Counts(1, payload_bytes, wire_bytes))
+        for _ in range(devices - 1):
             self._fanout.record("in", topic, payload_bytes, wire_bytes)
 
     def traffic(self) -> tuple[Counts, Counts]:
@@ -182,6 +189,13 @@ class Pool:
         stats = [c.channel.transport.stats for c in self._connections] + [self._fanout]
         out = sum((s.totals("out") for s in stats), Counts())
         inn = sum((s.totals("in") for s in stats), Counts())
+        with self._lock:
+            gone = self._undelivered
+        inn = Counts(
+            inn.messages - gone.messages,
+            inn.payload_bytes - gone.payload_bytes,
+            inn.wire_bytes - gone.wire_bytes,
+        )
         return out, inn
 
     def close(self, idle_timeout: float = 10.0) -> None:
@@ -195,6 +209,11 @@ class Pool:
             connection.join(idle_timeout)
         for connection in self._connections:
             connection.channel.transport.disconnect()
+
+    def _uncount(self, counts: Counts) -> None:
+        """``counts`` were received (and counted by a transport) but reached no device."""
+        with self._lock:
+            self._undelivered = self._undelivered + counts
 
     def _config(self, device_id: str) -> ClientConfig:
         return self._configs[device_id]
@@ -225,7 +244,17 @@ class _Connection:
             attempt += 1
             try:
                 transport.connect(timeout=_CONNECT_TIMEOUT_S)
+                # A round trip the broker answers once it has set the session up: amqtt
+                # walks its subscriptions then, and fails if another client subscribes
+                # meanwhile, so the next connection waits for it. (Unsubscribing a
+                # filter this client never subscribed changes nothing.)
+                transport.unsubscribe(self.pool._topics.coordinator_status)
+                # What came before that answer matched none of this client's (still
+                # absent) subscriptions: amqtt sends a new client the retained messages
+                # of every filter any client subscribed. It reached no device.
+                self.pool._uncount(transport.stats.totals("in"))
             except TransportError as exc:
+                transport.disconnect()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ConnectError(
