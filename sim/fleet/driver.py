@@ -34,17 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from edge_client.config import ClientConfig
-from edge_client.errors import ConfigError
 from edge_client.link import total_memory_bytes
-from edge_client.train.client_state import (
-    MODEL_FILE,
-    STATE_FILE,
-    SavedState,
-    read_model,
-    read_state,
-    write_model,
-    write_state,
-)
 from edge_client.train.data import DeviceData
 from edge_client.train.session import (
     Action,
@@ -66,14 +56,13 @@ from edge_client.train.session import (
     Stop,
     Tick,
 )
-from edge_client.train.trainer import build_device_model
-from edge_client.train.transfer import TransferState
-from models import Classifier, state_arrays
+from models import Classifier
 from protocol.codec import Codec
 from protocol.transport import Counts, Transport
 from sim.fleet.batching import DEFAULT_LINGER_S, DEFAULT_MAX_COHORT, CohortQueue
+from sim.fleet.devices import build_device, save_model, save_state
 from sim.fleet.pool import ConnectionRestored, DeviceEvent, Pool, PoolEvent, StatusArrived
-from sim.fleet.trainer import FleetDevice, FleetTrainer, LoopTrainer, TrainerFactory
+from sim.fleet.trainer import FleetTrainer, LoopTrainer, TrainerFactory
 
 __all__ = ["DEFAULT_CONNECTIONS", "Fleet", "FleetOptions"]
 
@@ -155,7 +144,7 @@ class Fleet:
         for config, data in devices:
             if config.device_id in self._devices:
                 raise ValueError(f"two devices named {config.device_id!r}")
-            spec, session = _build_device(config, data, memory, fingerprints)
+            spec, session = build_device(config, data, memory, fingerprints)
             specs.append(spec)
             self._devices[config.device_id] = _Device(session, config)
         self._trainer: FleetTrainer = trainer(specs)
@@ -354,9 +343,9 @@ class Fleet:
         elif isinstance(action, RunJob):
             self._cohorts.submit(device_id, action.job)
         elif isinstance(action, SaveState):
-            _save_state(device.config, action.saved)
+            save_state(device.config, action.saved)
         elif isinstance(action, SaveModel):
-            self._save_model(device_id, device.config)
+            save_model(device.config, self._trainer.model(device_id))
         elif isinstance(action, CommitUpload):
             self._trainer.commit_upload(device_id)
         elif isinstance(action, Stop):
@@ -365,17 +354,6 @@ class Fleet:
             self._running -= 1
             if self._running == 0:
                 self._all_stopped.set()
-
-    def _save_model(self, device_id: str, config: ClientConfig) -> None:
-        """Persist the device's trained model (before its update goes out)."""
-        if config.state_dir is None:
-            return
-        path = config.state_dir / MODEL_FILE
-        try:
-            arrays = state_arrays(self._trainer.model(device_id))
-            write_model(path, arrays, fsync=config.fsync_state)
-        except OSError as exc:
-            logger.warning("%s: could not save the model to %s: %s", device_id, path, exc)
 
     # -- the trainer thread ------------------------------------------------------------------
 
@@ -401,69 +379,3 @@ class _Tick:
 
 
 _TICK = _Tick()
-
-
-def _build_device(
-    config: ClientConfig,
-    data: DeviceData,
-    memory_bytes: int,
-    fingerprints: dict[tuple[Any, ...], str],
-) -> tuple[FleetDevice, DeviceSession]:
-    """A device's trainer spec and session, resumed from its state dir if it has one.
-
-    Raises:
-        ConfigError: its model cannot be built for its data, or its state dir cannot be
-            created.
-    """
-    if config.state_dir is not None:
-        try:
-            config.state_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create state dir {config.state_dir}: {exc}") from exc
-    # the architecture fingerprint depends on the model, the classes and the image shape
-    key = (config.model, data.num_classes, data.image_shape)
-    if key not in fingerprints:
-        fingerprints[key] = build_device_model(config, data).fingerprint()
-    transfer = TransferState(config.state_dir, fsync=config.fsync_state)
-    session = DeviceSession(
-        config,
-        fingerprint=fingerprints[key],
-        num_samples=data.num_samples,
-        label_counts=tuple(int(c) for c in data.label_counts()),
-        memory_bytes=memory_bytes,
-        held_base=transfer.held_fingerprint,
-        saved=_read_state(config),
-    )
-    saved_model = None
-    if session.restored and config.state_dir is not None:
-        path = config.state_dir / MODEL_FILE
-        if path.exists():
-            try:
-                saved_model = read_model(path)
-            except (OSError, ValueError) as exc:
-                logger.warning("ignored the saved model %s: %s", path, exc)
-    return FleetDevice(config, data, transfer, saved_model), session
-
-
-def _read_state(config: ClientConfig) -> SavedState | None:
-    if config.state_dir is None:
-        return None
-    path = config.state_dir / STATE_FILE
-    if not path.exists():
-        return None
-    try:
-        return read_state(path)
-    except (OSError, ValueError) as exc:  # ValidationError and JSONDecodeError too
-        logger.warning("ignored the unreadable client state %s: %s", path, exc)
-        return None
-
-
-def _save_state(config: ClientConfig, saved: SavedState) -> None:
-    """Persist ``saved`` in the device's state dir, if it has one; failures are logged."""
-    if config.state_dir is None:
-        return
-    path = config.state_dir / STATE_FILE
-    try:
-        write_state(path, saved, fsync=config.fsync_state)
-    except OSError as exc:
-        logger.warning("could not save the client state to %s: %s", path, exc)

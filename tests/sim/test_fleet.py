@@ -41,6 +41,7 @@ from protocol.transport import (
     Transport,
 )
 from protocol.transport.broker import EmbeddedBroker
+from sim.__main__ import main
 from sim.fleet import CohortQueue, Fleet, FleetDevice, FleetOptions, LoopTrainer
 from sim.run import SimConfig, build_federation, device_data, run_simulation
 from tests.protocol.brokers import Mosquitto
@@ -429,6 +430,16 @@ def test_the_loop_trainer_builds_a_model_only_for_devices_that_need_one() -> Non
     trainer.close()
     job = _fake(DecodeJob, msg("t1"))
     assert isinstance(trainer.run_many([("dev-000", job)])[0], Cancelled)
+
+
+def test_the_cli_refuses_more_connections_than_devices_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["--devices", "3", "--connections", "4", "--transport", "inproc"])
+
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "connections (4) cannot exceed devices (3)" in err
 
 
 def test_options_refuse_more_connections_than_devices() -> None:
