@@ -15,6 +15,9 @@ threads whatever N is:
 * the :class:`~sim.fleet.pool.Pool`'s K connections, each with its publisher thread and
   its transport's own threads.
 
+Devices start a window at a time (:class:`~sim.fleet.joining.JoinWindow`), so that the
+coordinator's connection is not handed all the fleet's hellos at once.
+
 Bytes are counted as N separate devices would count them (:meth:`Fleet.traffic`): what
 the devices publish, and what is delivered to them, the coordinator's status once per
 device it reaches although each connection receives it once.
@@ -47,20 +50,24 @@ from edge_client.train.session import (
     JobDone,
     JobResult,
     Publish,
+    Received,
     Reconnected,
     RunJob,
     SaveModel,
     SaveState,
     SendUpdate,
     SetStatus,
+    Started,
     Stop,
     Tick,
 )
 from models import Classifier
 from protocol.codec import Codec
+from protocol.messages import Ack, Hello
 from protocol.transport import Counts, Transport
 from sim.fleet.batching import DEFAULT_LINGER_S, DEFAULT_MAX_COHORT, CohortQueue
 from sim.fleet.devices import build_device, save_model, save_state
+from sim.fleet.joining import DEFAULT_JOIN_WINDOW, JoinWindow
 from sim.fleet.pool import ConnectionRestored, DeviceEvent, Pool, PoolEvent, StatusArrived
 from sim.fleet.trainer import FleetTrainer, LoopTrainer, TrainerFactory
 
@@ -83,6 +90,9 @@ class FleetOptions(BaseModel):
     """Training jobs handed to the trainer at once, at most."""
     linger_s: float = Field(default=DEFAULT_LINGER_S, ge=0, allow_inf_nan=False)
     """Quiet seconds after which the training jobs waiting go to the trainer."""
+    join_window: int = Field(default=DEFAULT_JOIN_WINDOW, ge=1)
+    """Devices announcing themselves at once: one starts when fewer hellos than this
+    wait for the coordinator's answer."""
     connect_retry_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     """How long each connection keeps retrying to reach the broker, seconds."""
     client_id_prefix: str = "fleet"
@@ -150,6 +160,7 @@ class Fleet:
         self._trainer: FleetTrainer = trainer(specs)
         self._events: queue.SimpleQueue[PoolEvent | _Tick | None] = queue.SimpleQueue()
         self._cohorts = CohortQueue(options.max_cohort, options.linger_s)
+        self._joining = JoinWindow(options.join_window)
         configs = [config for config, _ in devices]
         members = [configs[i::size] for i in range(size)]
         transports = [make_transport(f"{options.client_id_prefix}-{i:03d}") for i in range(size)]
@@ -287,9 +298,10 @@ class Fleet:
 
     def _event_loop(self) -> None:
         while True:
-            wait = None
+            due = [t for t in (self._joining.next_expiry(),) if t is not None]
             if self._expiries:
-                wait = max(0.0, self._expiries[0][0] - time.monotonic())
+                due.append(self._expiries[0][0])
+            wait = max(0.0, min(due) - time.monotonic()) if due else None
             item: PoolEvent | _Tick | None
             try:
                 item = self._events.get(timeout=wait)
@@ -304,7 +316,9 @@ class Fleet:
                 logger.exception("fleet: failed to handle %r", type(item).__name__)
 
     def _dispatch(self, item: PoolEvent | _Tick) -> None:
-        if isinstance(item, DeviceEvent):
+        if isinstance(item, DeviceEvent) and isinstance(item.event, Started):
+            self._joining.queue(item.device_id)  # it starts when the window lets it
+        elif isinstance(item, DeviceEvent):
             self._handle(item.device_id, item.event)
         elif isinstance(item, StatusArrived):
             delivered = 0
@@ -319,7 +333,10 @@ class Fleet:
                 self._handle(device_id, Reconnected())
 
     def _tick(self) -> None:
-        """Tell the sessions whose waiting tasks are due to expire that time passed."""
+        """Start the devices the join window admits; tell the sessions whose waiting
+        tasks are due to expire that time passed."""
+        for device_id in self._joining.admit():
+            self._handle(device_id, Started())
         now = time.monotonic()
         due = set()
         while self._expiries and self._expiries[0][0] <= now:
@@ -331,6 +348,8 @@ class Fleet:
         device = self._devices[device_id]
         if device.stopped:
             return
+        if isinstance(event, Received) and isinstance(event.message.body, Ack):
+            self._joining.answered(event.message.body.ref)
         for action in device.session.handle(event):
             self._act(device_id, device, action)
         expiry = device.session.next_expiry
@@ -339,6 +358,8 @@ class Fleet:
 
     def _act(self, device_id: str, device: _Device, action: Action) -> None:
         if isinstance(action, (Publish, SetStatus, SendUpdate)):
+            if isinstance(action, Publish) and isinstance(action.message.body, Hello):
+                self._joining.announced(action.message.message_id)
             self._pool.send(device_id, action)
         elif isinstance(action, RunJob):
             self._cohorts.submit(device_id, action.job)

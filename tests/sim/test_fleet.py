@@ -32,7 +32,7 @@ from edge_client.train.session import (
 from edge_client.train.transfer import TransferState
 from models import Classifier
 from protocol.channel import Channel
-from protocol.messages import CoordinatorStatus, DeviceStatus, Hello, Message, Update
+from protocol.messages import Ack, CoordinatorStatus, DeviceStatus, Hello, Message, Update
 from protocol.transport import (
     MemoryBroker,
     MemoryTransport,
@@ -43,6 +43,7 @@ from protocol.transport import (
 from protocol.transport.broker import EmbeddedBroker
 from sim.__main__ import main
 from sim.fleet import CohortQueue, Fleet, FleetDevice, FleetOptions, LoopTrainer
+from sim.fleet.joining import JoinWindow
 from sim.run import SimConfig, build_federation, device_data, run_simulation
 from tests.protocol.brokers import Mosquitto
 
@@ -85,6 +86,10 @@ class Sniffer:
         with self._lock:
             self._messages.append((topic, message))
 
+    def messages(self) -> list[tuple[str, Message]]:
+        with self._lock:
+            return list(self._messages)
+
     def of(self, kind: type) -> list[tuple[str, Message]]:
         with self._lock:
             return [(t, m) for t, m in self._messages if isinstance(m.body, kind)]
@@ -112,7 +117,10 @@ class Run:
 
 @contextlib.contextmanager
 def running(
-    config: SimConfig, make_transport: MakeTransport, trainer: Callable[..., object] = LoopTrainer
+    config: SimConfig,
+    make_transport: MakeTransport,
+    trainer: Callable[..., object] = LoopTrainer,
+    options: FleetOptions | None = None,
 ) -> Iterator[Run]:
     """The coordinator of ``config`` and its fleet, started on ``make_transport``'s broker
     (devices join once the coordinator is up), stopped at the end."""
@@ -125,7 +133,8 @@ def running(
         (config.device_config(i, split.device_id), device_data(federation, i))
         for i, split in enumerate(federation.devices)
     ]
-    fleet = Fleet(devices, make_transport, trainer=trainer, options=config.fleet_options())
+    options = options or config.fleet_options()
+    fleet = Fleet(devices, make_transport, trainer=trainer, options=options)
     sniffer = Sniffer(make_transport(f"{config.fleet}-sniffer"), config.fleet)
     run = Run(coordinator, fleet, sniffer, threading.Thread(target=coordinator.run, daemon=True))
 
@@ -386,6 +395,44 @@ def test_a_reconnected_connection_announces_each_of_its_devices_again(
     wait_for(lambda: len(sniffer.of(Hello)) == 8)
     assert sorted(m.sender for _, m in sniffer.of(Hello)) == sorted(fleet.device_ids * 2)
     fleet.close()
+
+
+def test_devices_join_a_window_at_a_time_and_all_join(memory: MemoryBroker) -> None:
+    # Prepare: 8 devices, at most 2 hellos unanswered at a time.
+    config = settings(fleet="window", devices=8, rounds=1)
+    options = config.fleet_options().model_copy(update={"join_window": 2})
+
+    # Execute
+    with running(config, on(memory), options=options) as run:
+        run.finish()
+
+    # Assert: every device joined; never more than 2 hellos ahead of their acks.
+    assert set(run.coordinator.engine.registry.entries) == set(run.fleet.device_ids)
+    ahead = most = 0
+    for _, message in run.sniffer.messages():
+        if isinstance(message.body, Hello):
+            ahead += 1
+        elif isinstance(message.body, Ack) and message.round == -1:
+            ahead -= 1
+        most = max(most, ahead)
+    assert most <= 2
+
+
+def test_the_join_window_admits_as_hellos_are_answered_or_time_out() -> None:
+    clock = Clock()
+    window = JoinWindow(size=2, timeout_s=30, clock=clock)
+    for device in ("a", "b", "c", "d"):
+        window.queue(device)
+
+    assert window.admit() == ["a", "b"]
+    window.announced("hello-a")
+    window.announced("hello-b")
+    assert window.admit() == [] and window.next_expiry() == pytest.approx(130)
+    window.answered("hello-a")
+    assert window.admit() == ["c"]
+    window.announced("hello-c")
+    clock.now += 30  # b and c were never answered
+    assert window.admit() == ["d"] and len(window) == 0 and window.next_expiry() is None
 
 
 def test_devices_keep_their_state_in_the_state_dir_and_resume_from_it(tmp_path: Path) -> None:
