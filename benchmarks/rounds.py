@@ -2,8 +2,8 @@
 
 For each mode (FedAvg, FedKF dual, FedKF single, FedGen full, FedGen head) and each
 model (LeNet-5 and FedGen's CNN) it runs the real emulation (``sim.run_simulation``:
-coordinator + edge clients through the in-memory broker twin, which counts the same bytes
-as MQTT) on the synthetic dataset and reports, averaged over the rounds after the second (FedGen
+coordinator + emulated devices through the in-memory broker twin, which counts the same
+bytes as MQTT) on the synthetic dataset and reports, averaged over the rounds after the second (FedGen
 sends no generator in round 1, and in round 2 FedKF's OCA model still equals the ACA
 model, a repeat zstd compresses away within the message; from round 3 on they differ):
 
@@ -15,7 +15,7 @@ model, a repeat zstd compresses away within the message; from round 3 on they di
 
 Every mode trains the same number of local mini-batches (``--local-steps``, default 20,
 batch ``--batch-size``, default 32), so the compute times compare the work per batch.
-One training runs at a time (``train_slots`` 1, one torch thread), as on one device.
+One training runs at a time (the fleet's loop trainer, one torch thread), as on one device.
 
 Run from the repository root: ``python -m benchmarks.rounds [--rounds 4] [--devices 10]
 [--models lenet5 fedgen_cnn] [--json]``.
@@ -55,7 +55,6 @@ def measure(model: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         participation=args.participation,
         model=model,
         transport="inproc",
-        train_slots=1,
         training=TrainingSettings(local_steps=args.local_steps, batch_size=args.batch_size),
         seed=args.seed,
         **MODES[mode],

@@ -5,9 +5,11 @@ commands; ``python -m sim COMMAND --help`` those of one command.
 
 Commands:
     run         (the default when no command is named) emulate a fleet: one coordinator
-                and ``--devices`` edge clients in this process, all messages through an
-                MQTT broker (embedded amqtt by default) or the in-memory twin; prints a
-                progress line per round and writes ``--json-out`` / ``--report-dir``.
+                and ``--devices`` emulated devices in this process (each with its own id
+                and topics, over ``--connections`` broker connections), all messages
+                through an MQTT broker (embedded amqtt by default) or the in-memory twin;
+                prints a progress line per round and writes ``--json-out`` /
+                ``--report-dir``.
     partition   split a dataset across K devices (Dirichlet(alpha) label skew, per-device
                 train/test split) and write one ``dev-NNN.npz`` per device plus
                 ``summary.json`` into ``--out``.

@@ -42,11 +42,10 @@ from coordinator.errors import ConfigError
 from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
-from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import session as dev
-from edge_client.train.trainer import LocalTrainer, build_device_model
+from edge_client.train.trainer import build_device_model
 from edge_client.train.transfer import TransferState
 from models import state_arrays
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
@@ -64,6 +63,7 @@ from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.cohort.trainer import BatchedTrainer, resolve_device
 from sim.errors import SimError
+from sim.fleet import FleetDevice
 from sim.progress import Progress
 from sim.run import SimConfig, build_federation, device_data
 
@@ -332,39 +332,35 @@ class _Emulation:
             num_classes=template.num_classes,
         )
         self.devices: dict[str, _Device] = {}
-        trainers: dict[str, LocalTrainer] = {}
+        specs: list[FleetDevice] = []
+        fingerprints: dict[tuple[object, ...], str] = {}
         memory_bytes = total_memory_bytes()
         self._step("building the devices", total=len(federation.devices))
         for index, split in enumerate(federation.devices):
-            down, up = config.device_link(index)
             data = device_data(federation, index)
-            client = ClientConfig(  # as sim.run configures its devices
-                device_id=split.device_id,
-                fleet=config.fleet,
-                model=config.model,
-                exit_when_finished=True,
-                share_label_counts=True,  # emulated devices consent, as in the sim
-                init_seed=config.seed,
-                downlink_precision=down,
-                uplink_precision=up,
+            # as sim.run configures its devices; an estimate persists nothing
+            client = config.device_config(index, split.device_id).model_copy(
+                update={"state_dir": None}
             )
-            try:
-                model = build_device_model(client, data)
-            except DeviceConfigError as exc:
-                raise SimError(str(exc)) from exc
+            shape = (data.image_shape, data.num_classes)
+            if shape not in fingerprints:
+                try:
+                    fingerprints[shape] = build_device_model(client, data).fingerprint()
+                except DeviceConfigError as exc:
+                    raise SimError(str(exc)) from exc
             session = dev.DeviceSession(
                 client,
-                fingerprint=model.fingerprint(),
+                fingerprint=fingerprints[shape],
                 num_samples=data.num_samples,
                 label_counts=tuple(int(c) for c in data.label_counts()),
                 memory_bytes=memory_bytes,
             )
-            trainers[split.device_id] = LocalTrainer(model, data, TransferState())
+            specs.append(FleetDevice(client, data, TransferState()))
             self.devices[split.device_id] = _Device(session, split.device_id)
             if progress is not None:
                 progress.advance()
         self.trainer = BatchedTrainer(
-            trainers,
+            specs,
             engine=config.engine,
             device=device,
             max_cohort=config.max_cohort,

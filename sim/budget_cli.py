@@ -67,6 +67,12 @@ def add_budget_parser(sub: Any) -> None:
         include=("dataset", "data_dir", "alpha"),
         choices=DATA_CHOICES,
     )
+    flags.add(
+        parser.add_argument_group("training engine (how the emulated devices train)"),
+        SimConfig,
+        include=("engine", "device", "max_cohort"),
+        metavars={"max_cohort": "N"},
+    )
     budget = parser.add_argument_group("budget")
     budget.add_argument(
         "--link",
@@ -96,7 +102,7 @@ def budget_from_args(args: argparse.Namespace) -> int:
 _SIM_ONLY = {
     "transport",
     "broker_url",
-    "train_slots",
+    "connections",
     "state_dir",
     "round_timeout_s",
     "engine",

@@ -1,23 +1,24 @@
-"""The lab emulation: one real coordinator and N real edge clients in one process.
+"""The lab emulation: one real coordinator and N emulated devices in one process.
 
 :func:`run_simulation` partitions a dataset across N devices, starts a broker (the
 embedded amqtt broker, an external one, or the in-memory twin), and runs the
-:class:`~coordinator.runtime.Coordinator` and N :class:`~edge_client.train.runtime.EdgeClient`
-objects against it — the same code as ``python -m coordinator`` and ``python -m
-edge_client``; every message goes through the broker. Each client has its own transport,
-whose byte counters give the per-round bytes (up = published by devices, down = received
-by devices). After each round every global model is evaluated on every device's test
-split (AMP / FM / WLP) and on the dataset's test split.
+:class:`~coordinator.runtime.Coordinator` (the same code as ``python -m coordinator``)
+and a :class:`~sim.fleet.Fleet` of N devices against it: each device runs the session a
+real device runs (:class:`~edge_client.train.session.DeviceSession`) with its own id and
+topics, carried over a bounded pool of broker connections; every message goes through
+the broker. The fleet's byte counters give the per-round bytes (up = published by
+devices, down = delivered to devices, as N separate devices would count them). After
+each round every global model is evaluated on every device's test split (AMP / FM / WLP)
+and on the dataset's test split.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
-import os
 import resource
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, field_serializer, field_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from coordinator.config import CoordinatorConfig, FleetSettings
 from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
@@ -33,17 +34,18 @@ from coordinator.errors import ConfigError
 from coordinator.runtime import Coordinator, save_final_models
 from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
+from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
-from edge_client.train.runtime import EdgeClient
 from models import Classifier, build_classifier, state_arrays
 from models.classifiers import HEAD_PREFIX
-from protocol.messages import Ack, ReasonCode
+from protocol.messages import Ack, CoordinatorStatus, ReasonCode
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
-from sim.cohort.trainer import Engine
+from sim.cohort.trainer import BatchedTrainer, Engine, resolve_device
 from sim.datasets import load_dataset
 from sim.errors import SimError
+from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
 from sim.metrics import evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
 from sim.progress import Progress
@@ -84,9 +86,9 @@ class SimConfig(FleetSettings):
     """An MQTT broker (embedded amqtt unless broker_url) or the in-memory twin."""
     broker_url: str | None = None
     """External broker for transport mqtt: mqtt://host:port (unset: an embedded one)."""
-    train_slots: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    """Trainings running at once (the rest of the selected devices queue; default: the
-    CPU count)."""
+    connections: int | None = Field(default=None, ge=1)
+    """MQTT connections carrying the emulated devices, each device on one of them with
+    its own id and topics (unset: min(devices, 16))."""
     state_dir: Path | None = None
     """Keep the coordinator's and the devices' state here (unset: a temporary folder)."""
     fleet: str = "sim"
@@ -97,8 +99,9 @@ class SimConfig(FleetSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the emulated devices train: auto = CUDA when a GPU is there, else the CPU."""
     max_cohort: int | None = Field(default=None, ge=1)
-    """Most devices in one batched computation (unset: as many as fit in half the free
-    memory)."""
+    """Most devices trained together: training jobs handed to the trainer at once and
+    devices in one batched computation (unset: up to 1024 at once, in computations as
+    large as half the free memory holds)."""
 
     @field_serializer("alpha", when_used="json")
     def _alpha_as_json(self, alpha: float) -> float | str:
@@ -109,6 +112,15 @@ class SimConfig(FleetSettings):
     @classmethod
     def _alpha_from_json(cls, value: Any) -> Any:
         return math.inf if value == "inf" else value
+
+    @model_validator(mode="after")
+    def _connections_fit(self) -> SimConfig:
+        if self.connections is not None and self.connections > self.devices:
+            raise ValueError(
+                f"connections ({self.connections}) cannot exceed devices ({self.devices}): "
+                "each connection carries at least one device"
+            )
+        return self
 
     @field_validator("device_precisions")
     @classmethod
@@ -136,6 +148,48 @@ class SimConfig(FleetSettings):
         if not self.device_precisions:
             return None, None
         return parse_link(self.device_precisions[index % len(self.device_precisions)])
+
+    def device_config(self, index: int, device_id: str) -> ClientConfig:
+        """The configuration of emulated device ``index``: it consents to share label
+        counts (FedGen needs them), stops when the run finishes and keeps its state in
+        ``state_dir/devices/ID`` (without fsync: the writes stay atomic) when the run
+        has a state dir."""
+        down, up = self.device_link(index)
+        state = None if self.state_dir is None else self.state_dir / "devices" / device_id
+        return ClientConfig(
+            device_id=device_id,
+            fleet=self.fleet,
+            model=self.model,
+            exit_when_finished=True,
+            share_label_counts=True,
+            init_seed=self.seed,
+            state_dir=state,
+            fsync_state=False,
+            downlink_precision=down,
+            uplink_precision=up,
+        )
+
+    def trainer_factory(self) -> TrainerFactory:
+        """Builds the trainer of the emulated devices: the engine on the device asked for.
+
+        Raises:
+            SimError: ``device`` is ``cuda`` and torch sees no GPU.
+        """
+        try:
+            device = resolve_device(self.device)
+        except ValueError as exc:
+            raise SimError(str(exc)) from exc
+        return functools.partial(
+            BatchedTrainer, engine=self.engine, device=device, max_cohort=self.max_cohort
+        )
+
+    def fleet_options(self) -> FleetOptions:
+        """How the emulated devices are carried: connections and cohorts."""
+        return FleetOptions(
+            connections=self.connections,
+            max_cohort=self.max_cohort or DEFAULT_MAX_COHORT,
+            client_id_prefix=f"{self.fleet}-fleet",
+        )
 
 
 def parse_link(token: str) -> tuple[Precision, Precision]:
@@ -217,6 +271,11 @@ def _broker(config: SimConfig) -> Iterator[Callable[[str], Transport]]:
         )
 
 
+_COORDINATOR_START_S = 5.0
+"""How long the devices wait for the coordinator to leave ``starting`` (a run resumed in
+the middle of a round stays there until the round closes)."""
+
+
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -228,7 +287,7 @@ class _Recorder:
         self,
         federation: Federation,
         scratch: Classifier,
-        clients: list[EdgeClient],
+        fleet: Fleet,
         progress: Progress | None,
         total_rounds: int,
         *,
@@ -236,8 +295,8 @@ class _Recorder:
     ) -> None:
         self.records: list[RoundRecord] = []
         self._scratch = scratch
-        self._clients = clients
-        self._transports = [c.transport for c in clients]
+        self._fleet = fleet
+        self._device_ids = [d.device_id for d in federation.devices]
         self._personal = personal
         self._progress = progress
         self._total_rounds = total_rounds
@@ -248,14 +307,13 @@ class _Recorder:
         self._global_test = None if test is None else (test.x, test.y)
         self._last = (0, 0, 0, 0)
         self._round_start = time.perf_counter()
+        self.coordinator_up = threading.Event()
+        """Set once the coordinator announced a state past ``starting``."""
 
     def totals(self) -> tuple[int, int, int, int]:
-        up = down = wire_up = wire_down = 0
-        for transport in self._transports:
-            out, inn = transport.stats.totals("out"), transport.stats.totals("in")
-            up, wire_up = up + out.payload_bytes, wire_up + out.wire_bytes
-            down, wire_down = down + inn.payload_bytes, wire_down + inn.wire_bytes
-        return up, down, wire_up, wire_down
+        """Bytes so far: up, down, wire up, wire down."""
+        out, inn = self._fleet.traffic()
+        return out.payload_bytes, inn.payload_bytes, out.wire_bytes, inn.wire_bytes
 
     def __call__(self, action: Action) -> None:
         if isinstance(action, RoundStarted):
@@ -266,6 +324,9 @@ class _Recorder:
                 self._progress.step(text, total=len(action.selected))
             return
         if isinstance(action, Publish):
+            status = action.message.body
+            if isinstance(status, CoordinatorStatus) and status.state != "starting":
+                self.coordinator_up.set()
             self._count_accepted_update(action)
             return
         if not isinstance(action, RoundClosed):
@@ -279,7 +340,8 @@ class _Recorder:
         if self._personal:  # each device: its own feature extractor + the global head
             head = {k: v for k, v in action.models["aca"].items() if k.startswith(HEAD_PREFIX)}
             states = [
-                {**state_arrays(client.model, "features"), **head} for client in self._clients
+                {**state_arrays(self._fleet.model(device_id), "features"), **head}
+                for device_id in self._device_ids
             ]
             metrics = {"aca": evaluate_personal(states, self._scratch, self._device_tests)}
         else:
@@ -323,6 +385,7 @@ def run_simulation(
     *,
     progress: Progress | None = None,
     final_models_dir: Path | None = None,
+    trainer: TrainerFactory | None = None,
 ) -> RunReport:
     """Run the emulation described by ``config``; returns the report.
 
@@ -331,12 +394,17 @@ def run_simulation(
         progress: told what the run does as it goes: setup steps, devices trained in
             each round, and each round's record as soon as it is measured.
         final_models_dir: where to save the final models (``.pt`` and ``.onnx``).
+        trainer: builds the trainer of the devices' jobs (default:
+            :meth:`SimConfig.trainer_factory`, the engine and device of ``config``).
 
     Raises:
         SimError: the dataset cannot be loaded or partitioned, or the run failed.
-        TransportError / BrokerError: the broker cannot be started or reached.
+        TransportError / BrokerError / ConnectError: the broker cannot be started or
+            reached.
     """
     started = time.perf_counter()
+    if trainer is None:
+        trainer = config.trainer_factory()
     if progress is not None:
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
@@ -344,42 +412,28 @@ def run_simulation(
     scratch = build_classifier(
         config.model, num_classes=federation.num_classes, in_channels=channels, image_size=side
     )
+    devices = [
+        (config.device_config(index, split.device_id), device_data(federation, index))
+        for index, split in enumerate(federation.devices)
+    ]
     with contextlib.ExitStack() as stack:
-        root = config.state_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if progress is not None and config.transport == "mqtt" and config.broker_url is None:
             progress.step("starting the embedded MQTT broker")
         make_transport = stack.enter_context(_broker(config))
         store: Store = (
-            FileStore(root / "coordinator", fsync=False) if config.state_dir else MemoryStore()
+            FileStore(config.state_dir / "coordinator", fsync=False)
+            if config.state_dir
+            else MemoryStore()
         )
         try:
             coordinator = Coordinator(
                 coordinator_config, make_transport(f"{config.fleet}-coordinator"), store
             )
-        except ConfigError as exc:
+            fleet = Fleet(devices, make_transport, trainer=trainer, options=config.fleet_options())
+        except (ConfigError, DeviceConfigError) as exc:
             raise SimError(str(exc)) from exc
-        gate = threading.BoundedSemaphore(config.train_slots)
-        clients = []
-        for index, split in enumerate(federation.devices):
-            down, up = config.device_link(index)
-            data = device_data(federation, index)
-            client_config = ClientConfig(
-                device_id=split.device_id,
-                fleet=config.fleet,
-                model=config.model,
-                exit_when_finished=True,
-                share_label_counts=True,  # emulated devices consent (fedgen needs it)
-                init_seed=config.seed,
-                state_dir=root / "devices" / split.device_id,
-                downlink_precision=down,
-                uplink_precision=up,
-            )
-            transport = make_transport(f"{config.fleet}-{split.device_id}")
-            clients.append(EdgeClient(client_config, transport, data, train_gate=gate))
         personal = config.sharing == "head"
-        recorder = _Recorder(
-            federation, scratch, clients, progress, config.rounds, personal=personal
-        )
+        recorder = _Recorder(federation, scratch, fleet, progress, config.rounds, personal=personal)
         coordinator.add_observer(recorder)
         outcome: dict[str, Any] = {}
 
@@ -389,15 +443,23 @@ def run_simulation(
             except BaseException as exc:  # reported by the caller
                 outcome["error"] = exc
 
+        def subscribed(_device_id: str) -> None:
+            if progress is not None and not recorder.round_started:
+                progress.advance()  # (the first round may start before all subscribed)
+
         thread = threading.Thread(target=serve, name="sim-coordinator", daemon=True)
         thread.start()
         try:
+            # Devices join a coordinator that is up, as in a deployed fleet: one that
+            # joins while it says "starting" announces itself twice, and a selected
+            # device then gets its task twice.
+            deadline = time.monotonic() + _COORDINATOR_START_S
+            while thread.is_alive() and time.monotonic() < deadline:
+                if recorder.coordinator_up.wait(0.05):
+                    break
             if progress is not None:
-                progress.step("connecting devices", total=len(clients))
-            for client in clients:
-                client.start()
-                if progress is not None and not recorder.round_started:
-                    progress.advance()  # (the first round may start before all connected)
+                progress.step("connecting devices", total=len(devices))
+            fleet.start(subscribed)
             if progress is not None and not recorder.round_started:
                 progress.step("waiting for the first round")
             thread.join()
@@ -406,8 +468,7 @@ def run_simulation(
                 progress.step("stopping")
             coordinator.stop()
             thread.join(timeout=10)
-            for client in clients:
-                client.stop()
+            fleet.close()
         if "error" in outcome:
             raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
         models = outcome.get("models")

@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILED = 0, 1
 
 DESCRIPTION = (
-    "Run one coordinator and N edge clients in this process; every message goes through "
-    "an MQTT broker (embedded amqtt unless --broker) or, with --transport inproc, through "
-    "the in-memory twin with the same byte counts."
+    "Run one coordinator and N emulated devices in this process, each device with its own "
+    "id and topics over a pool of --connections broker connections; every message goes "
+    "through an MQTT broker (embedded amqtt unless --broker) or, with --transport inproc, "
+    "through the in-memory twin with the same byte counts."
 )
 FLEET_FIELDS = ("devices", *(n for n in FleetSettings.model_fields if n != "training"))
 DATA_FIELDS = ("dataset", "data_dir", "class_fraction", "alpha", "min_samples", "test_fraction")
@@ -47,7 +48,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``run`` command to the subparsers ``sub``; returns its parser."""
     run: argparse.ArgumentParser = sub.add_parser(
         "run",
-        help="emulate a fleet: coordinator + N edge clients (the default command)",
+        help="emulate a fleet: coordinator + N emulated devices (the default command)",
         description=DESCRIPTION,
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -61,9 +62,15 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
     flags.add(
         run.add_argument_group("transport"),
         SimConfig,
-        include=("transport", "broker_url", "train_slots"),
+        include=("transport", "broker_url", "connections"),
         flags={"broker_url": "--broker"},
-        metavars={"broker_url": "URL"},
+        metavars={"broker_url": "URL", "connections": "K"},
+    )
+    flags.add(
+        run.add_argument_group("training engine (how the emulated devices train)"),
+        SimConfig,
+        include=("engine", "device", "max_cohort"),
+        metavars={"max_cohort": "N"},
     )
     outputs = run.add_argument_group("outputs")
     flags.add(outputs, SimConfig, include=("state_dir",))
@@ -136,7 +143,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         problem = broker_unreachable(config.broker_url)
         if problem is not None:
             raise BrokerUnreachableError(problem)
-    torch.set_num_threads(1)  # one thread per training; --train-slots trainings at once
+    torch.set_num_threads(1)  # trainings run one at a time; other cores carry the broker
     print(
         f"{config.devices} devices, {describe(config)} on {config.model}, {config.dataset} "
         f"(alpha={config.alpha}), {config.rounds} rounds, C={config.participation}, "

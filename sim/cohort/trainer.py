@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import resource
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -23,11 +23,11 @@ from typing import Literal
 import torch
 
 from edge_client.train.resources import estimate_training, memory_limit
-from edge_client.train.session import DecodeJob, Failed, Job, JobResult, TrainJob
-from edge_client.train.trainer import LocalTrainer
+from edge_client.train.session import Cancelled, DecodeJob, Failed, Job, JobResult, TrainJob
 from edge_client.train.training import TrainConfig
 from models import Classifier
 from sim.cohort.engine import Member, train_cohort
+from sim.fleet.trainer import FleetDevice, LoopTrainer
 
 __all__ = ["BatchedTrainer", "CohortStats", "Engine", "auto_max_cohort", "resolve_device"]
 
@@ -89,13 +89,19 @@ class CohortStats:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-class BatchedTrainer:
-    """Runs many devices' jobs; each device is a :class:`LocalTrainer`.
+class BatchedTrainer(LoopTrainer):
+    """A :class:`~sim.fleet.FleetTrainer` that trains a cohort's devices at once.
+
+    Each device keeps its own :class:`LocalTrainer` (built on first use, as
+    :class:`~sim.fleet.LoopTrainer` builds them); the decode jobs and the encoding of the
+    uploads run on a thread pool, the training of all train jobs in one
+    :func:`~sim.cohort.engine.train_cohort` call (``engine="loop"``: one after the
+    other, as :class:`~sim.fleet.LoopTrainer` does).
 
     Args:
-        trainers: every emulated device's trainer, by device id.
+        devices: the fleet's devices.
         engine: ``"batched"`` or ``"loop"``.
-        device: where the batched engine computes.
+        device: where to train.
         max_cohort: most devices in one batched computation; None: from the free memory
             (:func:`auto_max_cohort`).
         workers: threads decoding and encoding messages.
@@ -103,14 +109,14 @@ class BatchedTrainer:
 
     def __init__(
         self,
-        trainers: Mapping[str, LocalTrainer],
+        devices: Sequence[FleetDevice],
         *,
         engine: Engine = "batched",
         device: torch.device = torch.device("cpu"),  # noqa: B008
         max_cohort: int | None = None,
         workers: int = 4,
     ) -> None:
-        self._trainers = dict(trainers)
+        super().__init__(devices, device=device)
         self.engine = engine
         self.device = device
         self.max_cohort = max_cohort
@@ -118,31 +124,23 @@ class BatchedTrainer:
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
         self._warned: set[str] = set()
 
-    def model(self, device_id: str) -> Classifier:
-        """The device's classifier."""
-        return self._trainers[device_id].model
-
-    def commit_upload(self, device_id: str) -> None:
-        """The device's last update was sent: keep its uplink residual."""
-        self._trainers[device_id].commit_upload()
-
     def close(self) -> None:
-        """Stop the codec threads."""
-        self._pool.shutdown(wait=True)
+        """Stop: jobs not yet run answer ``Cancelled``; the codec threads end."""
+        super().close()
+        self._pool.shutdown(wait=False)
 
     def run_many(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
         """Run ``(device_id, job)`` pairs; the results in the same order. Never raises
         for a job that goes wrong (its result is :class:`Failed`)."""
         results: list[JobResult | None] = [None] * len(jobs)
         decodes = [k for k, (_, job) in enumerate(jobs) if isinstance(job, DecodeJob)]
-        decoded = self._map(lambda k: self._trainers[jobs[k][0]].run(jobs[k][1]), decodes)
+        decoded = self._map(lambda k: self._one(jobs[k]), decodes)
         for k, result in zip(decodes, decoded, strict=True):
             results[k] = result
         trains = [k for k, (_, job) in enumerate(jobs) if isinstance(job, TrainJob)]
         if self.engine == "loop":
             for k in trains:
-                device_id, job = jobs[k]
-                results[k] = self._trainers[device_id].run(job)
+                results[k] = self._one(jobs[k])
                 self.stats.loop += 1
         elif trains:
             trained = self._train_batched([jobs[k] for k in trains])
@@ -156,22 +154,34 @@ class BatchedTrainer:
             for r, (_, job) in zip(results, jobs, strict=True)
         ]
 
+    def _one(self, pair: tuple[str, Job]) -> JobResult:
+        """One job on the per-device path."""
+        return super().run_many([pair])[0]
+
     def _map(self, work: Callable[[int], JobResult], items: Sequence[int]) -> list[JobResult]:
         return list(self._pool.map(work, items))
 
     def _train_batched(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
+        if self.closed:
+            return [Cancelled(job.message.message_id) for _, job in jobs]
         members, train_jobs = [], []
-        for device_id, job in jobs:
+        failed: dict[int, JobResult] = {}
+        for k, (device_id, job) in enumerate(jobs):
             assert isinstance(job, TrainJob)
-            trainer = self._trainers[device_id]
+            try:
+                trainer = self.trainer(device_id)
+            except Exception as exc:  # an unknown device or a model that cannot be built
+                failed[k] = Failed(job.message.message_id, exc)
+                continue
             members.append(Member(trainer.model, trainer.data, job.local, trainer.learning_state))
-            train_jobs.append((trainer, job))
-        limit = self.max_cohort
-        if limit is None:
-            first = members[0]
-            config = TrainConfig.from_hyperparameters(first.task.hyperparameters)
-            limit = auto_max_cohort(first.model, config.batch_size, self.device)
-        outcomes = train_cohort(members, device=self.device, max_cohort=limit)
+            train_jobs.append((k, trainer, job))
+        outcomes = []
+        if members:
+            limit = self.max_cohort
+            if limit is None:
+                config = TrainConfig.from_hyperparameters(members[0].task.hyperparameters)
+                limit = auto_max_cohort(members[0].model, config.batch_size, self.device)
+            outcomes = train_cohort(members, device=self.device, max_cohort=limit)
         reasons = Counter(o.fallback_reason for o in outcomes if o.fallback_reason)
         for reason, count in reasons.items():
             if reason not in self._warned:
@@ -180,12 +190,18 @@ class BatchedTrainer:
         self.stats.loop += sum(1 for o in outcomes if not o.batched)
         self.stats.batched += sum(1 for o in outcomes if o.batched and o.result is not None)
 
-        def finish(k: int) -> JobResult:
-            trainer, job = train_jobs[k]
-            outcome = outcomes[k]
+        def finish(index: int) -> JobResult:
+            _, trainer, job = train_jobs[index]
+            outcome = outcomes[index]
             if outcome.result is None:
                 error = outcome.error or RuntimeError("training gave no result")
                 return Failed(job.message.message_id, error)
             return trainer.finish(job, outcome.result)
 
-        return list(self._map(finish, range(len(members))))
+        finished = self._map(finish, range(len(train_jobs)))
+        results: list[JobResult] = [Failed("", RuntimeError("no result"))] * len(jobs)
+        for k, result in failed.items():
+            results[k] = result
+        for (k, _, _), result in zip(train_jobs, finished, strict=True):
+            results[k] = result
+        return results

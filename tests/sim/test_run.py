@@ -153,3 +153,17 @@ def test_class_fraction_keeps_that_share_of_every_class() -> None:
     assert len(np.unique(kept.x.reshape(len(kept.y), -1), axis=0)) == len(kept.y)  # no repeats
     again = _subsample(train, 0.1, seed=3)
     np.testing.assert_array_equal(again.y, kept.y)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "mqtt"])
+def test_per_round_bytes_do_not_depend_on_the_pool_size(transport: str) -> None:
+    one = run_simulation(quick(transport=transport, connections=1))
+    each = run_simulation(quick(transport=transport, connections=6))
+
+    for a, b in zip(one.rounds, each.rounds, strict=True):
+        assert a.active_devices == b.active_devices == 3
+        for field in ("bytes_up", "bytes_down", "wire_bytes_up", "wire_bytes_down"):
+            # the same messages; only random message ids compress differently
+            assert getattr(a, field) == pytest.approx(getattr(b, field), rel=0.002), field
+    for field in ("bytes_up", "bytes_down", "wire_bytes_up", "wire_bytes_down"):
+        assert one.final[field] == pytest.approx(each.final[field], rel=0.002), field

@@ -1,0 +1,435 @@
+"""The fleet driver's connection pool: K broker connections carrying N emulated devices.
+
+Each device keeps its own identity and topics: its connection subscribes to the device's
+inbox ``fl/{fleet}/to/{id}/#`` (one subscription per device) and publishes the device's
+messages on ``fl/{fleet}/devices/{id}/...`` with the device as sender; only the MQTT
+connection is shared. Each connection also subscribes once to the coordinator's retained
+status, which the driver hands to each of its devices.
+
+Per connection, one publisher thread carries out the devices' publishing actions in the
+order they come (so each device's messages keep their order): publish, the retained
+status, and the update with the retry rule of the device's own shell (retried while the
+broker is unreachable, up to the device's ``upload_retry_s``, backing off from 0.5 s to
+10 s; a retry waits without holding up the connection's other devices). The same thread
+first subscribes its devices' inboxes and the status, then announces its devices.
+
+A pool connection has no last will: the broker cannot publish N devices' ``offline``
+statuses for one dropped connection. The driver publishes ``offline`` for every device
+when it stops; an emulator that crashes leaves its devices' last statuses as they were.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from edge_client.config import ClientConfig
+from edge_client.errors import ConnectError
+from edge_client.link import publish_status
+from edge_client.train.session import (
+    Event,
+    Publish,
+    Received,
+    SendUpdate,
+    SetStatus,
+    Started,
+    UpdateSent,
+)
+from protocol.channel import Channel
+from protocol.codec import Codec
+from protocol.errors import DecodeError, EncodeError, TransportError
+from protocol.messages import Message
+from protocol.topics import Topics
+from protocol.transport import Counts, Inbound, TrafficStats, Transport, publish_packet_size
+
+__all__ = ["ConnectionRestored", "DeviceEvent", "Pool", "PoolEvent", "StatusArrived"]
+
+logger = logging.getLogger(__name__)
+
+_UPLOAD_BACKOFF_S = 0.5  # first retry delay of an update, doubled up to ...
+_UPLOAD_BACKOFF_MAX_S = 10.0  # ... this (the device shell's values)
+_CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class DeviceEvent:
+    """An event of one device's session."""
+
+    device_id: str
+    event: Event
+
+
+@dataclass(frozen=True)
+class StatusArrived:
+    """The coordinator's status arrived on ``connection``: it is for each of its devices.
+    ``payload_bytes`` / ``wire_bytes``: its size, as the transport counted it once."""
+
+    connection: int
+    topic: str
+    message: Message
+    payload_bytes: int
+    wire_bytes: int
+
+
+@dataclass(frozen=True)
+class ConnectionRestored:
+    """``connection`` reconnected to the broker (its subscriptions are restored)."""
+
+    connection: int
+
+
+PoolEvent = DeviceEvent | StatusArrived | ConnectionRestored
+Outbound = Publish | SetStatus | SendUpdate
+
+
+@dataclass(order=True)
+class _Retry:
+    due: float
+    order: int
+    device_id: str = ""
+    action: SendUpdate | None = None
+    deadline: float = 0.0
+    delay: float = 0.0
+
+
+class _Setup:
+    """Queue item: subscribe the connection's devices and announce them."""
+
+
+_SETUP = _Setup()
+
+
+class Pool:
+    """The connections of a fleet and their publisher threads.
+
+    Args:
+        transports: K not yet connected transports.
+        members: for each transport, the configurations of the devices it carries.
+        post: where inbound messages, statuses, reconnects and finished uploads go (the
+            driver's event queue); called from the transports' and publishers' threads.
+        codec: encoder / decoder with its limits; a default :class:`Codec` if None.
+    """
+
+    def __init__(
+        self,
+        transports: Sequence[Transport],
+        members: Sequence[Sequence[ClientConfig]],
+        post: Callable[[PoolEvent], None],
+        *,
+        codec: Codec | None = None,
+    ) -> None:
+        if len(transports) != len(members) or not all(members):
+            raise ValueError("one non-empty list of devices per transport")
+        configs = [c for group in members for c in group]
+        self._topics = Topics(configs[0].fleet)
+        self._post = post
+        self._configs = {c.device_id: c for c in configs}
+        self._connection_of: dict[str, int] = {}
+        self._connections: list[_Connection] = []
+        for index, (transport, group) in enumerate(zip(transports, members, strict=True)):
+            max_payload = min(c.max_payload for c in group)
+            channel = Channel(transport, codec, max_payload=max_payload)
+            ids = tuple(c.device_id for c in group)
+            self._connections.append(_Connection(self, index, channel, ids))
+            self._connection_of.update(dict.fromkeys(ids, index))
+        self._fanout = TrafficStats()  # further deliveries of a message received once
+        self._undelivered = Counts()  # received by a transport, delivered to no device
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    @property
+    def size(self) -> int:
+        """The number of connections."""
+        return len(self._connections)
+
+    def devices_of(self, connection: int) -> tuple[str, ...]:
+        """The ids of the devices ``connection`` carries."""
+        return self._connections[connection].devices
+
+    def connect(self, retry_s: float, stop: threading.Event) -> bool:
+        """Connect every transport, retrying each with exponential backoff (0.5 s doubling
+        up to 10 s) for up to ``retry_s`` seconds; False if ``stop`` was set meanwhile.
+
+        Raises:
+            ConnectError: a connection failed for ``retry_s`` seconds.
+        """
+        return all(c.connect(retry_s, stop) for c in self._connections)
+
+    def start(self, ready: Callable[[str | Exception | int], None]) -> None:
+        """Start the publisher threads. Each subscribes its devices' inboxes (calling
+        ``ready(device_id)`` after each), then the coordinator's status, then announces
+        its devices and calls ``ready(connection_index)``; a failure calls
+        ``ready(ConnectError)`` and ends that thread."""
+        for connection in self._connections:
+            connection.start(ready)
+
+    def send(self, device_id: str, action: Outbound) -> None:
+        """Carry out ``action`` for ``device_id`` on its connection's publisher thread."""
+        self._connections[self._connection_of[device_id]].put(device_id, action)
+
+    def count_deliveries(
+        self, topic: str, payload_bytes: int, wire_bytes: int, devices: int
+    ) -> None:
+        """A message that a transport received (and counted) once on ``topic`` reached
+        ``devices`` of its devices: count it once per device (none: not at all, as a
+        stopped device, disconnected, would not have received it)."""
+        if devices == 0:
+            self._uncount(Counts(1, payload_bytes, wire_bytes))
+        for _ in range(devices - 1):
+            self._fanout.record("in", topic, payload_bytes, wire_bytes)
+
+    def traffic(self) -> tuple[Counts, Counts]:
+        """What the devices published and what was delivered to them: (out, in)."""
+        stats = [c.channel.transport.stats for c in self._connections] + [self._fanout]
+        out = sum((s.totals("out") for s in stats), Counts())
+        inn = sum((s.totals("in") for s in stats), Counts())
+        with self._lock:
+            gone = self._undelivered
+        inn = Counts(
+            inn.messages - gone.messages,
+            inn.payload_bytes - gone.payload_bytes,
+            inn.wire_bytes - gone.wire_bytes,
+        )
+        return out, inn
+
+    def close(self, idle_timeout: float = 10.0) -> None:
+        """Publish what is queued, then stop the publishers and disconnect. A publisher
+        that makes no progress for ``idle_timeout`` seconds is left behind (logged).
+        Retries of updates not yet sent are dropped."""
+        self._stopping.set()
+        for connection in self._connections:
+            connection.put(None, None)
+        for connection in self._connections:
+            connection.join(idle_timeout)
+        for connection in self._connections:
+            connection.channel.transport.disconnect()
+
+    def _uncount(self, counts: Counts) -> None:
+        """``counts`` were received (and counted by a transport) but reached no device."""
+        with self._lock:
+            self._undelivered = self._undelivered + counts
+
+    def _config(self, device_id: str) -> ClientConfig:
+        return self._configs[device_id]
+
+
+class _Connection:
+    """One transport, the devices it carries and its publisher thread."""
+
+    def __init__(self, pool: Pool, index: int, channel: Channel, devices: tuple[str, ...]) -> None:
+        self.pool = pool
+        self.index = index
+        self.channel = channel
+        self.devices = devices
+        self._queue: queue.SimpleQueue[tuple[str | None, Outbound | _Setup | None]] = (
+            queue.SimpleQueue()
+        )
+        self._retries: list[_Retry] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._ready: Callable[[str | Exception | int], None] = lambda _: None
+        self.progress = 0  # items carried out, to tell a slow publisher from a stuck one
+
+    def connect(self, retry_s: float, stop: threading.Event) -> bool:
+        transport = self.channel.transport
+        deadline = time.monotonic() + retry_s
+        delay, attempt = 0.5, 0
+        while not stop.is_set():
+            attempt += 1
+            try:
+                transport.connect(timeout=_CONNECT_TIMEOUT_S)
+                # A round trip the broker answers once it has set the session up: amqtt
+                # walks its subscriptions then, and fails if another client subscribes
+                # meanwhile, so the next connection waits for it. (Unsubscribing a
+                # filter this client never subscribed changes nothing.)
+                transport.unsubscribe(self.pool._topics.coordinator_status)
+                # What came before that answer matched none of this client's (still
+                # absent) subscriptions: amqtt sends a new client the retained messages
+                # of every filter any client subscribed. It reached no device.
+                self.pool._uncount(transport.stats.totals("in"))
+            except TransportError as exc:
+                transport.disconnect()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ConnectError(
+                        f"connection {self.index} of the fleet: no connection to the broker "
+                        f"after {attempt} attempts in {retry_s:.0f} s: {exc}"
+                    ) from exc
+                logger.warning("connection %d: attempt %d failed (%s)", self.index, attempt, exc)
+                stop.wait(min(delay, remaining))
+                delay = min(delay * 2, 10.0)
+                continue
+            transport.on_reconnect(self._on_reconnect)
+            return True
+        return False
+
+    def start(self, ready: Callable[[str | Exception | int], None]) -> None:
+        self._ready = ready
+        self._queue.put((None, _SETUP))
+        self._thread = threading.Thread(
+            target=self._run, name=f"fleet-publisher-{self.index}", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, device_id: str | None, action: Outbound | None) -> None:
+        self._queue.put((device_id, action))
+
+    def join(self, idle_timeout: float) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        seen, since = self.progress, time.monotonic()
+        while thread.is_alive():
+            thread.join(1.0)
+            if self.progress != seen:
+                seen, since = self.progress, time.monotonic()
+            elif time.monotonic() - since > idle_timeout:
+                logger.warning("connection %d: publisher stuck; disconnecting anyway", self.index)
+                return
+
+    # -- the publisher thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            wait = None
+            if self._retries:
+                wait = max(0.0, self._retries[0].due - time.monotonic())
+            try:
+                device_id, item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                self._retry_due()
+                continue
+            if item is None:
+                return
+            if isinstance(item, _Setup):
+                try:
+                    self._setup()
+                except ConnectError as exc:
+                    self._ready(exc)
+                    return
+                except Exception as exc:  # start() must hear of it, whatever it is
+                    logger.exception("connection %d: setting up failed", self.index)
+                    self._ready(exc)
+                    return
+            elif device_id is not None:
+                try:
+                    self._carry_out(device_id, item)
+                except Exception:  # never let the publisher die
+                    logger.exception("connection %d: an action failed", self.index)
+            self.progress += 1
+            self._retry_due()
+
+    def _setup(self) -> None:
+        topics = self.pool._topics
+        try:
+            for device_id in self.devices:
+                self.channel.subscribe(
+                    topics.device_inbox(device_id),
+                    self._inbox_handler(device_id),
+                    on_error=_bad_payload,
+                )
+                self._ready(device_id)
+            self.channel.transport.subscribe(topics.coordinator_status, self._on_status)
+        except TransportError as exc:
+            raise ConnectError(f"connection {self.index}: subscribing failed: {exc}") from exc
+        for device_id in self.devices:
+            self.pool._post(DeviceEvent(device_id, Started()))
+        self._ready(self.index)
+
+    def _carry_out(self, device_id: str, action: Outbound) -> None:
+        if isinstance(action, SetStatus):
+            publish_status(self.channel, self.pool._config(device_id), action.state, action.detail)
+        elif isinstance(action, Publish):
+            try:
+                self.channel.send(
+                    action.topic, action.message, retain=action.retain, latest=action.latest
+                )
+            except (TransportError, EncodeError) as exc:
+                logger.warning("%s: could not send the %s: %s", device_id, action.message.kind, exc)
+        else:
+            config = self.pool._config(device_id)
+            deadline = time.monotonic() + config.upload_retry_s
+            self._send_update(_Retry(0.0, 0, device_id, action, deadline, _UPLOAD_BACKOFF_S))
+
+    def _send_update(self, retry: _Retry) -> None:
+        """Publish the update; on failure retry later or give up (the device shell's rule:
+        an encoding error, a stop or the deadline gives up; nothing is reported when the
+        fleet stops, so the task stays unhandled)."""
+        action = retry.action
+        assert action is not None
+        message = action.message
+        try:
+            self.channel.send(action.topic, message)
+        except (TransportError, EncodeError) as exc:
+            stopping = self.pool._stopping.is_set()
+            now = time.monotonic()
+            give_up = isinstance(exc, EncodeError) or stopping or now + retry.delay > retry.deadline
+            if not give_up:
+                logger.warning(
+                    "%s: publishing the update failed (%s); retry in %.1f s",
+                    retry.device_id,
+                    exc,
+                    retry.delay,
+                )
+                later = _Retry(
+                    now + retry.delay,
+                    next(self._order),
+                    retry.device_id,
+                    action,
+                    retry.deadline,
+                    min(retry.delay * 2, _UPLOAD_BACKOFF_MAX_S),
+                )
+                heapq.heappush(self._retries, later)
+                return
+            logger.error(
+                "%s: round %d: publishing the update failed: %s",
+                retry.device_id,
+                message.round,
+                exc,
+            )
+            if not stopping:
+                self.pool._post(DeviceEvent(retry.device_id, UpdateSent(action.task_id, ok=False)))
+            return
+        self.pool._post(DeviceEvent(retry.device_id, UpdateSent(action.task_id, ok=True)))
+
+    def _retry_due(self) -> None:
+        now = time.monotonic()
+        while self._retries and self._retries[0].due <= now:
+            retry = heapq.heappop(self._retries)
+            if self.pool._stopping.is_set():
+                continue  # the fleet stops: the update is abandoned
+            self._send_update(retry)
+
+    # -- inbound (the transport's handler thread) ----------------------------------------
+
+    def _inbox_handler(self, device_id: str) -> Callable[[str, Message], None]:
+        post = self.pool._post
+
+        def received(topic: str, message: Message) -> None:
+            post(DeviceEvent(device_id, Received(topic, message, time.monotonic())))
+
+        return received
+
+    def _on_status(self, inbound: Inbound) -> None:
+        try:
+            message = self.channel.codec.decode(inbound.payload)
+        except DecodeError as exc:
+            _bad_payload(inbound.topic, exc)
+            return
+        transport = self.channel.transport
+        size = len(inbound.payload)
+        wire = publish_packet_size(inbound.topic, size, inbound.qos, transport.protocol_version)
+        self.pool._post(StatusArrived(self.index, inbound.topic, message, size, wire))
+
+    def _on_reconnect(self) -> None:
+        self.pool._post(ConnectionRestored(self.index))
+
+
+def _bad_payload(topic: str, error: DecodeError) -> None:
+    logger.warning("dropped a bad payload on %s: %s", topic, error)
