@@ -156,6 +156,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         except (TransportError, BrokerError, ConnectError) as exc:
             raise BrokerUnreachableError(f"MQTT broker: {exc}") from exc
     final = report.final
+    if "rank" in final:  # another rank of a sharded run: rank 0 reports for the fleet
+        print(
+            f"rank {final['rank']}: {final['devices']} devices done in {final['wall_s']:.1f} s",
+            file=sys.stderr,
+        )
+        return EXIT_OK
     names = ", ".join(
         f"{name} AMP {m['amp']:.2f}%" for name, m in (final.get("models") or {}).items()
     )

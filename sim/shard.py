@@ -98,6 +98,8 @@ class RoundSync:
         self._answer = answer
         self._lock = threading.Lock()
         self._closed = False
+        self.released = threading.Event()
+        """Set on the other ranks once rank 0 released them."""
         self._thread: threading.Thread | None = None
         if not shard.leader:
             self._thread = threading.Thread(target=self._serve, name="sim-shard", daemon=True)
@@ -130,6 +132,7 @@ class RoundSync:
         while True:
             question: str | None = broadcast(None)
             if question is None:
+                self.released.set()
                 return
             answers: list[Any] = [None] * self.shard.world
             try:

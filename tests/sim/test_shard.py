@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from sim.shard import Shard
 
@@ -78,3 +81,38 @@ def test_two_gloo_ranks_share_the_url_and_answer_every_round(tmp_path: Path) -> 
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "rank 0 of 2: ok" in outputs[0] and "rank 1 of 2: ok" in outputs[1]
+
+
+def test_a_run_sharded_over_two_ranks_counts_the_whole_fleet(tmp_path: Path) -> None:
+    """torchrun, two gloo CPU ranks, the embedded broker on rank 0: every device of both
+    ranks takes part, and the report's bytes are those of the same run in one process."""
+    flags = ["--devices", "6", "--rounds", "2", "--participation", "1.0", "--local-steps", "2"]
+    sharded, single = tmp_path / "sharded.json", tmp_path / "single.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(_free_port())]
+    done = subprocess.run(
+        [*torchrun, "-m", "sim", *flags, "--json-out", str(sharded)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rank 1: 3 devices done" in done.stderr
+    alone = subprocess.run(
+        [sys.executable, "-m", "sim", *flags, "--json-out", str(single)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+
+    report, reference = (json.loads(p.read_text()) for p in (sharded, single))
+    assert [r["devices"] for r in report["final"]["ranks"]] == [3, 3]
+    assert [r["active_devices"] for r in report["rounds"]] == [6, 6]
+    for key in ("bytes_up", "bytes_down"):
+        assert report["final"][key] == pytest.approx(reference["final"][key], rel=0.01), key
