@@ -94,9 +94,10 @@ class SimConfig(FleetSettings):
     """Keep the coordinator's and the devices' state here (unset: a temporary folder)."""
     fleet: str = "sim"
     """Fleet name of the emulated run (topics fl/FLEET/)."""
-    engine: Engine = "batched"
-    """How the devices of a round train: batched (all at once, torch.func) or loop (one
-    after the other, the per-device reference)."""
+    engine: Engine = "auto"
+    """How the devices of a round train: batched (all at once, torch.func), loop (one
+    after the other, the per-device reference) or auto (batched on a GPU, loop on a CPU,
+    where batching measured no faster)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the emulated devices train: auto = CUDA when a GPU is there, else the CPU."""
     max_cohort: int | None = Field(default=None, ge=1)

@@ -29,13 +29,28 @@ from models import Classifier
 from sim.cohort.engine import Member, train_cohort
 from sim.fleet.trainer import FleetDevice, LoopTrainer
 
-__all__ = ["BatchedTrainer", "CohortStats", "Engine", "auto_max_cohort", "resolve_device"]
+__all__ = [
+    "BatchedTrainer",
+    "CohortStats",
+    "Engine",
+    "auto_max_cohort",
+    "resolve_device",
+    "resolve_engine",
+]
 
 log = logging.getLogger(__name__)
 
-Engine = Literal["batched", "loop"]
-"""How the sim trains a round's devices: batched (:mod:`sim.cohort.engine`) or one after
-the other on the per-device path."""
+Engine = Literal["auto", "batched", "loop"]
+"""How the sim trains a round's devices: batched (:mod:`sim.cohort.engine`), one after
+the other on the per-device path (loop), or auto: batched on a GPU, the loop on a CPU
+(measured on 2 CPU cores, the batched engine is no faster than the loop: docs/cohort.md)."""
+
+
+def resolve_engine(engine: Engine, device: torch.device) -> Literal["batched", "loop"]:
+    """The engine ``engine`` means on ``device``."""
+    if engine == "auto":
+        return "batched" if device.type == "cuda" else "loop"
+    return engine
 
 MEMORY_SHARE = 0.5
 """Share of the free memory (GPU, or host on the CPU) a batched cohort may plan to use."""
@@ -117,7 +132,7 @@ class BatchedTrainer(LoopTrainer):
         workers: int = 4,
     ) -> None:
         super().__init__(devices, device=device)
-        self.engine = engine
+        self.engine = resolve_engine(engine, device)
         self.device = device
         self.max_cohort = max_cohort
         self.stats = CohortStats()

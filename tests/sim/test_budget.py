@@ -93,7 +93,7 @@ def test_budget_equals_the_bytes_a_sim_run_counts(settings: dict[str, Any]) -> N
 @pytest.mark.parametrize("strategy", ["fedavg", "fedkf"])
 def test_the_batched_engine_and_the_loop_give_the_same_budget(strategy: str) -> None:
     settings = {"strategy": strategy, "downlink_precision": "int8", "uplink_precision": "int4"}
-    batched = estimate(small(rounds=2, max_cohort=3, **settings))
+    batched = estimate(small(rounds=2, engine="batched", max_cohort=3, **settings))
     loop = estimate(small(rounds=2, engine="loop", **settings))
 
     assert batched.device_rounds == loop.device_rounds
