@@ -52,6 +52,7 @@ def resolve_engine(engine: Engine, device: torch.device) -> Literal["batched", "
         return "batched" if device.type == "cuda" else "loop"
     return engine
 
+
 MEMORY_SHARE = 0.5
 """Share of the free memory (GPU, or host on the CPU) a batched cohort may plan to use."""
 
