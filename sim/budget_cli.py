@@ -19,7 +19,7 @@ from sim.budget import (
 from sim.progress import TerminalProgress
 from sim.report import human_bytes
 from sim.run import SimConfig
-from sim.run_cli import DATA_CHOICES, describe, sim_config
+from sim.run_cli import DATA_CHOICES, add_engine_flags, describe, sim_config
 
 __all__ = ["add_budget_parser", "budget_from_args", "budget_json", "format_budget"]
 
@@ -67,12 +67,7 @@ def add_budget_parser(sub: Any) -> None:
         include=("dataset", "data_dir", "alpha"),
         choices=DATA_CHOICES,
     )
-    flags.add(
-        parser.add_argument_group("training engine (how the emulated devices train)"),
-        SimConfig,
-        include=("engine", "device", "max_cohort"),
-        metavars={"max_cohort": "N"},
-    )
+    add_engine_flags(parser, flags)
     budget = parser.add_argument_group("budget")
     budget.add_argument(
         "--link",

@@ -22,7 +22,7 @@ from sim.datasets import dataset_names
 from sim.errors import SimError
 from sim.run import SimConfig
 
-__all__ = ["add_run_parser", "broker_unreachable", "sim_config"]
+__all__ = ["add_engine_flags", "add_run_parser", "broker_unreachable", "sim_config"]
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         flags={"broker_url": "--broker"},
         metavars={"broker_url": "URL", "connections": "K"},
     )
-    flags.add(
-        run.add_argument_group("training engine (how the emulated devices train)"),
-        SimConfig,
-        include=("engine", "device", "max_cohort"),
-        metavars={"max_cohort": "N"},
-    )
+    add_engine_flags(run, flags)
     outputs = run.add_argument_group("outputs")
     flags.add(outputs, SimConfig, include=("state_dir",))
     outputs.add_argument("--json-out", type=Path, help="write the run's JSON report here")
@@ -80,6 +75,16 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         "--save-models", type=Path, help="save the final models (.pt and .onnx) here"
     )
     return run
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, flags: ModelFlags) -> None:
+    """The group of flags saying how the emulated devices train (``run`` and ``budget``)."""
+    flags.add(
+        parser.add_argument_group("training engine (how the emulated devices train)"),
+        SimConfig,
+        include=("engine", "device", "max_cohort"),
+        metavars={"max_cohort": "N"},
+    )
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
