@@ -90,6 +90,8 @@ SAMPLE_PERIOD_S = 0.1
 PSS_EVERY = 10
 """Read PSS (``smaps_rollup``, costlier than ``stat``) at every 10th sample."""
 HEARTBEAT_S = 15.0
+OTHER_LOAD_WARNING = 0.25
+"""Cores' worth of CPU the rest of the machine may use during a run before we warn."""
 TARGET_SPEEDUP = 3.0
 TARGET_MEMORY = 1 / 3
 
@@ -218,14 +220,22 @@ def export_partitions(data: Path, out: Path, workload: Workload) -> dict[str, in
 # ---------------------------------------------------------------- process-tree memory
 
 
-def _stat(pid: int) -> tuple[int, int, int] | None:
-    """(ppid, start time, RSS pages) of ``pid`` from ``/proc/PID/stat``; None if gone."""
+def _stat(pid: int) -> tuple[int, int, int, int] | None:
+    """(ppid, start time, RSS pages, CPU ticks) of ``pid`` from ``/proc/PID/stat``;
+    None if it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
     rest = raw[raw.rindex(b")") + 2 :].split()  # rest[0] is field 3 (state)
-    return int(rest[1]), int(rest[19]), int(rest[21])
+    return int(rest[1]), int(rest[19]), int(rest[21]), int(rest[11]) + int(rest[12])
+
+
+def _busy_ticks() -> int:
+    """CPU ticks the whole machine has spent busy (``/proc/stat``'s first line)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return user + nice + system + irq + softirq + steal
 
 
 def _pss_bytes(pid: int) -> int:
@@ -248,6 +258,7 @@ class TreeSampler:
         self.period = period
         self.page = os.sysconf("SC_PAGE_SIZE")
         self.known: dict[int, int] = {}  # pid -> start time
+        self.cpu_ticks: dict[tuple[int, int], int] = {}  # (pid, start) -> last seen ticks
         self.peak_rss = 0
         self.peak_pss = 0
         self.peak_processes = 0
@@ -269,7 +280,7 @@ class TreeSampler:
         return [pid for pid, start in self.known.items() if (s := _stat(pid)) and s[1] == start]
 
     def sample(self) -> None:
-        stats: dict[int, tuple[int, int, int]] = {}
+        stats: dict[int, tuple[int, int, int, int]] = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit() and (s := _stat(int(entry))) is not None:
                 stats[int(entry)] = s
@@ -281,18 +292,26 @@ class TreeSampler:
         grew = True
         while grew:  # add children of members until no more appear
             grew = False
-            for pid, (ppid, start, _) in stats.items():
+            for pid, (ppid, start, _, _) in stats.items():
                 if ppid in members and pid not in members:
                     members.add(pid)
                     self.known[pid] = start
                     grew = True
         rss = sum(stats[pid][2] for pid in members) * self.page
+        for pid in members:
+            self.cpu_ticks[pid, stats[pid][1]] = stats[pid][3]
         self.current_rss, self.current_processes = rss, len(members)
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_processes = max(self.peak_processes, len(members))
         if self.samples % PSS_EVERY == 0:
             self.peak_pss = max(self.peak_pss, sum(_pss_bytes(pid) for pid in members))
         self.samples += 1
+
+    @property
+    def tree_cpu_ticks(self) -> int:
+        """CPU ticks of the tree's processes as last sampled (a process that ended
+        between two samples loses at most one period's worth)."""
+        return sum(self.cpu_ticks.values())
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -308,6 +327,7 @@ class Measured:
     peak_pss: int
     peak_processes: int
     leftover_processes: int
+    other_cpu_cores: float
     log: Path
 
 
@@ -318,6 +338,7 @@ def run_measured(
     seconds from start to the exit of the command's own process."""
     progress(f"{label}: {shlex.join(command)}")
     with log.open("wb") as out:
+        busy_before = _busy_ticks()
         started = time.perf_counter()
         child = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -342,8 +363,14 @@ def run_measured(
         except BaseException:
             _kill_tree(child.pid, sampler)
             raise
+        busy = _busy_ticks() - busy_before
         leftovers = _reap_leftovers(child.pid, sampler)
         sampler.stop()
+    # What the rest of the machine ran meanwhile (other users, the sampler itself), in
+    # cores on average: the timings are only comparable when it is near 0.
+    other = max(0.0, (busy - sampler.tree_cpu_ticks) / os.sysconf("SC_CLK_TCK") / seconds)
+    if other > OTHER_LOAD_WARNING:
+        progress(f"{label}: other processes kept {other:.2f} cores busy meanwhile")
     return Measured(
         seconds=seconds,
         returncode=child.returncode,
@@ -351,6 +378,7 @@ def run_measured(
         peak_pss=sampler.peak_pss,
         peak_processes=sampler.peak_processes,
         leftover_processes=leftovers,
+        other_cpu_cores=other,
         log=log,
     )
 
@@ -393,11 +421,13 @@ class SideResult:
     peak_tree_pss_bytes: int
     peak_processes: int
     leftover_processes: int
+    other_cpu_cores: float
     final_amp: float | None
     final_global_acc: float | None
     versions: dict[str, str]
     command: str
     runs: int = 1
+    per_run: list[dict[str, float]] = field(default_factory=list)
     vs_flower: dict[str, float] = field(default_factory=dict)
 
 
@@ -529,6 +559,7 @@ def _result(
         peak_tree_pss_bytes=measured.peak_pss,
         peak_processes=measured.peak_processes,
         leftover_processes=measured.leftover_processes,
+        other_cpu_cores=measured.other_cpu_cores,
         final_amp=final.get("amp"),
         final_global_acc=final.get("global_acc"),
         versions=versions,
@@ -538,9 +569,19 @@ def _result(
 
 def median_result(runs: list[SideResult], workload: Workload) -> SideResult:
     """One result for repeated runs: the median of every figure (first run's rest)."""
-    if len(runs) == 1:
-        return runs[0]
     first = runs[0]
+    per_run = [
+        {
+            "seconds_end_to_end": r.seconds_end_to_end,
+            "seconds_per_warm_round": r.seconds_per_warm_round,
+            "peak_tree_rss_bytes": r.peak_tree_rss_bytes,
+            "other_cpu_cores": r.other_cpu_cores,
+        }
+        for r in runs
+    ]
+    if len(runs) == 1:
+        first.per_run = per_run
+        return first
     seconds = statistics.median(r.seconds_end_to_end for r in runs)
     return SideResult(
         **{
@@ -551,7 +592,9 @@ def median_result(runs: list[SideResult], workload: Workload) -> SideResult:
             "peak_tree_rss_bytes": int(statistics.median(r.peak_tree_rss_bytes for r in runs)),
             "peak_tree_pss_bytes": int(statistics.median(r.peak_tree_pss_bytes for r in runs)),
             "peak_processes": max(r.peak_processes for r in runs),
+            "other_cpu_cores": max(r.other_cpu_cores for r in runs),
             "runs": len(runs),
+            "per_run": per_run,
         }
     )
 
@@ -657,9 +700,9 @@ def add_ratios(ours: list[SideResult], flower: SideResult) -> None:
 def table(results: list[SideResult]) -> str:
     head = (
         "| system | transport | end to end | s / warm round | updates / s | peak tree RSS "
-        "| peak tree PSS | processes | AMP | vs Flower: speed, memory |"
+        "| peak tree PSS | processes | others' CPU | AMP | vs Flower: speed, memory |"
     )
-    rows = [head, "|" + " --- |" * 10]
+    rows = [head, "|" + " --- |" * 11]
     for r in results:
         amp = "-" if r.final_amp is None else f"{r.final_amp:.1f} %"
         ratio = (
@@ -672,7 +715,7 @@ def table(results: list[SideResult]) -> str:
             f"| {r.system} | {r.transport} | {r.seconds_end_to_end:.1f} s "
             f"| {r.seconds_per_warm_round:.2f} s | {r.client_updates_per_s:.2f} "
             f"| {_mb(r.peak_tree_rss_bytes)} | {_mb(r.peak_tree_pss_bytes)} "
-            f"| {r.peak_processes} | {amp} | {ratio} |"
+            f"| {r.peak_processes} | {r.other_cpu_cores:.2f} cores | {amp} | {ratio} |"
         )
     return "\n".join(rows)
 
@@ -702,6 +745,7 @@ def machine() -> dict[str, Any]:
         "cpu_model": model,
         "memory_bytes": memory,
         "platform": platform.platform(),
+        "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
     }
 
 
@@ -767,6 +811,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.setup:
         return 0
+    host = machine()
     workload = Workload(
         clients=args.clients, train_per_client=args.train_per_client, rounds=args.rounds
     )
@@ -823,7 +868,7 @@ def run(args: argparse.Namespace) -> int:
         document = {
             "benchmark": "vs_flower",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(),
+            "machine": host,
             "workload": {**asdict(workload), "data": source, "sim_args": args.sim_args},
             "target": {"speedup": TARGET_SPEEDUP, "memory_ratio": TARGET_MEMORY},
             "results": [asdict(r) for r in results],
