@@ -762,16 +762,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--setup", action="store_true", help="only build Flower's venv, then exit")
     parser.add_argument("--rebuild-venv", action="store_true", help="rebuild Flower's venv first")
     parser.add_argument("--venv", type=Path, default=FLOWER_VENV, help="Flower's venv")
-    parser.add_argument("--flower-requirement", default=FLOWER_REQUIREMENT)
-    parser.add_argument("--torch-requirement", default=TORCH_REQUIREMENT)
+    parser.add_argument(
+        "--flower-requirement", default=FLOWER_REQUIREMENT, help="what pip installs as Flower"
+    )
+    parser.add_argument(
+        "--torch-requirement",
+        default=TORCH_REQUIREMENT,
+        help="the torch pip installs into Flower's venv first (a CPU build where configured)",
+    )
     parser.add_argument(
         "--data-dir", type=Path, help="MNIST's files (unset: the sim's synthetic generator)"
     )
     parser.add_argument(
-        "--transports", nargs="+", choices=["mqtt", "inproc"], default=["mqtt", "inproc"]
+        "--transports",
+        nargs="+",
+        choices=["mqtt", "inproc"],
+        default=["mqtt", "inproc"],
+        help="the sim's transports to measure, one run each",
     )
     parser.add_argument(
-        "--sim-args", default="", help='extra flags for python -m sim, e.g. "--engine batched"'
+        "--sim-args",
+        default="",
+        help='extra flags for python -m sim, e.g. "--engine batched" (one flag alone: '
+        "--sim-args=--flag)",
     )
     parser.add_argument("--skip-flower", action="store_true", help="measure this sim only")
     parser.add_argument(
@@ -782,9 +795,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs per side (median taken)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument("--clients", type=int, default=Workload.clients)
-    parser.add_argument("--train-per-client", type=int, default=Workload.train_per_client)
-    parser.add_argument("--rounds", type=int, default=Workload.rounds)
+    parser.add_argument("--clients", type=int, default=Workload.clients, help="clients (devices) K")
+    parser.add_argument(
+        "--train-per-client",
+        type=int,
+        default=Workload.train_per_client,
+        help="training samples per client (plus the sim's 20 %% local test share)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=Workload.rounds, help="FedAvg rounds, all clients each"
+    )
     parser.add_argument("--work-dir", type=Path, help="keep data, logs and reports here")
     parser.add_argument("--json-out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
