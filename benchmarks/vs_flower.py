@@ -844,21 +844,22 @@ def run(args: argparse.Namespace) -> int:
         sizes = export_partitions(data, partitions, workload)
         if sizes["min"] != workload.train_per_client or sizes["max"] != workload.train_per_client:
             raise BenchError(f"train samples per client {sizes}, not {workload.train_per_client}")
-        ours_env = dict(os.environ)
-        results: list[SideResult] = []
-        for transport in args.transports:
-            runs = [
-                run_sim(transport, workload, data, extra, work, ours_env, args.timeout, str(i))
-                for i in range(args.repeat)
-            ]
-            result = median_result(runs, workload)
-            result.versions = our_versions()
-            results.append(result)
-            progress(f"sim ({transport}): {result.seconds_end_to_end:.1f} s end to end")
-        flower = None
+        # Repeats are interleaved (every side once, then again), so that a load the
+        # machine picks up meanwhile falls on every side alike.
+        runs: dict[str, list[SideResult]] = {t: [] for t in args.transports}
         if python is not None:
-            runs = [
-                run_flower(
+            runs["flower"] = []
+        for i in range(args.repeat):
+            if args.repeat > 1:
+                progress(f"repeat {i + 1} of {args.repeat}")
+            for transport in args.transports:
+                result = run_sim(
+                    transport, workload, data, extra, work, dict(os.environ), args.timeout, str(i)
+                )
+                progress(f"sim ({transport}): {result.seconds_end_to_end:.1f} s end to end")
+                runs[transport].append(result)
+            if python is not None:
+                result = run_flower(
                     python,
                     workload,
                     partitions,
@@ -868,10 +869,13 @@ def run(args: argparse.Namespace) -> int:
                     args.cpus_per_client,
                     str(i),
                 )
-                for i in range(args.repeat)
-            ]
-            flower = median_result(runs, workload)
-            progress(f"flower: {flower.seconds_end_to_end:.1f} s end to end")
+                progress(f"flower: {result.seconds_end_to_end:.1f} s end to end")
+                runs["flower"].append(result)
+        results = [median_result(runs[t], workload) for t in args.transports]
+        for result in results:
+            result.versions = our_versions()
+        if python is not None:
+            flower = median_result(runs["flower"], workload)
             add_ratios(results, flower)
             results.append(flower)
     print(
