@@ -666,8 +666,7 @@ def _step(command: list[str], what: str) -> None:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         output = (done.stdout + done.stderr).strip()
-        lines = [line for line in output.splitlines() if not line.startswith("WARNING: Location")]
-        raise BenchError(f"{what} failed (exit {done.returncode}); it said:\n" + "\n".join(lines))
+        raise BenchError(f"{what} failed (exit {done.returncode}); it said:\n{output}")
 
 
 def flower_env() -> dict[str, str]:
