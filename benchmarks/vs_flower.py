@@ -27,8 +27,10 @@ Measured per side: seconds end to end (process start to exit), seconds per warm 
 per second (clients x rounds / end-to-end seconds) and the peak memory of the whole
 process tree (every descendant process, Ray's included: the sum of their RSS sampled
 every 0.1 s from ``/proc``; the sum of their PSS, which counts shared pages once, every
-5 s, so a coarser figure). Issue 15's target: this sim >= 3x Flower's client updates per second at <= 1/3 of
-its peak memory.
+5 s, so a coarser figure). Also the CPU the rest of the machine used meanwhile ("others'
+CPU", in cores): timings taken beside other work are slower, on both sides. Issue 15's
+target: this sim >= 3x Flower's client updates per second at <= 1/3 of its peak memory.
+The sides run one after the other, ``--repeat`` times, interleaved; the median is kept.
 
 How to run (from the repository root; it takes a few minutes, and the first run builds
 the Flower venv, about 1 GB, which takes a few more)::
