@@ -31,6 +31,7 @@ sim's ``wall_s``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import platform
@@ -40,23 +41,27 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-# The flwr imports: flwr lives only in the Flower venv, the project's mypy (run in the
-# project's venv) cannot resolve it, hence the ignores; every name from it is then Any.
-import flwr  # type: ignore[import-not-found]
 import numpy as np
 import torch
-from flwr.app import (  # type: ignore[import-not-found]
-    ArrayRecord,
-    ConfigRecord,
-    Message,
-    MetricRecord,
-    RecordDict,
-)
-from flwr.clientapp import ClientApp  # type: ignore[import-not-found]
-from flwr.serverapp import ServerApp  # type: ignore[import-not-found]
-from flwr.serverapp.strategy import FedAvg  # type: ignore[import-not-found]
-from flwr.simulation import run_simulation  # type: ignore[import-not-found]
 from torch import nn
+
+# flwr lives only in Flower's venv (benchmarks/vs_flower.py builds it), never in the
+# project's: it is loaded by name, so that neither the project's dependency checks nor
+# its mypy look for it, and a run in the wrong venv stops with one clear line.
+try:
+    flwr: Any = importlib.import_module("flwr")
+    _app: Any = importlib.import_module("flwr.app")
+    ClientApp: Any = importlib.import_module("flwr.clientapp").ClientApp
+    ServerApp: Any = importlib.import_module("flwr.serverapp").ServerApp
+    FedAvg: Any = importlib.import_module("flwr.serverapp.strategy").FedAvg
+    run_simulation: Any = importlib.import_module("flwr.simulation").run_simulation
+except ModuleNotFoundError as exc:
+    raise SystemExit(
+        f"flower_workload.py runs in Flower's venv ({exc}); build it with "
+        "python benchmarks/vs_flower.py --setup"
+    ) from None
+ArrayRecord, ConfigRecord, Message = _app.ArrayRecord, _app.ConfigRecord, _app.Message
+MetricRecord, RecordDict = _app.MetricRecord, _app.RecordDict
 
 EVAL_BATCH = 1000
 
