@@ -478,16 +478,7 @@ def run_sim(
         "fedavg",
         "--model",
         "lenet5",
-        "--local-epochs",
-        str(workload.local_epochs),
-        "--batch-size",
-        str(workload.batch_size),
-        "--lr",
-        str(workload.lr),
-        "--momentum",
-        str(workload.momentum),
-        "--seed",
-        str(workload.seed),
+        *_training_flags(workload),
         *data_flags(data, workload),
         "--transport",
         transport,
@@ -504,6 +495,22 @@ def run_sim(
         raise BenchError(f"{label}: {len(walls)} of {workload.rounds} rounds in {report}")
     final = data_out["rounds"][-1]["models"].get("aca", {})
     return _result("edgefl sim", transport, measured, walls, final, workload, {}, command)
+
+
+def _training_flags(workload: Workload) -> list[str]:
+    """The local-training flags both sides take with the same names."""
+    return [
+        "--local-epochs",
+        str(workload.local_epochs),
+        "--batch-size",
+        str(workload.batch_size),
+        "--lr",
+        str(workload.lr),
+        "--momentum",
+        str(workload.momentum),
+        "--seed",
+        str(workload.seed),
+    ]
 
 
 def run_flower(
@@ -524,16 +531,7 @@ def run_flower(
         str(partitions),
         "--rounds",
         str(workload.rounds),
-        "--local-epochs",
-        str(workload.local_epochs),
-        "--batch-size",
-        str(workload.batch_size),
-        "--lr",
-        str(workload.lr),
-        "--momentum",
-        str(workload.momentum),
-        "--seed",
-        str(workload.seed),
+        *_training_flags(workload),
         "--cpus-per-client",
         str(cpus_per_client),
         "--json-out",
