@@ -13,11 +13,9 @@ one after the other on the per-device path instead (the reference).
 from __future__ import annotations
 
 import logging
-import resource
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -31,7 +29,6 @@ from sim.fleet.trainer import FleetDevice, LoopTrainer
 
 __all__ = [
     "BatchedTrainer",
-    "CohortStats",
     "Engine",
     "auto_max_cohort",
     "resolve_device",
@@ -88,23 +85,6 @@ def auto_max_cohort(model: Classifier, batch_size: int, device: torch.device) ->
     return max(1, int(MEMORY_SHARE * free // max(1, estimate)))
 
 
-@dataclass
-class CohortStats:
-    """What a :class:`BatchedTrainer` did so far."""
-
-    batched: int = 0
-    """Device rounds trained in batched computations."""
-    loop: int = 0
-    """Device rounds trained on the per-device path."""
-    peak_gpu_bytes: int = 0
-    """Most GPU memory torch allocated (0 on the CPU)."""
-
-    @property
-    def peak_host_bytes(self) -> int:
-        """Peak resident memory of this process so far."""
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
 class BatchedTrainer(LoopTrainer):
     """A :class:`~sim.fleet.FleetTrainer` that trains a cohort's devices at once.
 
@@ -136,7 +116,6 @@ class BatchedTrainer(LoopTrainer):
         self.engine = resolve_engine(engine, device)
         self.device = device
         self.max_cohort = max_cohort
-        self.stats = CohortStats()
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
         self._warned: set[str] = set()
 
@@ -157,14 +136,10 @@ class BatchedTrainer(LoopTrainer):
         if self.engine == "loop":
             for k in trains:
                 results[k] = self._one(jobs[k])
-                self.stats.loop += 1
         elif trains:
             trained = self._train_batched([jobs[k] for k in trains])
             for k, result in zip(trains, trained, strict=True):
                 results[k] = result
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.stats.peak_gpu_bytes = max(self.stats.peak_gpu_bytes, peak)
         return [
             r if r is not None else Failed(job.message.message_id, RuntimeError("no result"))
             for r, (_, job) in zip(results, jobs, strict=True)
@@ -203,8 +178,6 @@ class BatchedTrainer(LoopTrainer):
             if reason not in self._warned:
                 self._warned.add(reason)
                 log.warning("%d device(s) trained on the per-device path: %s", count, reason)
-        self.stats.loop += sum(1 for o in outcomes if not o.batched)
-        self.stats.batched += sum(1 for o in outcomes if o.batched and o.result is not None)
 
         def finish(index: int) -> JobResult:
             _, trainer, job = train_jobs[index]
