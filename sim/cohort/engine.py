@@ -136,6 +136,13 @@ def _write_back(modules: Sequence[nn.Module], stacked: Mapping[str, torch.Tensor
                 state[name].copy_(value[index])
 
 
+def _rows(index: torch.Tensor | None, tensors: Mapping[str, torch.Tensor]) -> Tensors:
+    """The rows ``index`` of each stacked tensor (None: all of them, not copied)."""
+    if index is None:
+        return dict(tensors)
+    return {k: v.index_select(0, index) for k, v in tensors.items()}
+
+
 def _sub(tensors: Mapping[str, torch.Tensor], prefix: str) -> Tensors:
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
@@ -449,14 +456,9 @@ class _BatchedRound:
             mask[j, : len(idx)] = 1.0
         x, y, mask = (t.to(self.device) for t in (x, y, mask))
 
-        def pick(tensors: Tensors) -> Tensors:
-            if index is None:
-                return tensors
-            return {k: v.index_select(0, index) for k, v in tensors.items()}
-
-        params, constants = pick(self.params), pick(self.constants)
+        params, constants = _rows(index, self.params), _rows(index, self.constants)
         extra: Tensors = {"x": x, "y": y, "mask": mask}
-        extra |= {f"anchor.{k}": v for k, v in pick(self.anchor).items()}
+        extra |= {f"anchor.{k}": v for k, v in _rows(index, self.anchor).items()}
         if self.kf is not None:
             extra |= self.kf.step(rows, index, width)
         if self.prepared[0].fedgen is not None and self.config.generative_alpha != 0:
@@ -589,12 +591,8 @@ class _FedKFState:
         zs = torch.stack(z).to(self.device)
         zs_sample = torch.stack(z_sample).to(self.device)
 
-        def pick(tensors: Tensors) -> Tensors:
-            if index is None:
-                return tensors
-            return {k: v.index_select(0, index) for k, v in tensors.items()}
-
-        params, buffers, teachers = pick(self.params), pick(self.buffers), pick(self.teachers)
+        params = _rows(index, self.params)
+        buffers, teachers = _rows(index, self.buffers), _rows(index, self.teachers)
         grads, loss = self._grad(params, buffers, teachers, zs)
         self.adam.update(params, grads, index)
         with torch.no_grad():
