@@ -6,7 +6,7 @@ messages in front of the coordinator's one connection at once; a broker queues o
 many for a client that reads slowly (Mosquitto: ``max_queued_messages``, 1000 by
 default) and drops the rest, and a device whose hello is dropped never joins. A
 :class:`JoinWindow` lets a device start once fewer than ``size`` hellos wait for their
-answer; a hello unanswered for ``timeout_s`` frees its place.
+answer; a hello unanswered for ``timeout_s`` (300 s) frees its place.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ __all__ = ["DEFAULT_JOIN_WINDOW", "JoinWindow"]
 
 DEFAULT_JOIN_WINDOW = 256
 """Hellos waiting for the coordinator's answer at once, at most."""
-DEFAULT_HELLO_TIMEOUT_S = 30.0
-"""Seconds after which an unanswered hello no longer holds a place in the window."""
+DEFAULT_HELLO_TIMEOUT_S = 300.0
+"""Seconds after which an unanswered hello (lost, say) no longer holds a place in the
+window. Long: a coordinator registering thousands of devices answers late, and every
+place freed early lets its backlog grow."""
 
 
 class JoinWindow:
