@@ -24,6 +24,7 @@ __all__ = [
     "activation_loss",
     "distillation_kl",
     "fedkf_generator_loss",
+    "fedkf_generator_objective",
     "information_entropy_loss",
     "one_hot_loss",
 ]
@@ -81,10 +82,12 @@ def activation_loss(features: torch.Tensor) -> torch.Tensor:
     return -features.abs().mean()
 
 
-def fedkf_generator_loss(
+def fedkf_generator_objective(
     logits: torch.Tensor, features: torch.Tensor, lambda1: float, lambda2: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """FedKF's generator objective ``L_G = L_IE + lambda1 * L_OH + lambda2 * L_A``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FedKF's generator objective ``L_G = L_IE + lambda1 * L_OH + lambda2 * L_A`` and its
+    unweighted parts, all as tensors (no host synchronisation, so ``torch.func.vmap`` can
+    batch it over devices).
 
     Args:
         logits: the teacher's logits of the generated batch, ``(B, C)``.
@@ -94,14 +97,29 @@ def fedkf_generator_loss(
         lambda2: weight of :func:`activation_loss`.
 
     Returns:
-        ``(total, parts)``: the scalar ``L_G`` (differentiable) and the unweighted parts
-        as floats under ``"entropy"`` (L_IE), ``"one_hot"`` (L_OH) and ``"activation"``
-        (L_A).
+        ``(total, entropy, one_hot, activation)``: the scalar ``L_G`` (differentiable),
+        then L_IE, L_OH and L_A.
     """
     entropy = information_entropy_loss(logits)
     one_hot = one_hot_loss(logits)
     activation = activation_loss(features)
     total = entropy + lambda1 * one_hot + lambda2 * activation
+    return total, entropy, one_hot, activation
+
+
+def fedkf_generator_loss(
+    logits: torch.Tensor, features: torch.Tensor, lambda1: float, lambda2: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`fedkf_generator_objective` with its parts as floats.
+
+    Returns:
+        ``(total, parts)``: the scalar ``L_G`` (differentiable) and the unweighted parts
+        as floats under ``"entropy"`` (L_IE), ``"one_hot"`` (L_OH) and ``"activation"``
+        (L_A).
+    """
+    total, entropy, one_hot, activation = fedkf_generator_objective(
+        logits, features, lambda1, lambda2
+    )
     parts = {
         "entropy": float(entropy.detach()),
         "one_hot": float(one_hot.detach()),

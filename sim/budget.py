@@ -6,10 +6,11 @@ takes, and with the very encoders a run uses. It drives the real
 :class:`~coordinator.engine.RoundEngine` (the strategy, the per-device transfers, the
 selection) with a fake clock and, for each device, the real
 :class:`~edge_client.train.session.DeviceSession` that
-:class:`~edge_client.train.runtime.EdgeClient` runs, synchronously: the session's
-training jobs run inline on a :class:`~edge_client.train.trainer.LocalTrainer` for a few
-SGD steps on the device's share of the run's dataset (so that deltas quantize and
-compress as trained ones do).
+:class:`~edge_client.train.runtime.EdgeClient` runs, synchronously. The devices train as
+the fleet would (every local step the task asks, on the device's share of the run's
+dataset, so lossy deltas quantize and compress as a run's do), all the devices of a round
+at once with the batched cohort engine (:mod:`sim.cohort`): with a broker, codec threads
+and the per-device loop left out, that is what makes it fast.
 
 Every message is measured as the transports of ``python -m sim`` count it:
 :class:`~protocol.codec.Codec` frame, :func:`~protocol.chunking.split_frame` at the
@@ -30,21 +31,21 @@ import re
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+import torch
 
 from coordinator.engine import Action, Finished, Publish, Received, RoundEngine, RoundStarted
 from coordinator.errors import ConfigError
 from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
-from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import session as dev
-from edge_client.train.trainer import LocalTrainer, build_device_model
-from edge_client.train.training import TrainConfig
+from edge_client.train.trainer import build_device_model
 from edge_client.train.transfer import TransferState
 from models import state_arrays
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
@@ -60,12 +61,13 @@ from protocol.messages import (
 from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
+from sim.cohort.trainer import BatchedTrainer, resolve_device
 from sim.errors import SimError
+from sim.fleet import FleetDevice
 from sim.progress import Progress
 from sim.run import SimConfig, build_federation, device_data
 
 __all__ = [
-    "DEFAULT_TRAIN_STEPS",
     "LINK_PROFILES",
     "Budget",
     "Bytes",
@@ -79,8 +81,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRAIN_STEPS = 5
-"""Local SGD steps an emulated device runs per round (fewer if its task asks fewer)."""
 QOS = 1  # every publish of the runtimes (protocol.channel.Channel's default)
 MQTT_VERSION = MqttVersion.V311  # the transports' default
 REPORTED_RSS = 256 * 2**20
@@ -227,8 +227,6 @@ class Budget:
     """What one configuration moves over the whole run."""
 
     config: SimConfig
-    train_steps: int
-    """Local SGD steps each emulated device ran per round (0: as its task asked)."""
     device_rounds: int
     """Selected (device, round) pairs: a model and task down, an update up."""
     selected: Bytes
@@ -272,7 +270,6 @@ def reference_config(config: SimConfig) -> SimConfig:
 def estimate(
     config: SimConfig,
     *,
-    train_steps: int = DEFAULT_TRAIN_STEPS,
     progress: Progress | None = None,
     label: str = "budget",
 ) -> Budget:
@@ -280,8 +277,6 @@ def estimate(
 
     Args:
         config: the run (its transport, broker and thread settings do not matter).
-        train_steps: local SGD steps each emulated device runs per round to make its
-            weights (at most what its task asks); 0: all the task asks.
         progress: told the steps as they go (data, devices, each round's devices).
         label: names this estimate in the progress steps.
 
@@ -290,39 +285,18 @@ def estimate(
             dataset that cannot be loaded or partitioned, or a device that cannot run
             its task.
     """
-    if train_steps < 0:
-        raise SimError(f"train_steps must be >= 0, got {train_steps}")
-    return _Emulation(config, train_steps, progress, label).run()
-
-
-class _FewSteps:
-    """A device's trainer with at most ``steps`` local steps a round (0: as asked)."""
-
-    def __init__(self, trainer: LocalTrainer, steps: int) -> None:
-        self._trainer = trainer
-        self._steps = steps
-
-    def run(self, job: dev.Job) -> dev.JobResult:
-        if isinstance(job, dev.TrainJob) and self._steps:
-            hyper = dict(job.local.hyperparameters)
-            asked = TrainConfig.from_hyperparameters(hyper).total_steps(
-                self._trainer.data.num_samples
-            )
-            if asked > self._steps:
-                hyper["local_steps"] = self._steps
-                job = replace(job, local=replace(job.local, hyperparameters=hyper))
-        return self._trainer.run(job)
-
-    def commit_upload(self) -> None:
-        self._trainer.commit_upload()
+    try:
+        device = resolve_device(config.device)
+    except ValueError as exc:
+        raise SimError(str(exc)) from exc
+    return _Emulation(config, progress, label, device).run()
 
 
 @dataclass
 class _Device:
-    """One emulated edge client: its session and its trainer."""
+    """One emulated edge client's session."""
 
     session: dev.DeviceSession
-    trainer: _FewSteps
     device_id: str
     stopped: bool = False
 
@@ -331,10 +305,9 @@ class _Emulation:
     """One run: the engine, the emulated devices and the byte counters."""
 
     def __init__(
-        self, config: SimConfig, train_steps: int, progress: Progress | None, label: str
+        self, config: SimConfig, progress: Progress | None, label: str, device: torch.device
     ) -> None:
         self.config = config
-        self.train_steps = train_steps
         self._progress = progress
         self._label = label
         self.codec = Codec()
@@ -359,36 +332,41 @@ class _Emulation:
             num_classes=template.num_classes,
         )
         self.devices: dict[str, _Device] = {}
+        specs: list[FleetDevice] = []
+        fingerprints: dict[tuple[object, ...], str] = {}
         memory_bytes = total_memory_bytes()
         self._step("building the devices", total=len(federation.devices))
         for index, split in enumerate(federation.devices):
-            down, up = config.device_link(index)
             data = device_data(federation, index)
-            client = ClientConfig(  # as sim.run configures its devices
-                device_id=split.device_id,
-                fleet=config.fleet,
-                model=config.model,
-                exit_when_finished=True,
-                share_label_counts=True,  # emulated devices consent, as in the sim
-                init_seed=config.seed,
-                downlink_precision=down,
-                uplink_precision=up,
+            # as sim.run configures its devices; an estimate persists nothing
+            client = config.device_config(index, split.device_id).model_copy(
+                update={"state_dir": None}
             )
-            try:
-                model = build_device_model(client, data)
-            except DeviceConfigError as exc:
-                raise SimError(str(exc)) from exc
+            shape = (data.image_shape, data.num_classes)
+            if shape not in fingerprints:
+                try:
+                    fingerprints[shape] = build_device_model(client, data).fingerprint()
+                except DeviceConfigError as exc:
+                    raise SimError(str(exc)) from exc
             session = dev.DeviceSession(
                 client,
-                fingerprint=model.fingerprint(),
+                fingerprint=fingerprints[shape],
                 num_samples=data.num_samples,
                 label_counts=tuple(int(c) for c in data.label_counts()),
                 memory_bytes=memory_bytes,
             )
-            trainer = _FewSteps(LocalTrainer(model, data, TransferState()), train_steps)
-            self.devices[split.device_id] = _Device(session, trainer, split.device_id)
+            specs.append(FleetDevice(client, data, TransferState()))
+            self.devices[split.device_id] = _Device(session, split.device_id)
             if progress is not None:
                 progress.advance()
+        self.trainer = BatchedTrainer(
+            specs,
+            engine=config.engine,
+            device=device,
+            max_cohort=config.max_cohort,
+            workers=1,
+        )
+        self._training: list[tuple[_Device, dev.TrainJob]] = []  # deferred to the cohort
         self._joined: list[_Device] = []
         self._retained: Message | None = None  # the coordinator's retained status
         self._inbox: deque[tuple[_Device, str, Message, bool]] = deque()  # to, topic, ..., selected
@@ -409,6 +387,7 @@ class _Emulation:
                 self._inbox.append((device, status_topic, self._retained, False))
             self._act(device, device.session.handle(dev.Started()))
             self._drain()
+        self.trainer.close()
         if not self._finished:
             raise SimError("the emulated run stopped before its last round (a bug)")
         log.info(
@@ -421,7 +400,6 @@ class _Emulation:
         )
         return Budget(
             self.config,
-            self.train_steps,
             self.device_rounds,
             self.selected,
             self.total,
@@ -489,15 +467,27 @@ class _Emulation:
     # -- the device side (each device's session, as EdgeClient runs it) ------------------
 
     def _drain(self) -> None:
-        while self._inbox:
-            device, topic, message, selected = self._inbox.popleft()
-            self._count(topic, message, up=False, selected=selected)
-            event: dev.Event
-            if isinstance(message.body, CoordinatorStatus):
-                event = dev.CoordinatorStatusReceived(topic, message)
-            else:
-                event = dev.Received(topic, message, self._now)
-            self._act(device, device.session.handle(event))
+        """Deliver every queued message; then train the cohort the deliveries started
+        (all devices that were given a task) and deliver what that leads to, until
+        nothing is left."""
+        while self._inbox or self._training:
+            while self._inbox:
+                device, topic, message, selected = self._inbox.popleft()
+                self._count(topic, message, up=False, selected=selected)
+                event: dev.Event
+                if isinstance(message.body, CoordinatorStatus):
+                    event = dev.CoordinatorStatusReceived(topic, message)
+                else:
+                    event = dev.Received(topic, message, self._now)
+                self._act(device, device.session.handle(event))
+            if self._training:
+                cohort, self._training = self._training, []
+                jobs = [(device.device_id, job) for device, job in cohort]
+                for (device, job), result in zip(cohort, self.trainer.run_many(jobs), strict=True):
+                    self._check(device, job, result)
+                    if isinstance(result, dev.Trained) and self._progress is not None:
+                        self._progress.advance()
+                    self._act(device, device.session.handle(dev.JobDone(result)))
 
     def _act(self, device: _Device, actions: list[dev.Action]) -> None:
         """Carry out ``device``'s actions and those they lead to, depth first."""
@@ -517,28 +507,28 @@ class _Emulation:
                 self._publish(device, action.topic, action.message, selected=True)
                 follow = device.session.handle(dev.UpdateSent(action.task_id, ok=True))
             elif isinstance(action, dev.RunJob):
-                result = self._run_job(device, action.job)
-                follow = device.session.handle(dev.JobDone(result))
+                if isinstance(action.job, dev.TrainJob):  # trained with the round's cohort
+                    self._training.append((device, action.job))
+                else:
+                    self.device_rounds += 1
+                    result = self.trainer.run_many([(device.device_id, action.job)])[0]
+                    self._check(device, action.job, result)
+                    follow = device.session.handle(dev.JobDone(result))
             elif isinstance(action, dev.CommitUpload):
-                device.trainer.commit_upload()
+                self.trainer.commit_upload(device.device_id)
             elif isinstance(action, dev.Stop) and not device.stopped:
                 device.stopped = True
                 self._status(device, "offline")
             # SaveState, SaveModel: an emulated device persists nothing
             todo.extendleft(reversed(follow))
 
-    def _run_job(self, device: _Device, job: dev.Job) -> dev.JobResult:
-        if isinstance(job, dev.DecodeJob):
-            self.device_rounds += 1
-        result = device.trainer.run(job)
+    def _check(self, device: _Device, job: dev.Job, result: dev.JobResult) -> None:
+        """An emulated device that cannot run its task stops the estimate."""
         cannot = f"{device.device_id} cannot run its round {job.message.round} task"
         if isinstance(result, (dev.NeedsBase, dev.Rejected)):
             raise SimError(f"{cannot}: {result.reason}")
         if isinstance(result, dev.Failed):
             raise SimError(f"{cannot}: {result.error}") from result.error
-        if isinstance(result, dev.Trained) and self._progress is not None:
-            self._progress.advance()
-        return result
 
     def _status(self, device: _Device, state: DeviceState, *, selected: bool = False) -> None:
         body = DeviceStatus(state=state, rss_bytes=REPORTED_RSS)

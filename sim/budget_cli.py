@@ -8,7 +8,6 @@ from typing import Any
 
 from coordinator.cli_flags import ModelFlags, add_fleet_flags, add_training_flags
 from sim.budget import (
-    DEFAULT_TRAIN_STEPS,
     LINK_PROFILES,
     Budget,
     LinkProfile,
@@ -20,7 +19,7 @@ from sim.budget import (
 from sim.progress import TerminalProgress
 from sim.report import human_bytes
 from sim.run import SimConfig
-from sim.run_cli import DATA_CHOICES, describe, sim_config
+from sim.run_cli import DATA_CHOICES, add_engine_flags, describe, sim_config
 
 __all__ = ["add_budget_parser", "budget_from_args", "budget_json", "format_budget"]
 
@@ -52,7 +51,7 @@ def add_budget_parser(sub: Any) -> None:
         description="Measure the bytes a configuration moves, up and down, per device and "
         "round, per round and for the whole run, MQTT payload and wire, next to the fp32 "
         "FedAvg reference, without running the fleet: the real coordinator engine and "
-        "encoders, emulated devices training a few SGD steps (docs/budget.md).",
+        "encoders, emulated devices training as the fleet would (docs/budget.md).",
     )
     flags = ModelFlags()
     parser.set_defaults(handler=budget_from_args, settings_flags=flags)
@@ -68,14 +67,8 @@ def add_budget_parser(sub: Any) -> None:
         include=("dataset", "data_dir", "alpha"),
         choices=DATA_CHOICES,
     )
+    add_engine_flags(parser, flags)
     budget = parser.add_argument_group("budget")
-    budget.add_argument(
-        "--train-steps",
-        type=int,
-        default=DEFAULT_TRAIN_STEPS,
-        help="SGD steps each emulated device runs per round (at most what its task asks; "
-        f"0: all of it) (default: {DEFAULT_TRAIN_STEPS})",
-    )
     budget.add_argument(
         "--link",
         metavar="NAME|BITS_PER_S",
@@ -86,19 +79,14 @@ def add_budget_parser(sub: Any) -> None:
 
 def budget_from_args(args: argparse.Namespace) -> int:
     """Handler of ``python -m sim budget``."""
-    import torch
-
     link = None if args.link is None else link_profile(args.link)  # bad links fail first
     config = sim_config(args)
-    torch.set_num_threads(1)  # the emulated devices train one after the other
     with TerminalProgress(config.rounds) as progress:
-        budget = estimate(config, train_steps=args.train_steps, progress=progress)
+        budget = estimate(config, progress=progress)
         settings = reference_config(config)
         reference = budget
         if settings != config:
-            reference = estimate(
-                settings, train_steps=args.train_steps, progress=progress, label="fp32 reference"
-            )
+            reference = estimate(settings, progress=progress, label="fp32 reference")
     if args.json:
         print(json.dumps(budget_json(budget, reference, link), indent=1))
     else:
@@ -110,9 +98,11 @@ _SIM_ONLY = {
     "transport",
     "broker_url",
     "connections",
-    "max_cohort",
     "state_dir",
     "round_timeout_s",
+    "engine",
+    "device",
+    "max_cohort",
 }
 
 
@@ -134,7 +124,7 @@ def budget_json(
         return out
 
     config = budget.config.model_dump(mode="json", exclude=_SIM_ONLY)  # alpha inf: "inf"
-    result: dict[str, Any] = {"config": {**config, "train_steps": budget.train_steps}}
+    result: dict[str, Any] = {"config": config}
     result.update(part(budget))
     result["reference"] = {
         "config": reference.config.model_dump(
@@ -164,12 +154,11 @@ _FIELDS = (("up", "up"), ("down", "down"), ("wire_up", "wire up"), ("wire_down",
 def format_budget(budget: Budget, reference: Budget, link: LinkProfile | None = None) -> str:
     """The human-readable table: the configuration, the reference and their ratio."""
     config = budget.config
-    steps = f"{budget.train_steps} local SGD steps" if budget.train_steps else "all local steps"
     out = [
         f"{config.model} on {config.dataset}: {config.devices} devices, C={config.participation}, "
         f"{config.rounds} rounds, seed {config.seed}: {budget.device_rounds} device-rounds "
         f"(reference {reference.device_rounds})",
-        f"weights from {steps} per device-round; MQTT payload and wire bytes",
+        "weights trained as the fleet would; MQTT payload and wire bytes",
     ]
     rows = [("", describe(config, compact=True), describe(reference.config, compact=True), "ratio")]
     scopes = (

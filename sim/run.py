@@ -15,6 +15,7 @@ and on the dataset's test split.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import resource
@@ -41,13 +42,15 @@ from protocol.messages import Ack, CoordinatorStatus, ReasonCode
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
+from sim.cohort.trainer import BatchedTrainer, Engine, resolve_device
 from sim.datasets import load_dataset
 from sim.errors import SimError
-from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, LoopTrainer, TrainerFactory
+from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
 from sim.metrics import evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
 from sim.progress import Progress
 from sim.report import RoundRecord, RunReport
+from sim.shard import RoundSync, Shard, broadcast, current_shard, training_device
 from sim.synthetic import synthetic_size
 
 __all__ = ["SimConfig", "build_federation", "device_data", "run_simulation"]
@@ -87,13 +90,20 @@ class SimConfig(FleetSettings):
     connections: int | None = Field(default=None, ge=1)
     """MQTT connections carrying the emulated devices, each device on one of them with
     its own id and topics (unset: min(devices, 16))."""
-    max_cohort: int = Field(default=DEFAULT_MAX_COHORT, ge=1)
-    """Training jobs handed to the trainer at once, at most (the rest wait for the next
-    cohort)."""
     state_dir: Path | None = None
     """Keep the coordinator's and the devices' state here (unset: a temporary folder)."""
     fleet: str = "sim"
     """Fleet name of the emulated run (topics fl/FLEET/)."""
+    engine: Engine = "auto"
+    """How the devices of a round train: batched (all at once, torch.func), loop (one
+    after the other, the per-device reference) or auto (batched on a GPU, loop on a CPU,
+    where batching measured no faster)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the emulated devices train: auto = CUDA when a GPU is there, else the CPU."""
+    max_cohort: int | None = Field(default=None, ge=1)
+    """Most devices trained together: training jobs handed to the trainer at once and
+    devices in one batched computation (unset: up to 1024 at once, in computations as
+    large as half the free memory holds)."""
 
     @field_serializer("alpha", when_used="json")
     def _alpha_as_json(self, alpha: float) -> float | str:
@@ -161,12 +171,28 @@ class SimConfig(FleetSettings):
             uplink_precision=up,
         )
 
-    def fleet_options(self) -> FleetOptions:
-        """How the emulated devices are carried: connections and cohorts."""
+    def trainer_factory(self) -> TrainerFactory:
+        """Builds the trainer of the emulated devices: the engine on the device asked for.
+
+        Raises:
+            SimError: ``device`` is ``cuda`` and torch sees no GPU.
+        """
+        try:
+            device = resolve_device(self.device)
+        except ValueError as exc:
+            raise SimError(str(exc)) from exc
+        return functools.partial(
+            BatchedTrainer, engine=self.engine, device=device, max_cohort=self.max_cohort
+        )
+
+    def fleet_options(self, shard: Shard | None = None) -> FleetOptions:
+        """How the emulated devices are carried: connections and cohorts (in a sharded
+        run, each rank's connections have client ids of their own)."""
+        prefix = f"{self.fleet}-fleet" if shard is None else f"{self.fleet}-fleet-r{shard.rank}"
         return FleetOptions(
             connections=self.connections,
-            max_cohort=self.max_cohort,
-            client_id_prefix=f"{self.fleet}-fleet",
+            max_cohort=self.max_cohort or DEFAULT_MAX_COHORT,
+            client_id_prefix=prefix,
         )
 
 
@@ -230,8 +256,24 @@ def device_data(federation: Federation, index: int) -> DeviceData:
 
 
 @contextlib.contextmanager
-def _broker(config: SimConfig) -> Iterator[Callable[[str], Transport]]:
-    """Yields a factory of (unconnected) transports by client id."""
+def _broker(config: SimConfig, shard: Shard | None) -> Iterator[Callable[[str], Transport]]:
+    """Yields a factory of (unconnected) transports by client id. In a sharded run rank
+    0 starts the broker (unless the run names one) and tells the other ranks its URL."""
+    if shard is not None:
+        url = config.broker_url
+        if shard.leader and url is None:
+            from protocol.transport.broker import EmbeddedBroker
+
+            with EmbeddedBroker() as embedded:
+                log.info("embedded MQTT broker at %s (for %d ranks)", embedded.url, shard.world)
+                shared = broadcast(embedded.url)
+                yield lambda client_id: MqttTransport(
+                    MqttConfig.from_url(shared, client_id=client_id)
+                )
+            return
+        shared = broadcast(url)
+        yield lambda client_id: MqttTransport(MqttConfig.from_url(shared, client_id=client_id))
+        return
     if config.transport == "inproc":
         memory = MemoryBroker()
         yield lambda client_id: MemoryTransport(memory, client_id)
@@ -252,6 +294,12 @@ def _broker(config: SimConfig) -> Iterator[Callable[[str], Transport]]:
 _COORDINATOR_START_S = 5.0
 """How long the devices wait for the coordinator to leave ``starting`` (a run resumed in
 the middle of a round stays there until the round closes)."""
+
+
+def fleet_totals(fleet: Fleet) -> tuple[int, int, int, int]:
+    """The bytes ``fleet``'s devices moved so far: up, down, wire up, wire down."""
+    out, inn = fleet.traffic()
+    return out.payload_bytes, inn.payload_bytes, out.wire_bytes, inn.wire_bytes
 
 
 def _peak_rss_bytes() -> int:
@@ -287,11 +335,16 @@ class _Recorder:
         self._round_start = time.perf_counter()
         self.coordinator_up = threading.Event()
         """Set once the coordinator announced a state past ``starting``."""
+        self.sync: RoundSync | None = None
+        """A sharded run's link to the other ranks (their devices' bytes count too)."""
 
     def totals(self) -> tuple[int, int, int, int]:
-        """Bytes so far: up, down, wire up, wire down."""
-        out, inn = self._fleet.traffic()
-        return out.payload_bytes, inn.payload_bytes, out.wire_bytes, inn.wire_bytes
+        """Bytes so far: up, down, wire up, wire down (in a sharded run, every rank's)."""
+        if self.sync is not None:
+            answers = self.sync.ask("traffic")
+            up, down, wire_up, wire_down = (sum(a[i] for a in answers) for i in range(4))
+            return up, down, wire_up, wire_down
+        return fleet_totals(self._fleet)
 
     def __call__(self, action: Action) -> None:
         if isinstance(action, RoundStarted):
@@ -363,7 +416,7 @@ def run_simulation(
     *,
     progress: Progress | None = None,
     final_models_dir: Path | None = None,
-    trainer: TrainerFactory = LoopTrainer,
+    trainer: TrainerFactory | None = None,
 ) -> RunReport:
     """Run the emulation described by ``config``; returns the report.
 
@@ -372,8 +425,8 @@ def run_simulation(
         progress: told what the run does as it goes: setup steps, devices trained in
             each round, and each round's record as soon as it is measured.
         final_models_dir: where to save the final models (``.pt`` and ``.onnx``).
-        trainer: builds the trainer of the devices' jobs (default: the per-device
-            :class:`~sim.fleet.LoopTrainer`).
+        trainer: builds the trainer of the devices' jobs (default:
+            :meth:`SimConfig.trainer_factory`, the engine and device of ``config``).
 
     Raises:
         SimError: the dataset cannot be loaded or partitioned, or the run failed.
@@ -381,6 +434,14 @@ def run_simulation(
             reached.
     """
     started = time.perf_counter()
+    shard = current_shard()
+    if shard is not None:
+        _check_shardable(config, shard)
+        if not shard.leader:
+            progress = None
+        config = config.model_copy(update={"device": training_device(config.device, shard)})
+    if trainer is None:
+        trainer = config.trainer_factory()
     if progress is not None:
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
@@ -388,14 +449,20 @@ def run_simulation(
     scratch = build_classifier(
         config.model, num_classes=federation.num_classes, in_channels=channels, image_size=side
     )
+    mine = range(len(federation.devices)) if shard is None else shard.devices(config.devices)
     devices = [
-        (config.device_config(index, split.device_id), device_data(federation, index))
-        for index, split in enumerate(federation.devices)
+        (
+            config.device_config(index, federation.devices[index].device_id),
+            device_data(federation, index),
+        )
+        for index in mine
     ]
     with contextlib.ExitStack() as stack:
         if progress is not None and config.transport == "mqtt" and config.broker_url is None:
             progress.step("starting the embedded MQTT broker")
-        make_transport = stack.enter_context(_broker(config))
+        make_transport = stack.enter_context(_broker(config, shard))
+        if shard is not None and not shard.leader:
+            return _follow(config, shard, devices, make_transport, trainer)
         store: Store = (
             FileStore(config.state_dir / "coordinator", fsync=False)
             if config.state_dir
@@ -405,11 +472,15 @@ def run_simulation(
             coordinator = Coordinator(
                 coordinator_config, make_transport(f"{config.fleet}-coordinator"), store
             )
-            fleet = Fleet(devices, make_transport, trainer=trainer, options=config.fleet_options())
+            fleet = Fleet(
+                devices, make_transport, trainer=trainer, options=config.fleet_options(shard)
+            )
         except (ConfigError, DeviceConfigError) as exc:
             raise SimError(str(exc)) from exc
         personal = config.sharing == "head"
         recorder = _Recorder(federation, scratch, fleet, progress, config.rounds, personal=personal)
+        if shard is not None:
+            recorder.sync = stack.enter_context(_ranks(shard, fleet))
         coordinator.add_observer(recorder)
         outcome: dict[str, Any] = {}
 
@@ -451,6 +522,7 @@ def run_simulation(
         if final_models_dir is not None and models:
             save_final_models(models, scratch, final_models_dir, final=coordinator.final_model)
         totals = recorder.totals()
+        ranks = None if recorder.sync is None else recorder.sync.ask("final")
 
     records = recorder.records
     final: dict[str, Any] = {
@@ -466,5 +538,75 @@ def run_simulation(
         "final_model": coordinator.final_model,
         "num_classes": federation.num_classes,
     }
+    if ranks is not None:  # the whole fleet's footprint: every rank's peak, summed
+        final["ranks"] = ranks
+        final["peak_rss_bytes"] = sum(r["peak_rss_bytes"] for r in ranks)
     config_dict = config.model_dump(mode="json")
     return RunReport(config=config_dict, rounds=records, final=final)
+
+
+def _check_shardable(config: SimConfig, shard: Shard) -> None:
+    """A sharded run needs a broker every rank reaches and no per-device evaluation.
+
+    Raises:
+        SimError: naming what does not work across ranks.
+    """
+    if config.transport != "mqtt":
+        raise SimError("a sharded run (torchrun) needs --transport mqtt: ranks share a broker")
+    if config.sharing == "head":
+        raise SimError(
+            "--sharing head evaluates every device's own model on rank 0; a sharded run "
+            "(torchrun) keeps them on their ranks: run it in one process"
+        )
+    if config.devices < shard.world:
+        raise SimError(f"{config.devices} devices cannot fill {shard.world} ranks")
+
+
+def _rank_answer(shard: Shard, fleet: Fleet, count: int) -> Callable[[str], Any]:
+    def answer(question: str) -> Any:
+        if question == "traffic":
+            return fleet_totals(fleet)
+        return {"rank": shard.rank, "devices": count, "peak_rss_bytes": _peak_rss_bytes()}
+
+    return answer
+
+
+@contextlib.contextmanager
+def _ranks(shard: Shard, fleet: Fleet) -> Iterator[RoundSync]:
+    """Rank 0's link to the other ranks; released on exit, whatever happened."""
+    sync = RoundSync(shard, _rank_answer(shard, fleet, len(fleet.device_ids)))
+    try:
+        yield sync
+    finally:
+        sync.close()
+
+
+def _follow(
+    config: SimConfig,
+    shard: Shard,
+    devices: list[tuple[ClientConfig, DeviceData]],
+    make_transport: Callable[[str], Transport],
+    trainer: TrainerFactory,
+) -> RunReport:
+    """A rank other than 0: emulate this rank's devices until the run finishes, answering
+    rank 0's questions (bytes, peak memory) meanwhile."""
+    started = time.perf_counter()
+    try:
+        fleet = Fleet(devices, make_transport, trainer=trainer, options=config.fleet_options(shard))
+    except (ConfigError, DeviceConfigError) as exc:
+        raise SimError(str(exc)) from exc
+    sync = RoundSync(shard, _rank_answer(shard, fleet, len(devices)))
+    try:
+        fleet.start()
+        while not fleet.wait(0.5) and not sync.released.is_set():
+            pass
+    finally:
+        sync.close()  # until rank 0 has asked everything
+        fleet.close()
+    final = {
+        "rank": shard.rank,
+        "devices": len(devices),
+        "wall_s": time.perf_counter() - started,
+        "peak_rss_bytes": _peak_rss_bytes(),
+    }
+    return RunReport(config=config.model_dump(mode="json"), rounds=[], final=final)

@@ -22,7 +22,7 @@ from sim.datasets import dataset_names
 from sim.errors import SimError
 from sim.run import SimConfig
 
-__all__ = ["add_run_parser", "broker_unreachable", "sim_config"]
+__all__ = ["add_engine_flags", "add_run_parser", "broker_unreachable", "sim_config"]
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
     run.set_defaults(handler=run_from_args, settings_flags=flags)
     fleet = run.add_argument_group("fleet")
     add_fleet_flags(fleet, flags, SimConfig, include=FLEET_FIELDS)
-    flags.add(
-        fleet, SimConfig, include=("device_precisions", "fleet", "max_cohort"), metavars=_LIST
-    )
+    flags.add(fleet, SimConfig, include=("device_precisions", "fleet"), metavars=_LIST)
     add_training_flags(run.add_argument_group("training (sent to the devices)"), flags)
     flags.add(run.add_argument_group("data"), SimConfig, include=DATA_FIELDS, choices=DATA_CHOICES)
     flags.add(
@@ -68,6 +66,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         flags={"broker_url": "--broker"},
         metavars={"broker_url": "URL", "connections": "K"},
     )
+    add_engine_flags(run, flags)
     outputs = run.add_argument_group("outputs")
     flags.add(outputs, SimConfig, include=("state_dir",))
     outputs.add_argument("--json-out", type=Path, help="write the run's JSON report here")
@@ -76,6 +75,16 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         "--save-models", type=Path, help="save the final models (.pt and .onnx) here"
     )
     return run
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, flags: ModelFlags) -> None:
+    """The group of flags saying how the emulated devices train (``run`` and ``budget``)."""
+    flags.add(
+        parser.add_argument_group("training engine (how the emulated devices train)"),
+        SimConfig,
+        include=("engine", "device", "max_cohort"),
+        metavars={"max_cohort": "N"},
+    )
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
@@ -152,6 +161,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         except (TransportError, BrokerError, ConnectError) as exc:
             raise BrokerUnreachableError(f"MQTT broker: {exc}") from exc
     final = report.final
+    if "rank" in final:  # another rank of a sharded run: rank 0 reports for the fleet
+        print(
+            f"rank {final['rank']}: {final['devices']} devices done in {final['wall_s']:.1f} s",
+            file=sys.stderr,
+        )
+        return EXIT_OK
     names = ", ".join(
         f"{name} AMP {m['amp']:.2f}%" for name, m in (final.get("models") or {}).items()
     )

@@ -162,12 +162,10 @@ class FedGenHook(TrainHook):
         self.generator.to(next(model.parameters()).device)
         self.generator.eval()
 
-    def extra_loss(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor
-    ) -> torch.Tensor | None:
-        if self.alpha == 0:
-            return None
-        device = x.device
+    def sample_latents(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next generated batch: latents ``G(eps, y_g)`` (Bg, latent_dim), without
+        gradient, and their labels ``y_g`` (Bg,), on ``device``. Labels and noise are
+        drawn from the hook's own generator, labels first."""
         labels = torch.multinomial(
             self.prior, self.batch_size, replacement=True, generator=self._noise
         )  # (Bg,)
@@ -175,6 +173,14 @@ class FedGenHook(TrainHook):
         labels = labels.to(device)
         with torch.no_grad():
             latents = self.generator(eps.to(device), labels)  # (Bg, latent_dim)
+        return latents, labels
+
+    def extra_loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self.alpha == 0:
+            return None
+        latents, labels = self.sample_latents(x.device)
         ce = F.cross_entropy(self.model.head(latents), labels)
         self._ce_sum += float(ce.detach())
         self._steps += 1

@@ -228,7 +228,9 @@ class FedKFHook(TrainHook):
         self.teacher = teacher
         self.config = config
         self._state = state
-        self._noise = torch.Generator().manual_seed(config.seed)
+        self.noise = torch.Generator().manual_seed(config.seed)
+        """Where the generator's noise comes from (drawn on the CPU, per batch: the
+        generator step's, then the distillation sample's)."""
         self.generator: LocalImageGenerator | None = None
         self._kd_sum = 0.0
         self._generator_sum = 0.0
@@ -244,7 +246,7 @@ class FedKFHook(TrainHook):
             return
         cfg = self.config
         loss, _ = self.generator.step(
-            self.teacher, int(x.shape[0]), cfg.lambda1, cfg.lambda2, self._noise
+            self.teacher, int(x.shape[0]), cfg.lambda1, cfg.lambda2, self.noise
         )
         self._generator_sum += loss
 
@@ -253,7 +255,7 @@ class FedKFHook(TrainHook):
     ) -> torch.Tensor | None:
         if self.generator is None:
             return None
-        generated = self.generator.sample(int(x.shape[0]), self._noise)  # (B, C, H, W)
+        generated = self.generator.sample(int(x.shape[0]), self.noise)  # (B, C, H, W)
         with torch.no_grad():
             teacher_logits = self.teacher(generated)  # (B, num_classes)
         kd = distillation_kl(teacher_logits, model(generated))

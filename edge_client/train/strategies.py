@@ -112,8 +112,11 @@ __all__ = [
     "SetSpec",
     "UploadSubset",
     "device_strategy",
+    "local_result",
     "local_update",
+    "proximal_term",
     "strategy_names",
+    "train_prepared",
     "validate_task",
 ]
 
@@ -176,29 +179,48 @@ class SetSpec(NamedTuple):
     """Whether a task with sets must carry this one."""
 
 
-class ProximalHook(TrainHook):
-    """FedProx: adds ``mu / 2 * sum ||w - w_global||^2`` over the trainable parameters.
+def proximal_term(
+    params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], mu: float
+) -> torch.Tensor:
+    """FedProx's ``mu / 2 * sum ||w - w_global||^2`` over the tensors of ``anchor``.
 
-    ``w_global`` is a copy of the parameters taken in :meth:`before_training` (after the
-    global weights were loaded).
+    Functional (parameters in, loss out): the per-device loop calls it on a model's
+    live parameters, the sim's batched engine on one device's slice of the stacked ones.
+
+    Args:
+        params: the weights being trained, by name (at least ``anchor``'s names).
+        anchor: the weights received this round, by name (constants).
+        mu: the proximal weight.
+    """
+    total = torch.stack([(params[name] - w).pow(2).sum() for name, w in anchor.items()]).sum()
+    return 0.5 * mu * total
+
+
+class ProximalHook(TrainHook):
+    """FedProx: adds :func:`proximal_term` over the trainable parameters.
+
+    ``w_global`` (:attr:`anchor`) is a copy of the trainable parameters taken in
+    :meth:`before_training` (after the global weights were loaded).
     """
 
     def __init__(self, mu: float) -> None:
         if not mu >= 0:
             raise ValueError(f"mu must be >= 0, got {mu}")
         self.mu = mu
-        self._anchor: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.anchor: dict[str, torch.Tensor] = {}
+        """The received trainable parameters by name (empty before training starts)."""
 
     def before_training(self, model: nn.Module) -> None:
-        self._anchor = [(p, p.detach().clone()) for p in model.parameters() if p.requires_grad]
+        self.anchor = {
+            name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad
+        }
 
     def extra_loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor
     ) -> torch.Tensor | None:
-        if self.mu == 0 or not self._anchor:
+        if self.mu == 0 or not self.anchor:
             return None
-        total = torch.stack([(p - anchor).pow(2).sum() for p, anchor in self._anchor]).sum()
-        return 0.5 * self.mu * total
+        return proximal_term(dict(model.named_parameters()), self.anchor, self.mu)
 
 
 def _load_set(
@@ -316,22 +338,61 @@ class DeviceStrategy(ABC):
         start = time.perf_counter()
         own = self.prepare(model, task.sets, config, state)
         load_s = time.perf_counter() - start
-        quant: tuple[TrainHook, ...] = (FakeQuantHook(),) if config.qat else ()
-        result = train_local(
-            model, data.x, data.y, config, (*own, *quant, *extra_hooks), device=device
+        return train_prepared(
+            model, data, task, config, own, load_s=load_s, device=device, extra_hooks=extra_hooks
         )
-        metrics: dict[str, float] = {}
-        for hook in own:
-            metrics.update(hook.metrics())
-        metrics.update(loss=result.loss, accuracy=result.accuracy)
-        upload: StateSubset = "head" if task.upload == "head" else "all"
-        return LocalResult(
-            sets={WEIGHTS_SET: state_arrays(model, upload)},
-            num_samples=result.num_samples,
-            metrics=metrics,
-            timings={"load_s": load_s, "train_s": result.seconds},
-            steps=result.steps,
-        )
+
+
+def train_prepared(
+    model: nn.Module,
+    data: DeviceData,
+    task: LocalTask,
+    config: TrainConfig,
+    own: Sequence[TrainHook],
+    *,
+    load_s: float,
+    device: torch.device,
+    extra_hooks: Sequence[TrainHook] = (),
+) -> LocalResult:
+    """Train a prepared model (see :meth:`DeviceStrategy.prepare`) with the strategy's
+    hooks ``own``, then (when ``config.qat``) a :class:`~edge_client.train.qat.FakeQuantHook`,
+    then ``extra_hooks``; the per-device reference path."""
+    quant: tuple[TrainHook, ...] = (FakeQuantHook(),) if config.qat else ()
+    result = train_local(model, data.x, data.y, config, (*own, *quant, *extra_hooks), device=device)
+    metrics: dict[str, float] = {}
+    for hook in own:
+        metrics.update(hook.metrics())
+    metrics.update(loss=result.loss, accuracy=result.accuracy)
+    timings = {"load_s": load_s, "train_s": result.seconds}
+    return local_result(
+        model,
+        task,
+        num_samples=result.num_samples,
+        metrics=metrics,
+        timings=timings,
+        steps=result.steps,
+    )
+
+
+def local_result(
+    model: nn.Module,
+    task: LocalTask,
+    *,
+    num_samples: int,
+    metrics: dict[str, float],
+    timings: dict[str, float],
+    steps: int,
+) -> LocalResult:
+    """The :class:`LocalResult` of a trained ``model``: its state, full or the head as
+    ``task.upload`` asks, as the ``"weights"`` set."""
+    upload: StateSubset = "head" if task.upload == "head" else "all"
+    return LocalResult(
+        sets={WEIGHTS_SET: state_arrays(model, upload)},
+        num_samples=num_samples,
+        metrics=metrics,
+        timings=timings,
+        steps=steps,
+    )
 
 
 class _Shared(DeviceStrategy):

@@ -36,7 +36,13 @@ from edge_client.train.session import (
     Trained,
     TrainJob,
 )
-from edge_client.train.strategies import WEIGHTS_SET, LocalTask, local_update, validate_task
+from edge_client.train.strategies import (
+    WEIGHTS_SET,
+    LocalResult,
+    LocalTask,
+    local_update,
+    validate_task,
+)
 from edge_client.train.training import TrainHook
 from edge_client.train.transfer import TransferState
 from models import Classifier, ModelError, build_classifier
@@ -171,6 +177,11 @@ class LocalTrainer:
         upload: Literal["all", "head"] = "head" if uplink.subset == "head" else "all"
         return LocalTask(job.task.strategy, dict(job.task.hyperparameters), arrays, upload)
 
+    @property
+    def learning_state(self) -> dict[str, Any]:
+        """The device's learning state across rounds (FedKF's generator lives here)."""
+        return self._learning_state
+
     def _train(self, job: TrainJob) -> JobResult:
         task_id = job.message.message_id
         try:
@@ -183,14 +194,25 @@ class LocalTrainer:
                     hooks=self._hooks,
                     device=self._device,
                 )
+        except _StopTrainingError:
+            return Cancelled(task_id)
+        except Exception as exc:  # a training failure must not stop the device
+            return Failed(task_id, exc)
+        return self.finish(job, result)
+
+    def finish(self, job: TrainJob, result: LocalResult) -> JobResult:
+        """Encode the upload of ``job`` from its training ``result`` (the residual of a
+        lossy uplink is kept until :meth:`commit_upload`); :class:`Failed` if encoding
+        raises. The sim's batched engine trains many devices at once and finishes each
+        with its own trainer here."""
+        task_id = job.message.message_id
+        try:
             start = time.perf_counter()
             weights = self.transfer.encode_upload(
                 result.sets[WEIGHTS_SET], job.task.uplink, job.local.sets, commit=False
             )
             timings = {"decode_s": job.decode_s, **result.timings}
             timings["encode_s"] = time.perf_counter() - start
-        except _StopTrainingError:
-            return Cancelled(task_id)
-        except Exception as exc:  # a training failure must not stop the device
+        except Exception as exc:  # an encoding failure must not stop the device
             return Failed(task_id, exc)
         return Trained(task_id, result.num_samples, weights, result.metrics, timings)

@@ -31,7 +31,7 @@ from torch import nn
 from edge_client.errors import TaskError
 from protocol.hyperparams import Hyperparameters
 
-__all__ = ["TrainConfig", "TrainHook", "TrainResult", "train_local"]
+__all__ = ["TrainConfig", "TrainHook", "TrainResult", "as_tensor", "batch_indices", "train_local"]
 
 
 class TrainConfig(Hyperparameters):
@@ -128,8 +128,11 @@ class TrainResult:
     """Wall-clock time of the loop, seconds."""
 
 
-def _batches(n: int, config: TrainConfig, total: int) -> Iterator[torch.Tensor]:
-    """Index batches: reshuffled epochs from a generator seeded by ``config.seed``."""
+def batch_indices(n: int, config: TrainConfig, total: int) -> Iterator[torch.Tensor]:
+    """The sample indices of each of ``total`` batches over ``n`` samples: reshuffled
+    epochs from a ``torch.Generator`` seeded by ``config.seed`` (the last batch of an
+    epoch may be smaller). Every trainer takes its batches from here, so the same seed
+    gives the same batches in the per-device loop and in the sim's batched engine."""
     generator = torch.Generator().manual_seed(config.seed)
     done = 0
     while done < total:
@@ -141,7 +144,12 @@ def _batches(n: int, config: TrainConfig, total: int) -> Iterator[torch.Tensor]:
                 return
 
 
-def _as_tensor(value: torch.Tensor | npt.NDArray[np.generic], dtype: torch.dtype) -> torch.Tensor:
+def as_tensor(value: torch.Tensor | npt.NDArray[np.generic], dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a tensor (numpy arrays are wrapped, not copied).
+
+    Raises:
+        TaskError: it is not of ``dtype``.
+    """
     tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
     if tensor.dtype != dtype:
         raise TaskError(f"expected a {dtype} tensor, got {tensor.dtype}")
@@ -176,8 +184,8 @@ def train_local(
         TaskError: ``x`` / ``y`` of the wrong dtype, or of different lengths.
         Whatever a hook raises (training stops there; the model keeps the steps taken).
     """
-    xs = _as_tensor(x, torch.float32)
-    ys = _as_tensor(y, torch.int64)
+    xs = as_tensor(x, torch.float32)
+    ys = as_tensor(y, torch.int64)
     n = int(ys.shape[0])
     if int(xs.shape[0]) != n:
         raise TaskError(f"{int(xs.shape[0])} inputs but {n} labels")
@@ -195,7 +203,7 @@ def train_local(
     correct = torch.zeros((), dtype=torch.int64)
     seen = 0
     steps = 0
-    for index in _batches(n, config, total):
+    for index in batch_indices(n, config, total):
         xb = xs[index].to(device)  # (B, C, H, W)
         yb = ys[index].to(device)  # (B,)
         for hook in hooks:

@@ -17,8 +17,9 @@ from edge_client.train.session import DecodeJob, Job
 
 __all__ = ["DEFAULT_LINGER_S", "DEFAULT_MAX_COHORT", "CohortQueue"]
 
-DEFAULT_MAX_COHORT = 64
-"""Training jobs handed to the trainer at once, at most."""
+DEFAULT_MAX_COHORT = 1024
+"""Training jobs handed to the trainer at once, at most (a batched trainer then trains
+them in computations as large as its memory holds)."""
 DEFAULT_LINGER_S = 0.1
 """Quiet time (seconds) after which the training jobs waiting go to the trainer."""
 

@@ -113,7 +113,7 @@ class LoopTrainer:
                 results.append(Cancelled(task_id))
                 continue
             try:
-                result = self._trainer(device_id).run(job)
+                result = self.trainer(device_id).run(job)
             except Exception as exc:  # a bug or an unknown device: this job fails, not all
                 logger.exception("device %s: task %s failed unexpectedly", device_id, task_id)
                 result = Failed(task_id, exc)
@@ -121,10 +121,10 @@ class LoopTrainer:
         return results
 
     def commit_upload(self, device_id: str) -> None:
-        self._trainer(device_id).commit_upload()
+        self.trainer(device_id).commit_upload()
 
     def model(self, device_id: str) -> Classifier:
-        model: Classifier = self._trainer(device_id).model
+        model: Classifier = self.trainer(device_id).model
         return model
 
     def close(self) -> None:
@@ -132,7 +132,12 @@ class LoopTrainer:
         so do the jobs not yet run."""
         self._closed.set()
 
-    def _trainer(self, device_id: str) -> LocalTrainer:
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed.is_set()
+
+    def trainer(self, device_id: str) -> LocalTrainer:
         """The device's trainer, built on first use.
 
         Raises:

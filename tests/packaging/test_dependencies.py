@@ -23,6 +23,11 @@ else:  # pragma: no cover - Python 3.10
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "models", "edge_client", "coordinator", "sim", "benchmarks", "tests")
 LOCAL = set(PACKAGES)
+EXTERNAL_VENV_SCRIPTS = ROOT / "benchmarks" / "external"
+"""Not scanned: scripts that the benchmarks run with the python of a separate virtual
+environment they build themselves (benchmarks/vs_flower.py runs flower_workload.py in
+.bench-venvs/flower/), so their imports (flwr) are that venv's and are, on purpose, no
+dependency of the project. Every other file under benchmarks/ is scanned."""
 
 
 def _norm(name: str) -> str:
@@ -37,21 +42,30 @@ def _requirements() -> list[Requirement]:
     return [Requirement(line) for line in lines]
 
 
+def _scanned_files() -> list[Path]:
+    """The project's Python files, less :data:`EXTERNAL_VENV_SCRIPTS`."""
+    return [
+        path
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if not path.is_relative_to(EXTERNAL_VENV_SCRIPTS)
+    ]
+
+
 def _imported_roots() -> dict[str, str]:
     """Top-level module -> one file importing it, over the project's packages."""
     found: dict[str, str] = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                else:
-                    continue
-                for name in names:
-                    found.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+    for path in _scanned_files():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
     return found
 
 
@@ -66,6 +80,15 @@ def test_every_third_party_import_is_declared() -> None:
         if not owners & declared:
             undeclared[module] = where
     assert undeclared == {}, f"imported but not declared in pyproject.toml: {undeclared}"
+
+
+def test_only_the_external_venv_scripts_are_skipped() -> None:
+    scanned = set(_scanned_files())
+    benchmarks = set((ROOT / "benchmarks").rglob("*.py"))
+    external = set(EXTERNAL_VENV_SCRIPTS.rglob("*.py"))
+    assert external, f"{EXTERNAL_VENV_SCRIPTS} holds no scripts: update the constant"
+    assert benchmarks - external <= scanned
+    assert not external & scanned
 
 
 def test_installed_versions_are_within_the_declared_ranges() -> None:

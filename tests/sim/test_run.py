@@ -52,6 +52,19 @@ def test_embedded_broker_counts_the_same_bytes_as_the_inproc_twin() -> None:
         assert a.models["aca"].amp == pytest.approx(b.models["aca"].amp)
 
 
+@pytest.mark.parametrize("strategy", ["fedavg", "fedkf"])
+def test_the_batched_engine_runs_the_fleet_as_the_loop_does(strategy: str) -> None:
+    settings = {"strategy": strategy, "transport": "inproc", "model": "lenet5"}
+    batched = run_simulation(quick(engine="batched", **settings))
+    loop = run_simulation(quick(engine="loop", **settings))
+
+    for a, b in zip(batched.rounds, loop.rounds, strict=True):
+        assert a.active_devices == b.active_devices == 3
+        for field in ("bytes_up", "bytes_down"):
+            assert getattr(a, field) == pytest.approx(getattr(b, field), rel=0.01), field
+        assert a.models["aca"].amp == pytest.approx(b.models["aca"].amp, abs=0.5)
+
+
 def test_cli_default_command_writes_json_and_report(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     result = subprocess.run(

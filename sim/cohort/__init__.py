@@ -1,0 +1,1 @@
+"""The sim's cohort: many emulated devices trained as one batched computation."""

@@ -1,0 +1,223 @@
+"""The trainer seam for many emulated devices: jobs of a cohort in, their results out.
+
+:class:`BatchedTrainer` runs what the devices' sessions ask for
+(:class:`~edge_client.train.session.DecodeJob`,
+:class:`~edge_client.train.session.TrainJob`), many devices at a time: each device keeps
+its own :class:`~edge_client.train.trainer.LocalTrainer` (its model, data, held model,
+uplink residual and learning state); the decode jobs and the encoding of the uploads run
+on a thread pool (zstd and numpy release the GIL), the training of every train job at
+once in :func:`~sim.cohort.engine.train_cohort`. With ``engine="loop"`` the train jobs run
+one after the other on the per-device path instead (the reference).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from edge_client.train.resources import estimate_training, memory_limit
+from edge_client.train.session import Cancelled, DecodeJob, Failed, Job, JobResult, TrainJob
+from edge_client.train.training import TrainConfig
+from models import Classifier
+from sim.cohort.engine import Member, train_cohort
+from sim.fleet.trainer import FleetDevice, LoopTrainer
+
+__all__ = [
+    "BatchedTrainer",
+    "CohortStats",
+    "Engine",
+    "auto_max_cohort",
+    "resolve_device",
+    "resolve_engine",
+]
+
+log = logging.getLogger(__name__)
+
+Engine = Literal["auto", "batched", "loop"]
+"""How the sim trains a round's devices: batched (:mod:`sim.cohort.engine`), one after
+the other on the per-device path (loop), or auto: batched on a GPU, the loop on a CPU
+(measured on 2 CPU cores, the batched engine is no faster than the loop: docs/cohort.md)."""
+
+
+def resolve_engine(engine: Engine, device: torch.device) -> Literal["batched", "loop"]:
+    """The engine ``engine`` means on ``device``."""
+    if engine == "auto":
+        return "batched" if device.type == "cuda" else "loop"
+    return engine
+
+
+MEMORY_SHARE = 0.5
+"""Share of the free memory (GPU, or host on the CPU) a batched cohort may plan to use."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` (CUDA when there is a GPU, else the CPU), ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: an unknown name, or ``"cuda"`` without a usable GPU.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch build sees no usable GPU")
+        return torch.device("cuda")
+    raise ValueError(f"unknown device {name!r}: give auto, cpu or cuda")
+
+
+def auto_max_cohort(model: Classifier, batch_size: int, device: torch.device) -> int:
+    """The most devices one batched computation should hold: :data:`MEMORY_SHARE` of the
+    free memory of ``device`` over one device's training estimate (weights, gradients,
+    momentum, two more copies and the activations of a batch), at least 1."""
+    estimate = estimate_training(
+        model, model.input_shape, batch_size, model_copies=2, optimizer_slots=1
+    ).total
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = memory_limit().bytes
+    return max(1, int(MEMORY_SHARE * free // max(1, estimate)))
+
+
+@dataclass
+class CohortStats:
+    """What a :class:`BatchedTrainer` did so far."""
+
+    batched: int = 0
+    """Device rounds trained in batched computations."""
+    loop: int = 0
+    """Device rounds trained on the per-device path."""
+    peak_gpu_bytes: int = 0
+    """Most GPU memory torch allocated (0 on the CPU)."""
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """Peak resident memory of this process so far."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class BatchedTrainer(LoopTrainer):
+    """A :class:`~sim.fleet.FleetTrainer` that trains a cohort's devices at once.
+
+    Each device keeps its own :class:`LocalTrainer` (built on first use, as
+    :class:`~sim.fleet.LoopTrainer` builds them); the decode jobs and the encoding of the
+    uploads run on a thread pool, the training of all train jobs in one
+    :func:`~sim.cohort.engine.train_cohort` call (``engine="loop"``: one after the
+    other, as :class:`~sim.fleet.LoopTrainer` does).
+
+    Args:
+        devices: the fleet's devices.
+        engine: ``"batched"`` or ``"loop"``.
+        device: where to train.
+        max_cohort: most devices in one batched computation; None: from the free memory
+            (:func:`auto_max_cohort`).
+        workers: threads decoding and encoding messages.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[FleetDevice],
+        *,
+        engine: Engine = "batched",
+        device: torch.device = torch.device("cpu"),  # noqa: B008
+        max_cohort: int | None = None,
+        workers: int = 4,
+    ) -> None:
+        super().__init__(devices, device=device)
+        self.engine = resolve_engine(engine, device)
+        self.device = device
+        self.max_cohort = max_cohort
+        self.stats = CohortStats()
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
+        self._warned: set[str] = set()
+
+    def close(self) -> None:
+        """Stop: jobs not yet run answer ``Cancelled``; the codec threads end."""
+        super().close()
+        self._pool.shutdown(wait=False)
+
+    def run_many(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
+        """Run ``(device_id, job)`` pairs; the results in the same order. Never raises
+        for a job that goes wrong (its result is :class:`Failed`)."""
+        results: list[JobResult | None] = [None] * len(jobs)
+        decodes = [k for k, (_, job) in enumerate(jobs) if isinstance(job, DecodeJob)]
+        decoded = self._map(lambda k: self._one(jobs[k]), decodes)
+        for k, result in zip(decodes, decoded, strict=True):
+            results[k] = result
+        trains = [k for k, (_, job) in enumerate(jobs) if isinstance(job, TrainJob)]
+        if self.engine == "loop":
+            for k in trains:
+                results[k] = self._one(jobs[k])
+                self.stats.loop += 1
+        elif trains:
+            trained = self._train_batched([jobs[k] for k in trains])
+            for k, result in zip(trains, trained, strict=True):
+                results[k] = result
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.stats.peak_gpu_bytes = max(self.stats.peak_gpu_bytes, peak)
+        return [
+            r if r is not None else Failed(job.message.message_id, RuntimeError("no result"))
+            for r, (_, job) in zip(results, jobs, strict=True)
+        ]
+
+    def _one(self, pair: tuple[str, Job]) -> JobResult:
+        """One job on the per-device path."""
+        return super().run_many([pair])[0]
+
+    def _map(self, work: Callable[[int], JobResult], items: Sequence[int]) -> list[JobResult]:
+        return list(self._pool.map(work, items))
+
+    def _train_batched(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
+        if self.closed:
+            return [Cancelled(job.message.message_id) for _, job in jobs]
+        members, train_jobs = [], []
+        failed: dict[int, JobResult] = {}
+        for k, (device_id, job) in enumerate(jobs):
+            assert isinstance(job, TrainJob)
+            try:
+                trainer = self.trainer(device_id)
+            except Exception as exc:  # an unknown device or a model that cannot be built
+                failed[k] = Failed(job.message.message_id, exc)
+                continue
+            members.append(Member(trainer.model, trainer.data, job.local, trainer.learning_state))
+            train_jobs.append((k, trainer, job))
+        outcomes = []
+        if members:
+            limit = self.max_cohort
+            if limit is None:
+                config = TrainConfig.from_hyperparameters(members[0].task.hyperparameters)
+                limit = auto_max_cohort(members[0].model, config.batch_size, self.device)
+            outcomes = train_cohort(members, device=self.device, max_cohort=limit)
+        reasons = Counter(o.fallback_reason for o in outcomes if o.fallback_reason)
+        for reason, count in reasons.items():
+            if reason not in self._warned:
+                self._warned.add(reason)
+                log.warning("%d device(s) trained on the per-device path: %s", count, reason)
+        self.stats.loop += sum(1 for o in outcomes if not o.batched)
+        self.stats.batched += sum(1 for o in outcomes if o.batched and o.result is not None)
+
+        def finish(index: int) -> JobResult:
+            _, trainer, job = train_jobs[index]
+            outcome = outcomes[index]
+            if outcome.result is None:
+                error = outcome.error or RuntimeError("training gave no result")
+                return Failed(job.message.message_id, error)
+            return trainer.finish(job, outcome.result)
+
+        finished = self._map(finish, range(len(train_jobs)))
+        results: list[JobResult] = [Failed("", RuntimeError("no result"))] * len(jobs)
+        for k, result in failed.items():
+            results[k] = result
+        for (k, _, _), result in zip(train_jobs, finished, strict=True):
+            results[k] = result
+        return results

@@ -1,0 +1,221 @@
+"""The batched cohort engine against the per-device reference, strategy by strategy.
+
+Every case trains the same devices (ragged datasets, so devices take different numbers
+of steps and short last batches) once with :func:`local_update` one after the other and
+once with :func:`train_cohort`, and bounds the largest difference of the uploads and of
+the metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.errors import TaskError
+from edge_client.train.data import DeviceData
+from edge_client.train.fedkf import GENERATOR_STATE_KEY
+from edge_client.train.strategies import LocalResult, LocalTask, local_update
+from models import (
+    Classifier,
+    LatentGenerator,
+    LatentGeneratorConfig,
+    build_classifier,
+    state_arrays,
+)
+from sim.cohort.engine import Member, train_cohort
+
+NUM_CLASSES = 4
+SIZES = (23, 40, 17, 33)
+WEIGHT_TOLERANCE = 1e-5
+METRIC_TOLERANCE = 1e-5
+
+
+SIDE = {"lenet5": 28}
+"""Image side per model (8 where the model takes it: fast)."""
+
+
+def classifier(name: str, seed: int = 0) -> Classifier:
+    torch.manual_seed(seed)
+    side = SIDE.get(name, 8)
+    return build_classifier(name, num_classes=NUM_CLASSES, in_channels=1, image_size=side)
+
+
+def devices(side: int = 8) -> list[DeviceData]:
+    rng = np.random.default_rng(7)
+    out = []
+    for index, n in enumerate(SIZES):
+        x = rng.random((n, 1, side, side), dtype=np.float32)
+        y = rng.integers(0, NUM_CLASSES, n).astype(np.int64)
+        out.append(DeviceData(f"dev-{index}", x, y, x[:0], y[:0], NUM_CLASSES))
+    return out
+
+
+def latent_generator(latent_dim: int) -> dict[str, np.ndarray]:
+    torch.manual_seed(9)
+    generator = LatentGenerator(
+        LatentGeneratorConfig(hidden_dim=32, num_classes=NUM_CLASSES, latent_dim=latent_dim)
+    )
+    generator.train()
+    with torch.no_grad():
+        for _ in range(3):
+            generator(torch.randn(16, 32), torch.arange(16) % NUM_CLASSES)
+    return state_arrays(generator)
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str
+    model: str = "lenet5"
+    hyper: dict[str, Any] = field(default_factory=dict)
+    sets: Callable[[Classifier], dict[str, dict[str, np.ndarray]]] = lambda m: {
+        "global": state_arrays(m)
+    }
+    upload: str = "all"
+
+
+def _fedgen_sets(head_only: bool) -> Callable[[Classifier], dict[str, dict[str, np.ndarray]]]:
+    def sets(model: Classifier) -> dict[str, dict[str, np.ndarray]]:
+        weights = state_arrays(model, "head" if head_only else "all")
+        prior = np.asarray([0.1, 0.2, 0.3, 0.4], dtype=np.float32)
+        return {
+            "head" if head_only else "global": weights,
+            "generator": latent_generator(model.latent_dim),
+            "prior": {"label_prior": prior},
+        }
+
+    return sets
+
+
+def _fedkf_sets(model: Classifier) -> dict[str, dict[str, np.ndarray]]:
+    teacher = classifier(model.architecture, 5)
+    return {"student": state_arrays(model), "teacher": state_arrays(teacher)}
+
+
+FEDGEN = {"generative_alpha": 0.5, "generator_hidden": 32, "generator_batch_size": 6}
+FEDKF = {"generator_width": 4, "generator_noise_dim": 8}
+
+CASES = {
+    "fedavg": Case("fedavg"),
+    "fedavg-mlp-no-momentum": Case("fedavg", "mlp", {"momentum": 0.0}),
+    "fedavg-weight-decay": Case("fedavg", hyper={"weight_decay": 0.01}),
+    "fedavg-resnet8": Case("fedavg", "resnet8", {"local_epochs": 1}),
+    "fedavg-head-only": Case(
+        "fedavg", sets=lambda m: {"head": state_arrays(m, "head")}, upload="head"
+    ),
+    "fedavg-oca": Case("fedavg_oca"),
+    "fedprox": Case("fedprox", hyper={"mu": 0.5}),
+    "qat": Case("fedavg", hyper={"qat": True}),
+    "fedprox-qat": Case("fedprox", hyper={"mu": 0.5, "qat": True}),
+    "fedgen": Case("fedgen", hyper=FEDGEN, sets=_fedgen_sets(False)),
+    "fedgen-head-only": Case("fedgen", hyper=FEDGEN, sets=_fedgen_sets(True), upload="head"),
+    "fedkf": Case("fedkf", hyper=FEDKF, sets=_fedkf_sets),
+    "fedkf-minus": Case("fedkf", hyper=FEDKF, sets=lambda m: {"student": state_arrays(m)}),
+    "fedkf-qat": Case("fedkf", hyper={**FEDKF, "qat": True}, sets=_fedkf_sets),
+}
+
+
+def _tasks(case: Case, model: Classifier, round_: int) -> list[LocalTask]:
+    sets = case.sets(model)
+    return [
+        LocalTask(
+            case.strategy,
+            {"seed": 100 * round_ + i, "batch_size": 8, "local_epochs": 2, **case.hyper},
+            sets,
+            case.upload,  # type: ignore[arg-type]
+        )
+        for i in range(len(SIZES))
+    ]
+
+
+def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a)
+
+
+def _compare(batched: LocalResult, reference: LocalResult) -> None:
+    assert batched.steps == reference.steps
+    assert batched.num_samples == reference.num_samples
+    assert _max_diff(batched.sets["weights"], reference.sets["weights"]) <= WEIGHT_TOLERANCE
+    assert batched.metrics.keys() == reference.metrics.keys()
+    for name, value in reference.metrics.items():
+        assert batched.metrics[name] == pytest.approx(value, abs=METRIC_TOLERANCE), name
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_batched_updates_equal_the_per_device_reference(name: str) -> None:
+    case = CASES[name]
+    start = classifier(case.model)
+    data = devices(SIDE.get(case.model, 8))
+    reference_models = [copy.deepcopy(start) for _ in data]
+    batched_models = [copy.deepcopy(start) for _ in data]
+    reference_states: list[dict[str, Any]] = [{} for _ in data]
+    batched_states: list[dict[str, Any]] = [{} for _ in data]
+    for round_ in range(2):  # the second round starts from the state the first left
+        tasks = _tasks(case, start, round_)
+        expected = [
+            local_update(m, d, t, s)
+            for m, d, t, s in zip(reference_models, data, tasks, reference_states, strict=True)
+        ]
+        members = [
+            Member(m, d, t, s)
+            for m, d, t, s in zip(batched_models, data, tasks, batched_states, strict=True)
+        ]
+        outcomes = train_cohort(members)
+        for outcome, reference in zip(outcomes, expected, strict=True):
+            assert outcome.error is None
+            assert outcome.batched, outcome.fallback_reason
+            assert outcome.result is not None
+            _compare(outcome.result, reference)
+    for ref, got in zip(reference_models, batched_models, strict=True):
+        assert _max_diff(state_arrays(got), state_arrays(ref)) <= WEIGHT_TOLERANCE
+    if case.strategy == "fedkf":  # each device's own generator moved as in the loop
+        for ref_state, got_state in zip(reference_states, batched_states, strict=True):
+            ref_g, got_g = ref_state[GENERATOR_STATE_KEY], got_state[GENERATOR_STATE_KEY]
+            # (Adam divides by the root of tiny second moments: relative bound)
+            for name, ref_value in state_arrays(ref_g.module).items():
+                got_value = state_arrays(got_g.module)[name]
+                scale = max(1.0, float(np.abs(ref_value).max()))
+                assert float(np.abs(got_value - ref_value).max()) <= 1e-4 * scale, name
+
+
+def test_devices_of_different_settings_train_in_separate_cohorts() -> None:
+    start = classifier("mlp")
+    data = devices()
+    hypers = [{"lr": 0.1}, {"lr": 0.05}, {"lr": 0.1}, {"lr": 0.05}]
+    tasks = [
+        LocalTask("fedavg", {"seed": i, "batch_size": 8, **h}, {"global": state_arrays(start)})
+        for i, h in enumerate(hypers)
+    ]
+    reference = [local_update(copy.deepcopy(start), d, t) for d, t in zip(data, tasks, strict=True)]
+    members = [Member(copy.deepcopy(start), d, t) for d, t in zip(data, tasks, strict=True)]
+    for outcome, expected in zip(train_cohort(members, max_cohort=1), reference, strict=True):
+        assert outcome.result is not None
+        _compare(outcome.result, expected)
+
+
+def test_a_task_that_does_not_fit_fails_alone_and_changes_nothing() -> None:
+    start = classifier("mlp")
+    data = devices()
+    good = LocalTask("fedavg", {"batch_size": 8}, {"global": state_arrays(start)})
+    bad = LocalTask("fedavg", {"batch_size": 8, "no_such_key": 1}, {"global": state_arrays(start)})
+    models = [copy.deepcopy(start) for _ in data]
+    before = state_arrays(models[1])
+    members = [
+        Member(m, d, bad if i == 1 else good)
+        for i, (m, d) in enumerate(zip(models, data, strict=True))
+    ]
+    outcomes = train_cohort(members)
+    assert isinstance(outcomes[1].error, TaskError)
+    assert _max_diff(state_arrays(models[1]), before) == 0
+    assert all(o.result is not None for i, o in enumerate(outcomes) if i != 1)
+
+
+def test_max_cohort_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_cohort"):
+        train_cohort([], max_cohort=0)
