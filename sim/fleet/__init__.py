@@ -12,7 +12,7 @@ Modules: ``driver`` (:class:`Fleet`, :class:`FleetOptions`), ``pool`` (the conne
 and their publishers), ``batching`` (which jobs go to the trainer together),
 ``trainer`` (the seam and the loop trainer), ``devices`` (a device's session and
 persistence), ``window`` (how many hellos and updates may wait for the coordinator's
-answer). See docs/fleet.md.
+answer), ``pacing`` (how fast the devices publish). See docs/fleet.md.
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ from protocol.messages import Ack, Hello
 from protocol.transport import Counts, Transport
 from sim.fleet.batching import DEFAULT_LINGER_S, DEFAULT_MAX_COHORT, CohortQueue
 from sim.fleet.devices import build_device, save_model, save_state
+from sim.fleet.pacing import DEFAULT_RATE, RateLimit
 from sim.fleet.pool import ConnectionRestored, DeviceEvent, Pool, PoolEvent, StatusArrived
 from sim.fleet.trainer import FleetTrainer, LoopTrainer, TrainerFactory
 from sim.fleet.window import DEFAULT_WINDOW, AnswerWindow
@@ -95,6 +96,9 @@ class FleetOptions(BaseModel):
     window: int = Field(default=DEFAULT_WINDOW, ge=1)
     """Hellos and updates waiting for the coordinator's answer at once, at most: a device
     starts, or sends its update, when fewer wait."""
+    max_rate: float | None = Field(default=DEFAULT_RATE, gt=0, allow_inf_nan=False)
+    """Messages per second the devices publish at most, all connections together, over
+    bursts of 200 (sim.fleet.pacing); None: no limit."""
     connect_retry_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     """How long each connection keeps retrying to reach the broker, seconds."""
     client_id_prefix: str = "fleet"
@@ -168,7 +172,8 @@ class Fleet:
         configs = [config for config, _ in devices]
         members = [configs[i::size] for i in range(size)]
         transports = [make_transport(f"{options.client_id_prefix}-{i:03d}") for i in range(size)]
-        self._pool = Pool(transports, members, self._post, codec=codec)
+        rate = None if options.max_rate is None else RateLimit(options.max_rate)
+        self._pool = Pool(transports, members, self._post, codec=codec, rate=rate)
         self._options = options
         self._expiries: list[tuple[float, str]] = []
         self._running = len(self._devices)

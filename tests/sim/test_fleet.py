@@ -43,6 +43,7 @@ from protocol.transport import (
 from protocol.transport.broker import EmbeddedBroker
 from sim.__main__ import main
 from sim.fleet import CohortQueue, Fleet, FleetDevice, FleetOptions, LoopTrainer
+from sim.fleet.pacing import RateLimit
 from sim.fleet.window import AnswerWindow
 from sim.run import SimConfig, build_federation, device_data, run_simulation
 from tests.protocol.brokers import Mosquitto
@@ -567,3 +568,20 @@ def msg(task: str) -> Message:
     return Message(
         fleet="f", sender="c", body=CoordinatorStatus(state="running"), message_id=message_id
     )
+
+
+def test_the_rate_limit_lets_a_burst_through_then_spreads_the_rest() -> None:
+    clock = Clock()
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        clock.now += seconds
+
+    limit = RateLimit(rate=10, burst=3, clock=clock, sleep=sleep)
+
+    assert [limit.acquire() for _ in range(3)] == [0, 0, 0]
+    assert limit.acquire() == pytest.approx(0.1)
+    assert limit.acquire() == pytest.approx(0.1)
+    clock.now += 10  # idle: the bucket refills up to the burst only
+    assert [limit.acquire() for _ in range(3)] == [0, 0, 0] and limit.acquire() > 0
