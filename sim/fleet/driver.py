@@ -15,8 +15,10 @@ threads whatever N is:
 * the :class:`~sim.fleet.pool.Pool`'s K connections, each with its publisher thread and
   its transport's own threads.
 
-Devices start a window at a time (:class:`~sim.fleet.joining.JoinWindow`), so that the
-coordinator's connection is not handed all the fleet's hellos at once.
+Devices start, and send their updates, a window at a time
+(:class:`~sim.fleet.window.AnswerWindow`): at most ``window`` hellos and updates wait for
+the coordinator's answer, so that its one connection is not handed the fleet's messages
+faster than it reads them.
 
 Bytes are counted as N separate devices would count them (:meth:`Fleet.traffic`): what
 the devices publish, and what is delivered to them, the coordinator's status once per
@@ -67,9 +69,10 @@ from protocol.messages import Ack, Hello
 from protocol.transport import Counts, Transport
 from sim.fleet.batching import DEFAULT_LINGER_S, DEFAULT_MAX_COHORT, CohortQueue
 from sim.fleet.devices import build_device, save_model, save_state
-from sim.fleet.joining import DEFAULT_JOIN_WINDOW, JoinWindow
+from sim.fleet.pacing import DEFAULT_RATE, RateLimit
 from sim.fleet.pool import ConnectionRestored, DeviceEvent, Pool, PoolEvent, StatusArrived
 from sim.fleet.trainer import FleetTrainer, LoopTrainer, TrainerFactory
+from sim.fleet.window import DEFAULT_WINDOW, AnswerWindow
 
 __all__ = ["DEFAULT_CONNECTIONS", "Fleet", "FleetOptions"]
 
@@ -90,9 +93,12 @@ class FleetOptions(BaseModel):
     """Training jobs handed to the trainer at once, at most."""
     linger_s: float = Field(default=DEFAULT_LINGER_S, ge=0, allow_inf_nan=False)
     """Quiet seconds after which the training jobs waiting go to the trainer."""
-    join_window: int = Field(default=DEFAULT_JOIN_WINDOW, ge=1)
-    """Devices announcing themselves at once: one starts when fewer hellos than this
-    wait for the coordinator's answer."""
+    window: int = Field(default=DEFAULT_WINDOW, ge=1)
+    """Hellos and updates waiting for the coordinator's answer at once, at most: a device
+    starts, or sends its update, when fewer wait."""
+    max_rate: float | None = Field(default=DEFAULT_RATE, gt=0, allow_inf_nan=False)
+    """Messages per second the devices publish at most, all connections together, over
+    bursts of 200 (sim.fleet.pacing); None: no limit."""
     connect_retry_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     """How long each connection keeps retrying to reach the broker, seconds."""
     client_id_prefix: str = "fleet"
@@ -160,11 +166,14 @@ class Fleet:
         self._trainer: FleetTrainer = trainer(specs)
         self._events: queue.SimpleQueue[PoolEvent | _Tick | None] = queue.SimpleQueue()
         self._cohorts = CohortQueue(options.max_cohort, options.linger_s)
-        self._joining = JoinWindow(options.join_window)
+        # what waits to send a message the coordinator answers: a device's start (its
+        # hello; no action) or its update
+        self._window: AnswerWindow[tuple[str, SendUpdate | None]] = AnswerWindow(options.window)
         configs = [config for config, _ in devices]
         members = [configs[i::size] for i in range(size)]
         transports = [make_transport(f"{options.client_id_prefix}-{i:03d}") for i in range(size)]
-        self._pool = Pool(transports, members, self._post, codec=codec)
+        rate = None if options.max_rate is None else RateLimit(options.max_rate)
+        self._pool = Pool(transports, members, self._post, codec=codec, rate=rate)
         self._options = options
         self._expiries: list[tuple[float, str]] = []
         self._running = len(self._devices)
@@ -298,7 +307,7 @@ class Fleet:
 
     def _event_loop(self) -> None:
         while True:
-            due = [t for t in (self._joining.next_expiry(),) if t is not None]
+            due = [t for t in (self._window.next_expiry(),) if t is not None]
             if self._expiries:
                 due.append(self._expiries[0][0])
             wait = max(0.0, min(due) - time.monotonic()) if due else None
@@ -317,7 +326,7 @@ class Fleet:
 
     def _dispatch(self, item: PoolEvent | _Tick) -> None:
         if isinstance(item, DeviceEvent) and isinstance(item.event, Started):
-            self._joining.queue(item.device_id)  # it starts when the window lets it
+            self._window.queue((item.device_id, None))  # it starts when the window lets it
         elif isinstance(item, DeviceEvent):
             self._handle(item.device_id, item.event)
         elif isinstance(item, StatusArrived):
@@ -333,10 +342,14 @@ class Fleet:
                 self._handle(device_id, Reconnected())
 
     def _tick(self) -> None:
-        """Start the devices the join window admits; tell the sessions whose waiting
-        tasks are due to expire that time passed."""
-        for device_id in self._joining.admit():
-            self._handle(device_id, Started())
+        """Start the devices and send the updates the window admits; tell the sessions
+        whose waiting tasks are due to expire that time passed."""
+        for device_id, update in self._window.admit():
+            if update is None:
+                self._handle(device_id, Started())
+            elif not self._devices[device_id].stopped:
+                self._window.sent(update.message.message_id)
+                self._pool.send(device_id, update)
         now = time.monotonic()
         due = set()
         while self._expiries and self._expiries[0][0] <= now:
@@ -349,7 +362,7 @@ class Fleet:
         if device.stopped:
             return
         if isinstance(event, Received) and isinstance(event.message.body, Ack):
-            self._joining.answered(event.message.body.ref)
+            self._window.answered(event.message.body.ref)
         for action in device.session.handle(event):
             self._act(device_id, device, action)
         expiry = device.session.next_expiry
@@ -357,15 +370,17 @@ class Fleet:
             heapq.heappush(self._expiries, (expiry, device_id))
 
     def _act(self, device_id: str, device: _Device, action: Action) -> None:
-        if isinstance(action, (Publish, SetStatus, SendUpdate)):
+        if isinstance(action, SendUpdate):
+            self._window.queue((device_id, action))  # it goes when the window lets it
+        elif isinstance(action, (Publish, SetStatus)):
             if isinstance(action, Publish) and isinstance(action.message.body, Hello):
-                self._joining.announced(action.message.message_id)
+                self._window.sent(action.message.message_id)
             self._pool.send(device_id, action)
         elif isinstance(action, RunJob):
             self._cohorts.submit(device_id, action.job)
         elif isinstance(action, SaveState):
             save_state(device.config, action.saved)
-        elif isinstance(action, SaveModel):
+        elif isinstance(action, SaveModel) and device.config.state_dir is not None:
             save_model(device.config, self._trainer.model(device_id))
         elif isinstance(action, CommitUpload):
             self._trainer.commit_upload(device_id)

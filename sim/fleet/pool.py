@@ -47,6 +47,7 @@ from protocol.errors import DecodeError, EncodeError, TransportError
 from protocol.messages import Message
 from protocol.topics import Topics
 from protocol.transport import Counts, Inbound, TrafficStats, Transport, publish_packet_size
+from sim.fleet.pacing import RateLimit
 
 __all__ = ["ConnectionRestored", "DeviceEvent", "Pool", "PoolEvent", "StatusArrived"]
 
@@ -114,6 +115,7 @@ class Pool:
         post: where inbound messages, statuses, reconnects and finished uploads go (the
             driver's event queue); called from the transports' and publishers' threads.
         codec: encoder / decoder with its limits; a default :class:`Codec` if None.
+        rate: how fast the devices publish, all connections together; None: no limit.
     """
 
     def __init__(
@@ -123,12 +125,14 @@ class Pool:
         post: Callable[[PoolEvent], None],
         *,
         codec: Codec | None = None,
+        rate: RateLimit | None = None,
     ) -> None:
         if len(transports) != len(members) or not all(members):
             raise ValueError("one non-empty list of devices per transport")
         configs = [c for group in members for c in group]
         self._topics = Topics(configs[0].fleet)
         self._post = post
+        self._rate = rate
         self._configs = {c.device_id: c for c in configs}
         self._connection_of: dict[str, int] = {}
         self._connections: list[_Connection] = []
@@ -214,6 +218,11 @@ class Pool:
         """``counts`` were received (and counted by a transport) but reached no device."""
         with self._lock:
             self._undelivered = self._undelivered + counts
+
+    def _pace(self) -> None:
+        """Wait for the rate limit before a publish (not once the fleet stops)."""
+        if self._rate is not None and not self._stopping.is_set():
+            self._rate.acquire()
 
     def _config(self, device_id: str) -> ClientConfig:
         return self._configs[device_id]
@@ -343,6 +352,8 @@ class _Connection:
         self._ready(self.index)
 
     def _carry_out(self, device_id: str, action: Outbound) -> None:
+        if not isinstance(action, SendUpdate):
+            self.pool._pace()
         if isinstance(action, SetStatus):
             publish_status(self.channel, self.pool._config(device_id), action.state, action.detail)
         elif isinstance(action, Publish):
@@ -364,6 +375,7 @@ class _Connection:
         action = retry.action
         assert action is not None
         message = action.message
+        self.pool._pace()
         try:
             self.channel.send(action.topic, message)
         except (TransportError, EncodeError) as exc:

@@ -43,7 +43,8 @@ from protocol.transport import (
 from protocol.transport.broker import EmbeddedBroker
 from sim.__main__ import main
 from sim.fleet import CohortQueue, Fleet, FleetDevice, FleetOptions, LoopTrainer
-from sim.fleet.joining import JoinWindow
+from sim.fleet.pacing import RateLimit
+from sim.fleet.window import AnswerWindow
 from sim.run import SimConfig, build_federation, device_data, run_simulation
 from tests.protocol.brokers import Mosquitto
 
@@ -398,40 +399,42 @@ def test_a_reconnected_connection_announces_each_of_its_devices_again(
     fleet.close()
 
 
-def test_devices_join_a_window_at_a_time_and_all_join(memory: MemoryBroker) -> None:
-    # Prepare: 8 devices, at most 2 hellos unanswered at a time.
-    config = settings(fleet="window", devices=8, rounds=1)
-    options = config.fleet_options().model_copy(update={"join_window": 2})
+def test_devices_join_and_upload_a_window_at_a_time(memory: MemoryBroker) -> None:
+    # Prepare: 8 devices, all trained; at most 2 hellos or updates unanswered at a time.
+    config = settings(fleet="window", devices=8, rounds=1, participation=1.0)
+    options = config.fleet_options().model_copy(update={"window": 2})
 
     # Execute
     with running(config, on(memory), options=options) as run:
         run.finish()
 
-    # Assert: every device joined; never more than 2 hellos ahead of their acks.
+    # Assert: every device joined and trained; never more than 2 messages ahead of acks.
     assert set(run.coordinator.engine.registry.entries) == set(run.fleet.device_ids)
-    ahead = most = 0
+    assert [c.on_time for c in run.closed] == [8]
+    waiting: set[str] = set()
+    most = 0
     for _, message in run.sniffer.messages():
-        if isinstance(message.body, Hello):
-            ahead += 1
-        elif isinstance(message.body, Ack) and message.round == -1:
-            ahead -= 1
-        most = max(most, ahead)
+        if isinstance(message.body, (Hello, Update)):
+            waiting.add(message.message_id)
+        elif isinstance(message.body, Ack):
+            waiting.discard(message.body.ref)
+        most = max(most, len(waiting))
     assert most <= 2
 
 
-def test_the_join_window_admits_as_hellos_are_answered_or_time_out() -> None:
+def test_the_window_admits_as_messages_are_answered_or_time_out() -> None:
     clock = Clock()
-    window = JoinWindow(size=2, timeout_s=30, clock=clock)
+    window: AnswerWindow[str] = AnswerWindow(size=2, timeout_s=30, clock=clock)
     for device in ("a", "b", "c", "d"):
         window.queue(device)
 
     assert window.admit() == ["a", "b"]
-    window.announced("hello-a")
-    window.announced("hello-b")
+    window.sent("hello-a")
+    window.sent("hello-b")
     assert window.admit() == [] and window.next_expiry() == pytest.approx(130)
     window.answered("hello-a")
     assert window.admit() == ["c"]
-    window.announced("hello-c")
+    window.sent("hello-c")
     clock.now += 30  # b and c were never answered
     assert window.admit() == ["d"] and len(window) == 0 and window.next_expiry() is None
 
@@ -566,3 +569,20 @@ def msg(task: str) -> Message:
     return Message(
         fleet="f", sender="c", body=CoordinatorStatus(state="running"), message_id=message_id
     )
+
+
+def test_the_rate_limit_lets_a_burst_through_then_spreads_the_rest() -> None:
+    clock = Clock()
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        clock.now += seconds
+
+    limit = RateLimit(rate=10, burst=3, clock=clock, sleep=sleep)
+
+    assert [limit.acquire() for _ in range(3)] == [0, 0, 0]
+    assert limit.acquire() == pytest.approx(0.1)
+    assert limit.acquire() == pytest.approx(0.1)
+    clock.now += 10  # idle: the bucket refills up to the burst only
+    assert [limit.acquire() for _ in range(3)] == [0, 0, 0] and limit.acquire() > 0
