@@ -90,6 +90,19 @@ def _tasks(model: Classifier, strategy: str, devices: int) -> list[LocalTask]:
     ]
 
 
+def _together(data: list[DeviceData]) -> DeviceData:
+    """The devices' samples as one device's."""
+    x = np.concatenate([d.x for d in data])
+    y = np.concatenate([d.y for d in data])
+    return DeviceData("together", x, y, x[:0], y[:0], data[0].num_classes)
+
+
+def _together_task(task: LocalTask, devices: int) -> LocalTask:
+    """``task`` with a batch as large as a batched step over ``devices`` devices."""
+    batch = int(str(task.hyperparameters["batch_size"])) * devices
+    return LocalTask(task.strategy, {**task.hyperparameters, "batch_size": batch}, task.sets)
+
+
 def run_one(options: dict[str, Any]) -> dict[str, Any]:
     """One configuration, measured in this process."""
     device = resolve_device(options["device"])
@@ -99,6 +112,9 @@ def run_one(options: dict[str, Any]) -> dict[str, Any]:
     timed = count if options["engine"] == "batched" else min(count, options["loop_sample"])
     data = _data(timed, options["samples"], options["data_dir"])
     tasks = _tasks(start_model, options["strategy"], timed)
+    if options["engine"] == "bound":
+        data = [_together(data)]
+        tasks = [_together_task(tasks[0], timed)]
     models = [copy.deepcopy(start_model) for _ in range(timed)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -110,7 +126,7 @@ def run_one(options: dict[str, Any]) -> dict[str, Any]:
         if failed:
             raise RuntimeError(f"{len(failed)} devices failed: {failed[0]}")
     else:
-        for model, d, task in zip(models, data, tasks, strict=True):
+        for model, d, task in zip(models[: len(data)], data, tasks, strict=True):
             local_update(model, d, task, device=device)
             model.to("cpu")
     if device.type == "cuda":
@@ -192,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         print(f"device: {rows[0]['device']}")
     for row in rows:
-        if row["engine"] != "batched":
+        if row["engine"] == "loop":
             continue
         loop = [
             r
@@ -203,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if loop:
             speedup = row["updates_per_s"] / loop[0]["updates_per_s"]
             print(
-                f"batched / loop: {row['model']} {row['strategy']} {row['devices']} devices: "
+                f"{row['engine']} / loop: {row['model']} {row['strategy']} {row['devices']} devices: "
                 f"{speedup:.2f}x"
             )
     if args.json is not None:
