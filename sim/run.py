@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from pydantic import Field, field_serializer, field_validator, model_validator
 
 from coordinator.config import CoordinatorConfig, FleetSettings
@@ -302,8 +303,14 @@ def fleet_totals(fleet: Fleet) -> tuple[int, int, int, int]:
     return out.payload_bytes, inn.payload_bytes, out.wire_bytes, inn.wire_bytes
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _peak_memory() -> dict[str, int]:
+    """This process's peak resident set and, where it used CUDA, the most GPU memory
+    torch held at once (summed over its GPUs; 0 where it used none)."""
+    gpu = 0
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        gpu = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"peak_rss_bytes": rss, "peak_gpu_bytes": gpu}
 
 
 class _Recorder:
@@ -533,14 +540,15 @@ def run_simulation(
         "bytes_down": totals[1],
         "wire_bytes_up": totals[2],
         "wire_bytes_down": totals[3],
-        "peak_rss_bytes": _peak_rss_bytes(),
+        **_peak_memory(),
         "models": {k: v.to_dict() for k, v in records[-1].models.items()} if records else {},
         "final_model": coordinator.final_model,
         "num_classes": federation.num_classes,
     }
-    if ranks is not None:  # the whole fleet's footprint: every rank's peak, summed
+    if ranks is not None:  # the whole fleet's footprint: every rank's peaks, summed
         final["ranks"] = ranks
-        final["peak_rss_bytes"] = sum(r["peak_rss_bytes"] for r in ranks)
+        for key in ("peak_rss_bytes", "peak_gpu_bytes"):
+            final[key] = sum(r[key] for r in ranks)
     config_dict = config.model_dump(mode="json")
     return RunReport(config=config_dict, rounds=records, final=final)
 
@@ -566,7 +574,7 @@ def _rank_answer(shard: Shard, fleet: Fleet, count: int) -> Callable[[str], Any]
     def answer(question: str) -> Any:
         if question == "traffic":
             return fleet_totals(fleet)
-        return {"rank": shard.rank, "devices": count, "peak_rss_bytes": _peak_rss_bytes()}
+        return {"rank": shard.rank, "devices": count, **_peak_memory()}
 
     return answer
 
@@ -607,6 +615,6 @@ def _follow(
         "rank": shard.rank,
         "devices": len(devices),
         "wall_s": time.perf_counter() - started,
-        "peak_rss_bytes": _peak_rss_bytes(),
+        **_peak_memory(),
     }
     return RunReport(config=config.model_dump(mode="json"), rounds=[], final=final)

@@ -175,7 +175,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"({final['mean_round_wall_s']:.2f} s/round); {names}; up "
         f"{human_bytes(final['bytes_up'])}, down {human_bytes(final['bytes_down'])} "
         f"(wire {human_bytes(final['wire_bytes_up'])} / {human_bytes(final['wire_bytes_down'])}); "
-        f"peak RSS {human_bytes(final['peak_rss_bytes'])}",
+        f"peak RSS {human_bytes(final['peak_rss_bytes'])}"
+        + (f", peak GPU {human_bytes(final['peak_gpu_bytes'])}" if final["peak_gpu_bytes"] else ""),
         file=sys.stderr,
     )
     if args.json_out is not None:

@@ -38,6 +38,7 @@ def test_inproc_run_reports_every_round_with_bytes_and_both_models() -> None:
     data = report.to_json_dict()
     assert data["config"]["devices"] == 6
     assert data["final"]["rounds"] == 2 and data["final"]["peak_rss_bytes"] > 0
+    assert data["final"]["peak_gpu_bytes"] == 0  # trained on the CPU
 
 
 def test_embedded_broker_counts_the_same_bytes_as_the_inproc_twin() -> None:
