@@ -54,6 +54,7 @@ import torch.nn.functional as F  # noqa: N812
 from coordinator.errors import ConfigError
 from models.classifiers import HEAD_PREFIX
 from models.generators import LatentGenerator
+from models.optim import Adam
 
 __all__ = [
     "GeneratorTraining",
@@ -285,7 +286,7 @@ def train_latent_generator(
     settings = settings if settings is not None else GeneratorTraining()
     head_weights, head_biases, shares, prior = _checked(generator, heads, label_counts)
     rng = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(generator.parameters(), lr=settings.lr)
+    optimizer = Adam(generator.parameters(), lr=settings.lr)
     ensemble_losses: list[float] = []
     diversity_losses: list[float] = []
     was_training = generator.training
@@ -301,7 +302,7 @@ def train_latent_generator(
             ensemble = (shares[y] * per_head).mean(dim=0).sum()
             diversity = diversity_loss(eps, latents)
             loss = settings.ensemble_weight * ensemble + settings.diversity_weight * diversity
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             ensemble_losses.append(float(ensemble.detach()))

@@ -53,6 +53,7 @@ from models import (
     load_state_arrays,
 )
 from models.losses import distillation_kl, fedkf_generator_loss
+from models.optim import Adam
 
 __all__ = [
     "DEFAULT_NOISE_DIM",
@@ -104,7 +105,7 @@ class LocalImageGenerator:
 
     module: ImageGenerator
     """G: noise (B, noise_dim) -> images (B, C, H, W) in [0, 1]; always in train mode."""
-    optimizer: torch.optim.Adam
+    optimizer: Adam
     """Adam over G's parameters; its moments persist with G."""
     signature: tuple[object, ...]
     """What G was built for (noise width, image shape, width, device); a round whose
@@ -143,7 +144,7 @@ class LocalImageGenerator:
         features = teacher.features(images)  # (B, latent_dim)
         logits = teacher.head(features)  # (B, num_classes)
         loss, parts = fedkf_generator_loss(logits, features, lambda1, lambda2)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
         return float(loss.detach()), parts
@@ -182,8 +183,7 @@ def local_image_generator(
     signature = (noise_dim, size, channels, config.generator_width, str(device))
     existing = state.get(GENERATOR_STATE_KEY)
     if isinstance(existing, LocalImageGenerator) and existing.signature == signature:
-        for group in existing.optimizer.param_groups:
-            group["lr"] = config.generator_lr
+        existing.optimizer.lr = config.generator_lr
         return existing
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -198,7 +198,7 @@ def local_image_generator(
         except ModelConfigError as exc:
             raise TaskError(f"no FedKF image generator for this model: {exc}") from exc
     module.to(device)
-    optimizer = torch.optim.Adam(module.parameters(), lr=config.generator_lr)
+    optimizer = Adam(module.parameters(), lr=config.generator_lr)
     local = LocalImageGenerator(module, optimizer, signature)
     state[GENERATOR_STATE_KEY] = local
     logger.debug("built the FedKF image generator %s", signature)

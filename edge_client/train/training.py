@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from edge_client.errors import TaskError
+from models.optim import SGD
 from protocol.hyperparams import Hyperparameters
 
 __all__ = ["TrainConfig", "TrainHook", "TrainResult", "as_tensor", "batch_indices", "train_local"]
@@ -193,7 +194,7 @@ def train_local(
     model.to(device)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(
+    optimizer = SGD(
         trainable, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     for hook in hooks:
@@ -208,7 +209,7 @@ def train_local(
         yb = ys[index].to(device)  # (B,)
         for hook in hooks:
             hook.before_batch(model, xb, yb)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         logits = model(xb)  # (B, num_classes)
         data_loss = F.cross_entropy(logits, yb)
         loss = data_loss

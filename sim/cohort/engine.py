@@ -72,6 +72,7 @@ from edge_client.train.training import TrainConfig, TrainHook, as_tensor, batch_
 from models import Classifier
 from models.classifiers import FEATURES_PREFIX, HEAD_PREFIX
 from models.losses import distillation_kl, fedkf_generator_objective
+from models.optim import adam_update_, sgd_update_
 
 __all__ = ["CohortOutcome", "Member", "train_cohort"]
 
@@ -266,32 +267,25 @@ def _run_loop(prepared: _Prepared, device: torch.device, reason: str) -> CohortO
 
 
 class _StackedAdam:
-    """N independent Adam optimizers (torch's defaults: no weight decay, no amsgrad) over
-    stacked parameters, with each one's state taken from and written back to its
-    :class:`LocalImageGenerator`."""
+    """N independent Adam optimizers over stacked parameters (:func:`adam_update_` with
+    each row's own step count), each one's state taken from and written back to its
+    :class:`LocalImageGenerator`'s :class:`Adam`."""
 
     def __init__(self, generators: Sequence[LocalImageGenerator], device: torch.device) -> None:
         self._generators = generators
-        first = generators[0].optimizer.param_groups[0]
-        self.lr = float(first["lr"])
-        self.beta1, self.beta2 = (float(b) for b in first["betas"])
-        self.eps = float(first["eps"])
+        first = generators[0].optimizer
+        self.lr, self.betas, self.eps = first.lr, first.betas, first.eps
         self.names = [n for n, _ in generators[0].module.named_parameters()]
-        exp_avg: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
-        exp_avg_sq: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
-        steps = []
-        for local in generators:
-            params = dict(local.module.named_parameters())
-            step = 0.0
-            for name in self.names:
-                state = local.optimizer.state.get(params[name], {})
-                zeros = torch.zeros_like(params[name])
-                exp_avg[name].append(state.get("exp_avg", zeros))
-                exp_avg_sq[name].append(state.get("exp_avg_sq", zeros))
-                step = float(state.get("step", 0.0))
-            steps.append(step)
-        self.exp_avg = {n: _stack(v, device) for n, v in exp_avg.items()}
-        self.exp_avg_sq = {n: _stack(v, device) for n, v in exp_avg_sq.items()}
+        self.exp_avg = {
+            n: _stack([g.optimizer.exp_avg[i] for g in generators], device)
+            for i, n in enumerate(self.names)
+        }
+        self.exp_avg_sq = {
+            n: _stack([g.optimizer.exp_avg_sq[i] for g in generators], device)
+            for i, n in enumerate(self.names)
+        }
+        # every parameter of a generator steps together: one count per device
+        steps = [float(g.optimizer.steps[0]) for g in generators]
         self.step = torch.tensor(steps, dtype=torch.float64, device=device)  # (N,)
 
     def update(self, params: Tensors, grads: Tensors, rows: torch.Tensor | None) -> None:
@@ -303,34 +297,27 @@ class _StackedAdam:
             else:
                 self.step[rows] += 1
                 step = self.step[rows]
-            correction1 = (1 - self.beta1**step).to(torch.float32)  # (A,)
-            correction2_sqrt = (1 - self.beta2**step).sqrt().to(torch.float32)
             for name in self.names:
-                g, p = grads[name], params[name]
+                p = params[name]
                 m = self.exp_avg[name] if rows is None else self.exp_avg[name][rows]
                 v = self.exp_avg_sq[name] if rows is None else self.exp_avg_sq[name][rows]
-                m.lerp_(g, 1 - self.beta1)
-                v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-                shape = (-1,) + (1,) * (p.ndim - 1)
-                denom = (v.sqrt() / correction2_sqrt.view(shape)).add_(self.eps)
-                p.sub_((self.lr / correction1).view(shape) * m / denom)
+                count = step.view((-1,) + (1,) * (p.ndim - 1))
+                adam_update_(
+                    p, grads[name], m, v, count, lr=self.lr, betas=self.betas, eps=self.eps
+                )
                 if rows is not None:
                     self.exp_avg[name][rows] = m
                     self.exp_avg_sq[name][rows] = v
 
     def write_back(self) -> None:
-        """Each optimizer's state into its generator's ``torch.optim.Adam``."""
+        """Each optimizer's state into its generator's :class:`Adam`."""
         for index, local in enumerate(self._generators):
-            params = dict(local.module.named_parameters())
-            for name in self.names:
-                local.optimizer.state[params[name]] = {
-                    "step": torch.tensor(float(self.step[index])),
-                    "exp_avg": self.exp_avg[name][index].detach().to(params[name].device).clone(),
-                    "exp_avg_sq": self.exp_avg_sq[name][index]
-                    .detach()
-                    .to(params[name].device)
-                    .clone(),
-                }
+            optimizer = local.optimizer
+            for i, name in enumerate(self.names):
+                device = optimizer.params[i].device
+                optimizer.exp_avg[i] = self.exp_avg[name][index].detach().to(device).clone()
+                optimizer.exp_avg_sq[i] = self.exp_avg_sq[name][index].detach().to(device).clone()
+                optimizer.steps[i] = int(self.step[index])
 
 
 class _BatchedRound:
@@ -493,23 +480,27 @@ class _BatchedRound:
         }
 
     def _sgd(self, params: Tensors, grads: Tensors, index: torch.Tensor | None) -> None:
-        """torch.optim.SGD's step (momentum, weight decay, no dampening) per row."""
+        """Each row's SGD step (:func:`sgd_update_`); ``index``: the rows that step
+        (None: all), whose gathered ``params`` are written back."""
         cfg = self.config
         with torch.no_grad():
             for name in self.trainable:
-                p, g = params[name], grads[name]
-                if cfg.weight_decay:
-                    g = g + cfg.weight_decay * p
+                p = params[name]
+                buf = None
                 if self.momentum:
                     buf = self.momentum[name] if index is None else self.momentum[name][index]
-                    buf.mul_(cfg.momentum).add_(g)
-                    g = buf
-                    if index is not None:
+                sgd_update_(
+                    p,
+                    grads[name],
+                    buf,
+                    lr=cfg.lr,
+                    momentum=cfg.momentum,
+                    weight_decay=cfg.weight_decay,
+                )
+                if index is not None:
+                    self.params[name][index] = p
+                    if buf is not None:
                         self.momentum[name][index] = buf
-                if index is None:
-                    p.sub_(cfg.lr * g)
-                else:
-                    self.params[name][index] = p - cfg.lr * g
 
     def _result(self, i: int, seconds: float) -> LocalResult:
         prepared = self.prepared[i]

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from coordinator.config import TrainingSettings
 from coordinator.engine import Action, RoundClosed
@@ -274,14 +273,6 @@ class FailingFor(LoopTrainer):
         return results
 
 
-@pytest.fixture
-def warm_torch() -> None:
-    """torch imports its compiler the first time an optimizer is built: seconds, which a
-    test with a short round deadline must not spend inside a round."""
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-
-
-@pytest.mark.usefixtures("warm_torch")
 def test_a_device_whose_training_fails_reports_it_and_the_run_goes_on(
     memory: MemoryBroker,
 ) -> None:
