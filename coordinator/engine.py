@@ -323,7 +323,9 @@ class RoundEngine:
             log.warning("refused hello of %s: %s", device_id, problem[1])
             return [self._ack(device_id, message, False, *problem)]
         if self.registry.register(hello):
-            self._state.save_registry(self.registry.entries)
+            entry = self.registry.get(device_id)
+            assert entry is not None
+            self._state.save_device(device_id, entry)
             link = self._link(device_id)
             log.info(
                 "registered %s (%d samples, %s down / %s up)",

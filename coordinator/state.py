@@ -7,7 +7,9 @@ key                        record
 =========================  =================================================================
 ``run``                    config fingerprint, current round, phase, selected devices, task
                            ids, deadline (metadata only)
-``registry``               the device registry (metadata only)
+``registry/DEVICE``        the registry's entry of ``DEVICE``, what its hello announced
+                           (metadata only; one record per device, so registering one
+                           writes O(1) whatever the fleet's size)
 ``models/rNNNNNN/NAME``    global model ``NAME`` (``aca``, ...) that round ``N`` starts from
 ``updates/DEVICE/rNNNNNN`` an accepted update of ``DEVICE`` for round ``N``: its metadata and
                            weights. Writing it is the commit point of acceptance.
@@ -181,11 +183,17 @@ class RunState:
         self.store.write("run", run.to_meta())
 
     def load_registry(self) -> dict[str, dict[str, Any]]:
-        meta = self.store.read_meta("registry")
-        return {} if meta is None else {str(k): dict(v) for k, v in meta["devices"].items()}
+        """Every registered device's entry, by device id."""
+        out = {}
+        for key in self.store.keys("registry"):
+            meta = self.store.read_meta(key)
+            if meta is not None:
+                out[key.removeprefix("registry/")] = meta
+        return out
 
-    def save_registry(self, devices: Mapping[str, Mapping[str, Any]]) -> None:
-        self.store.write("registry", {"devices": {k: dict(v) for k, v in devices.items()}})
+    def save_device(self, device_id: str, entry: Mapping[str, Any]) -> None:
+        """Persist one device's registry entry."""
+        self.store.write(f"registry/{device_id}", dict(entry))
 
     # -- models ------------------------------------------------------------------------
 

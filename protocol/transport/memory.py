@@ -22,10 +22,10 @@ from protocol.transport.base import (
     Transport,
     Will,
     check_qos,
-    topic_matches,
     validate_filter,
     validate_topic,
 )
+from protocol.transport.topictree import TopicTree
 from protocol.transport.wire import publish_packet_size
 
 __all__ = ["MemoryBroker", "MemoryTransport"]
@@ -53,7 +53,8 @@ class MemoryBroker:
         self._lock = threading.RLock()
         self._running = True
         self._sessions: dict[str, _Session] = {}
-        self._retained: dict[str, tuple[bytes, int]] = {}  # topic -> (payload, QoS)
+        self._subscribers: TopicTree[dict[str, int]] = TopicTree()  # filter -> client -> QoS
+        self._retained: TopicTree[tuple[bytes, int]] = TopicTree()  # topic -> (payload, QoS)
         self._lost: list[MemoryTransport] = []  # dropped by stop(), restored by start()
 
     @property
@@ -85,6 +86,7 @@ class MemoryBroker:
             self._running = False
             lost = [session.transport for session in self._sessions.values()]
             self._sessions.clear()
+            self._subscribers.clear()
             self._retained.clear()
             self._lost.extend(lost)
         for transport in lost:
@@ -105,6 +107,8 @@ class MemoryBroker:
             if not self._running:
                 raise TransportError("memory broker is not running (connection refused)")
             old = self._sessions.pop(transport.client_id, None)
+            if old is not None:
+                self._forget(old)
             self._sessions[transport.client_id] = _Session(transport, will)
         if old is not None and old.transport is not transport:
             logger.info("client id %r taken over; dropping the old session", transport.client_id)
@@ -118,6 +122,7 @@ class MemoryBroker:
             if session is None:
                 return
             del self._sessions[transport.client_id]
+            self._forget(session)
         if publish_will and session.will is not None:
             will = session.will
             self._route(will.topic, will.payload, will.qos, will.retain)
@@ -126,10 +131,10 @@ class MemoryBroker:
         with self._lock:
             session = self._require(transport)
             session.subscriptions[topic_filter] = qos
+            self._subscribers.setdefault(topic_filter, {})[transport.client_id] = qos
             retained = [
                 Inbound(topic, payload, min(stored_qos, qos), True)
-                for topic, (payload, stored_qos) in self._retained.items()
-                if topic_matches(topic_filter, topic)
+                for topic, (payload, stored_qos) in self._retained.matching(topic_filter)
             ]
             for message in retained:
                 transport._deliver(message)
@@ -137,6 +142,19 @@ class MemoryBroker:
     def _unsubscribe(self, transport: MemoryTransport, topic_filter: str) -> None:
         with self._lock:
             self._require(transport).subscriptions.pop(topic_filter, None)
+            self._unsubscribed(transport.client_id, topic_filter)
+
+    def _unsubscribed(self, client_id: str, topic_filter: str) -> None:
+        clients = self._subscribers.get(topic_filter)
+        if clients is not None:
+            clients.pop(client_id, None)
+            if not clients:
+                del self._subscribers[topic_filter]
+
+    def _forget(self, session: _Session) -> None:
+        """Drop a session's subscriptions from the index (the session is gone)."""
+        for topic_filter in session.subscriptions:
+            self._unsubscribed(session.transport.client_id, topic_filter)
 
     def _publish(
         self, transport: MemoryTransport, topic: str, payload: bytes, qos: int, retain: bool
@@ -152,11 +170,13 @@ class MemoryBroker:
                     self._retained[topic] = (payload, qos)
                 else:
                     self._retained.pop(topic, None)
-            for session in self._sessions.values():
-                granted = [q for f, q in session.subscriptions.items() if topic_matches(f, topic)]
-                if granted:
-                    delivered = Inbound(topic, payload, min(qos, max(granted)), False)
-                    session.transport._deliver(delivered)
+            granted: dict[str, int] = {}
+            for _, clients in self._subscribers.match(topic):
+                for client_id, client_qos in clients.items():
+                    granted[client_id] = max(client_qos, granted.get(client_id, 0))
+            for client_id, client_qos in granted.items():
+                delivered = Inbound(topic, payload, min(qos, client_qos), False)
+                self._sessions[client_id].transport._deliver(delivered)
 
     def _session(self, transport: MemoryTransport) -> _Session | None:
         session = self._sessions.get(transport.client_id)
@@ -183,7 +203,7 @@ class MemoryTransport(Transport):
         self._broker = broker
         self._client_id = client_id
         self._lock = threading.Lock()
-        self._subscriptions: dict[str, tuple[Handler, int]] = {}
+        self._subscriptions: TopicTree[tuple[Handler, int]] = TopicTree()
         self._will: Will | None = None
         self._active = False  # between connect() and disconnect()/abort()
 
@@ -284,4 +304,4 @@ class MemoryTransport(Transport):
 
     def _handlers_for(self, topic: str) -> list[Handler]:
         with self._lock:
-            return [h for f, (h, _) in self._subscriptions.items() if topic_matches(f, topic)]
+            return [h for _, (h, _) in self._subscriptions.match(topic)]

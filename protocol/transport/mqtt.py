@@ -28,11 +28,11 @@ from protocol.transport.base import (
     Transport,
     Will,
     check_qos,
-    topic_matches,
     validate_filter,
     validate_topic,
 )
 from protocol.transport.config import MqttConfig, TlsConfig, parse_broker_url
+from protocol.transport.topictree import TopicTree
 from protocol.transport.wire import publish_packet_size, varint_size
 
 __all__ = ["MqttConfig", "MqttTransport", "TlsConfig", "parse_broker_url"]
@@ -76,7 +76,7 @@ class MqttTransport(Transport):
         self._config = config
         self._lock = threading.Lock()
         self._client: paho.Client | None = None
-        self._subscriptions: dict[str, tuple[Handler, int]] = {}
+        self._subscriptions: TopicTree[tuple[Handler, int]] = TopicTree()
         self._pending: dict[int, _Pending] = {}
         self._connack = threading.Event()
         self._refusal: str | None = None
@@ -338,4 +338,4 @@ class MqttTransport(Transport):
 
     def _handlers_for(self, topic: str) -> list[Handler]:
         with self._lock:
-            return [h for f, (h, _) in self._subscriptions.items() if topic_matches(f, topic)]
+            return [h for _, (h, _) in self._subscriptions.match(topic)]
