@@ -38,6 +38,10 @@ def _prototypes(rng: np.random.Generator, k: int, c: int, size: int, blobs: int)
     return out
 
 
+_CHUNK = 8192
+"""Images generated at a time."""
+
+
 def _draw(
     rng: np.random.Generator,
     protos: np.ndarray,
@@ -56,16 +60,23 @@ def _draw(
     grid = np.arange(size, dtype=np.float32) - mid
     rows = np.clip(np.rint(mid + grid / scale - shift[:, :1]), 0, size - 1).astype(np.intp)
     cols = np.clip(np.rint(mid + grid / scale - shift[:, 1:]), 0, size - 1).astype(np.intp)
-    r, c = rows[:, :, None], cols[:, None, :]
-    # Advanced indices first, then the channel slice: result is (N, S, S, C).
-    own = protos[y[:, None, None], :, r, c]
-    mixed = protos[other[:, None, None], :, r, c]
     m = rng.uniform(0.0, overlap, (n, 1, 1, 1)).astype(np.float32)
     contrast = rng.uniform(0.6, 1.0, (n, 1, 1, 1)).astype(np.float32)
-    x = contrast * ((1 - m) * own + m * mixed)
-    x += noise * rng.standard_normal(x.shape, dtype=np.float32)
-    x = np.clip(x, 0.0, 1.0, out=x).transpose(0, 3, 1, 2)
-    return np.ascontiguousarray(x), y
+    channels = protos.shape[1]
+    x = np.empty((n, channels, size, size), dtype=np.float32)
+    # In chunks, so the temporaries stay small whatever n is; the noise is drawn in the
+    # same order as one draw of all of it would take it (the same images either way).
+    for start in range(0, n, _CHUNK):
+        part = slice(start, min(n, start + _CHUNK))
+        r, c = rows[part, :, None], cols[part, None, :]
+        # Advanced indices first, then the channel slice: result is (B, S, S, C).
+        own = protos[y[part, None, None], :, r, c]
+        mixed = protos[other[part, None, None], :, r, c]
+        chunk = contrast[part] * ((1 - m[part]) * own + m[part] * mixed)
+        chunk += noise * rng.standard_normal(chunk.shape, dtype=np.float32)
+        np.clip(chunk, 0.0, 1.0, out=chunk)
+        x[part] = chunk.transpose(0, 3, 1, 2)
+    return x, y
 
 
 def make_synthetic(

@@ -382,3 +382,16 @@ def test_synthetic_grows_with_the_fleet_so_a_thousand_devices_partition() -> Non
     assert (len(splits.train), len(splits.test)) == (100_000, 20_000)
     assert min(len(d.train) + len(d.test) for d in fed.devices) >= 10
     assert synthetic_size(50) == {"train_samples": 10_000, "test_samples": 2_000}
+
+
+def test_synthetic_images_do_not_depend_on_how_many_are_made_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    whole = make_synthetic(3, train_samples=300, test_samples=60)
+    monkeypatch.setattr("sim.synthetic._CHUNK", 7)
+    chunked = make_synthetic(3, train_samples=300, test_samples=60)
+
+    assert np.array_equal(whole.train.x, chunked.train.x)
+    assert np.array_equal(whole.train.y, chunked.train.y)
+    assert whole.test is not None and chunked.test is not None
+    assert np.array_equal(whole.test.x, chunked.test.x)
