@@ -8,7 +8,8 @@ a :class:`TerminalProgress`:
   4/10``, ``connecting devices 640/1000``), with each finished round printed above it
   as a permanent line;
 - elsewhere (a file, a pipe, CI logs) only the permanent lines: one line per round, no
-  bar, no carriage returns.
+  bar, no carriage returns; a counted step that runs long (10,000 devices connecting)
+  adds a line such as ``connecting devices: 6400/10000 (60 s)`` every 30 s.
 
 A round's line reads ``round 5/10 | AMP aca 81.2% oca 80.9% | up 1.2 MB down 3.4 MB |
 2.31 s/round``: AMP per global model after the round, payload bytes sent so far in each
@@ -18,6 +19,8 @@ direction, and the mean wall time per round so far.
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TextIO
 
@@ -75,6 +78,8 @@ class TerminalProgress:
         stream: where to write; ``sys.stderr`` (looked up now) when None.
         live: draw live bars; None: only when ``stream`` is a terminal.
         refresh_s: least seconds between two redraws of a live bar.
+        every_s: without a live bar, seconds between two lines of a counted step.
+        clock: monotonic seconds.
     """
 
     def __init__(
@@ -84,8 +89,16 @@ class TerminalProgress:
         *,
         live: bool | None = None,
         refresh_s: float = 0.1,
+        every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._refresh_s = refresh_s
+        self._every_s = every_s
+        self._clock = clock
+        self._text = ""
+        self._total: int | None = None
+        self._done = 0
+        self._started = self._last_line = 0.0
         self._total_rounds = total_rounds
         self._stream = stream if stream is not None else sys.stderr
         self._live = _isatty(self._stream) if live is None else live
@@ -96,6 +109,8 @@ class TerminalProgress:
 
     def step(self, text: str, total: int | None = None) -> None:
         self._end_bar()
+        self._text, self._total, self._done = text, total, 0
+        self._started = self._last_line = self._clock()
         if self._live:
             self._bar = tqdm(
                 total=total,
@@ -111,8 +126,15 @@ class TerminalProgress:
             )
 
     def advance(self, units: int = 1) -> None:
+        self._done += units
         if self._bar is not None:
             self._bar.update(units)
+        elif not self._live and self._total is not None:
+            now = self._clock()
+            if now - self._last_line >= self._every_s:
+                self._last_line = now
+                elapsed = now - self._started
+                self.write(f"{self._text}: {self._done}/{self._total} ({elapsed:.0f} s)")
 
     def round_closed(self, record: RoundRecord) -> None:
         self._up += record.bytes_up

@@ -105,3 +105,20 @@ def test_a_run_reports_its_setup_and_the_devices_trained_in_each_round() -> None
         assert (step, 3) in progress.steps
         assert progress.advanced[step] == 3
     assert progress.closed == [1, 2] == [r.round for r in report.rounds]
+
+
+def test_a_long_counted_step_logs_a_line_now_and_then_when_not_a_tty() -> None:
+    stream = io.StringIO()
+    now = [0.0]
+
+    with TerminalProgress(1, stream=stream, every_s=30, clock=lambda: now[0]) as progress:
+        progress.step("connecting devices", total=100)
+        for _ in range(100):
+            now[0] += 1.0
+            progress.advance()
+
+    assert stream.getvalue().splitlines() == [
+        "connecting devices: 30/100 (30 s)",
+        "connecting devices: 60/100 (60 s)",
+        "connecting devices: 90/100 (90 s)",
+    ]
