@@ -88,7 +88,20 @@ def adam_update_(
     param.sub_((lr / correction1) * exp_avg / denom)
 
 
-class SGD:
+class _Optimizer:
+    """What both optimizers share: their parameters, and dropping the gradients."""
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float) -> None:
+        self.params = list(params)
+        self.lr = lr
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (set them to None)."""
+        for p in self.params:
+            p.grad = None
+
+
+class SGD(_Optimizer):
     """SGD over a model's parameters (:func:`sgd_update_` on each), torch.optim's API.
 
     The momentum buffers start at zero and live as long as the optimizer.
@@ -102,18 +115,12 @@ class SGD:
         momentum: float = 0.0,
         weight_decay: float = 0.0,
     ) -> None:
-        self.params = list(params)
-        self.lr = lr
+        super().__init__(params, lr)
         self.momentum = momentum
         self.weight_decay = weight_decay
         self.buffers: list[torch.Tensor] | None = (
             [torch.zeros_like(p) for p in self.params] if momentum else None
         )
-
-    def zero_grad(self) -> None:
-        """Drop the gradients (set them to None)."""
-        for p in self.params:
-            p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
@@ -132,7 +139,7 @@ class SGD:
             )
 
 
-class Adam:
+class Adam(_Optimizer):
     """Adam over a model's parameters (:func:`adam_update_` on each), torch.optim's API.
 
     Attributes:
@@ -148,18 +155,12 @@ class Adam:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
     ) -> None:
-        self.params = list(params)
-        self.lr = lr
+        super().__init__(params, lr)
         self.betas = betas
         self.eps = eps
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
         self.steps = [0] * len(self.params)
-
-    def zero_grad(self) -> None:
-        """Drop the gradients (set them to None)."""
-        for p in self.params:
-            p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
