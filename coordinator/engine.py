@@ -13,8 +13,14 @@ Round rules:
   registered devices), capped by those online, and sends each a model and a task with a
   deadline ``round_timeout_s`` ahead.
 * The round closes when every selected device's update is in, or at the deadline. Only
-  on-time updates of selected devices are averaged into the round's ACA model; with no
-  update at all the model stays as it was.
+  on-time updates of selected devices are aggregated into the round's models; with no
+  update at all the strategy says so (:class:`~coordinator.strategies.NothingToAggregate`)
+  and the models stay as they were.
+* Aggregation is a phase of its own: closing a round returns
+  :class:`AggregateRequested` (the runtime runs the job off the engine thread, server-side
+  training included) and the round is closed by the :class:`AggregateDone` event that
+  answers it. Events keep coming in meanwhile: hellos, statuses, and updates for the
+  round, which are late by now.
 * Late updates (after the deadline, or for an earlier round) are never averaged into a
   round. Strategies with an OCA cache still take a late update into the device's cache
   slot if it is newer than the slot (Ack ``accepted=True, reason=late``); others reject it.
@@ -28,19 +34,20 @@ import logging
 import math
 import uuid
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from coordinator.aggregation import AggregationJob
 from coordinator.config import CoordinatorConfig, participants
 from coordinator.errors import StoreError, UpdateRejectedError
 from coordinator.registry import DeviceRegistry
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies import Arrays, Contribution, Strategy
+from coordinator.strategies import AggregateResult, Arrays, NothingToAggregate, Strategy
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
 from protocol.deltas import encode_full
@@ -61,6 +68,8 @@ from protocol.topics import Topics
 
 __all__ = [
     "Action",
+    "AggregateDone",
+    "AggregateRequested",
     "Event",
     "Finished",
     "Publish",
@@ -105,7 +114,17 @@ class Reconnected:
     now: float
 
 
-Event = Received | Tick | Reconnected
+@dataclass(frozen=True)
+class AggregateDone:
+    """The aggregation an :class:`AggregateRequested` asked for has finished."""
+
+    round: int
+    result: AggregateResult
+    now: float
+    """Unix time (s) it finished."""
+
+
+Event = Received | Tick | Reconnected | AggregateDone
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -123,6 +142,15 @@ class Publish:
 class RoundStarted:
     round: int
     selected: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AggregateRequested:
+    """Run ``job`` (off the engine thread) and hand its result back as
+    :class:`AggregateDone`; the round closes then. A failure of the job is fatal to the
+    run: its state stays consistent and a resumed coordinator requests the job again."""
+
+    job: AggregationJob
 
 
 @dataclass(frozen=True)
@@ -152,7 +180,7 @@ class Finished:
     final: str = "aca"
 
 
-Action = Publish | RoundStarted | RoundClosed | Finished
+Action = Publish | RoundStarted | AggregateRequested | RoundClosed | Finished
 
 
 @dataclass
@@ -265,10 +293,12 @@ class RoundEngine:
         if run.phase == "training":
             missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
             if not missing:  # the crash came after the last update, before the close
-                return actions + self._close_round(now)
+                return actions + self._close_round()
             sets = self._server_sets()
             for device_id in missing:
                 actions += self._task_messages(device_id, sets)
+        elif run.phase == "aggregating":  # the crash came before the round closed
+            actions.append(self._aggregate_requested(run))
         elif run.phase == "finished":
             actions += [*self._status("finished"), self._finished()]
         return actions
@@ -281,6 +311,8 @@ class RoundEngine:
             return self._on_tick(event.now)
         if isinstance(event, Reconnected):
             return self._status(self._status_sent or "starting", force=True)
+        if isinstance(event, AggregateDone):
+            return self._on_aggregate_done(event)
         message = event.message
         if message.fleet != self.config.fleet or message.sender != event.topic_device:
             log.warning(
@@ -404,7 +436,7 @@ class RoundEngine:
         actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
         log.info("round %d: update of %s accepted", run.round, device_id)
         if all(self._state.has_update(d, run.round) for d in run.selected):
-            actions += self._close_round(now)
+            actions += self._close_round()
         return actions
 
     def _classify(self, device_id: str, round_number: int, update: Update, now: float) -> bool:
@@ -422,8 +454,14 @@ class RoundEngine:
             raise UpdateRejectedError(ReasonCode.WRONG_ROUND, "answers another task")
         if current and now <= run.deadline:
             return True
-        if round_number == run.round and not current:
+        if round_number == run.round and run.phase == "waiting":
             raise UpdateRejectedError(ReasonCode.WRONG_ROUND, f"round {run.round} has not started")
+        if (
+            run.phase == "aggregating"
+            and round_number == run.round
+            and device_id in run.aggregating
+        ):
+            return False  # a duplicate of an update being aggregated; acknowledged as such
         if self._cache is None:
             raise UpdateRejectedError(ReasonCode.LATE, "after the round's deadline")
         if round_number <= self._cache.slot_round(device_id):
@@ -439,7 +477,7 @@ class RoundEngine:
         if run.phase == "training" and now > run.deadline:
             missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
             log.warning("round %d deadline passed; missing %s", run.round, ", ".join(missing))
-            return self._close_round(now)
+            return self._close_round()
         if run.phase == "waiting":
             online = self.registry.online()
             if len(online) >= self.config.min_devices:
@@ -482,7 +520,11 @@ class RoundEngine:
         sets = self._transfers.downlink(
             device_id, run.round, server_sets, link, self.strategy.delta_sets
         )
-        model = Message(fleet=fleet, sender=me, round=run.round, body=ModelPayload(sets=sets))
+        models: list[Publish] = []  # none where the strategy sends no model
+        if sets:
+            body = ModelPayload(sets=sets)
+            model = Message(fleet=fleet, sender=me, round=run.round, body=body)
+            models.append(Publish(self.topics.to_device(device_id, "model"), model))
         hyper = self.strategy.hyperparameters(run.round)
         hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
         if self.strategy.training.qat and Precision.INT8 in (link.downlink, link.uplink):
@@ -492,9 +534,9 @@ class RoundEngine:
             hyperparameters=hyper,
             deadline=run.deadline,
             downlink_precision=link.downlink,
-            uplink=link.upload(self._uplink, next(iter(sets))),
+            uplink=link.upload(self._uplink, next(iter(sets), None)),
             payloads=tuple(sets),
-            model_message=model.message_id,
+            model_message=models[0].message.message_id if models else None,
         )
         task_message = Message(
             fleet=fleet,
@@ -503,36 +545,38 @@ class RoundEngine:
             body=task,
             message_id=run.task_ids[device_id],
         )
-        return [
-            Publish(self.topics.to_device(device_id, "model"), model),
-            Publish(self.topics.to_device(device_id, "task"), task_message),
-        ]
+        return [*models, Publish(self.topics.to_device(device_id, "task"), task_message)]
 
-    def _on_time_updates(
-        self, round_number: int
-    ) -> Iterator[tuple[StoredUpdate, dict[str, Array]]]:
-        for device_id in self._state.round_updates(round_number):
-            stored, weights = self._state.read_update(device_id, round_number)
-            if stored.on_time:
-                yield stored, weights
-
-    def _close_round(self, now: float) -> list[Action]:
+    def _close_round(self) -> list[Action]:
+        """Persist which updates the round aggregates, then ask for the aggregation."""
         run = self._require_run()
-        closing = run.round
-        stats: list[tuple[int, dict[str, float]]] = []
+        run.phase = "aggregating"
+        run.aggregating = [
+            d
+            for d in self._state.round_updates(run.round)
+            if self._state.read_update_meta(d, run.round).on_time
+        ]
+        self._state.save_run(run)  # a resumed coordinator aggregates these same updates
+        log.info("round %d: aggregating %d update(s)", run.round, len(run.aggregating))
+        return [self._aggregate_requested(run)]
 
-        def updates() -> Iterator[Contribution]:
-            for stored, weights in self._on_time_updates(closing):
-                stats.append((stored.num_samples, {**stored.timings, **stored.metrics}))
-                counts = None if stored.label_counts is None else tuple(stored.label_counts)
-                yield Contribution(stored.device_id, weights, stored.num_samples, counts)
+    def _aggregate_requested(self, run: RunMeta) -> AggregateRequested:
+        job = AggregationJob(
+            self.strategy, run.round, self._models, tuple(run.aggregating), self._state
+        )
+        return AggregateRequested(job)
 
-        try:
-            result = self.strategy.aggregate(self._models, updates(), closing)
-            server = {name: dict(arrays) for name, arrays in result.items()}
-        except ValueError:
-            log.warning("round %d closed without any on-time update; model unchanged", closing)
+    def _on_aggregate_done(self, done: AggregateDone) -> list[Action]:
+        run = self._require_run()
+        if run.phase != "aggregating" or done.round != run.round:
+            raise RuntimeError(f"aggregation of round {done.round} done in {run.phase} {run.round}")
+        closing, now = run.round, done.now
+        if isinstance(done.result, NothingToAggregate):
+            log.warning("round %d closed, model unchanged: %s", closing, done.result.reason)
             server = self._models
+        else:
+            server = {name: dict(arrays) for name, arrays in done.result.models.items()}
+        stats = [self._state.read_update_meta(d, closing) for d in run.aggregating]
         finished = closing >= self.config.rounds
         self._state.save_models(closing + 1, server)
         next_run = RunMeta(
@@ -544,6 +588,7 @@ class RoundEngine:
         self._run, self._models = next_run, server
         self._cleanup(closing)
         models = self.models()
+        metrics = [(u.num_samples, {**u.timings, **u.metrics}) for u in stats]
         closed = RoundClosed(
             round=closing,
             selected=len(run.selected),
@@ -552,9 +597,9 @@ class RoundEngine:
             rejected=self._counters.rejected,
             duration_s=max(0.0, now - run.started_at),
             models=models,
-            train_loss=_weighted_metric(stats, "loss"),
-            train_accuracy=_weighted_metric(stats, "accuracy"),
-            device_train_s=_mean_metric(stats, "train_s"),
+            train_loss=_weighted_metric(metrics, "loss"),
+            train_accuracy=_weighted_metric(metrics, "accuracy"),
+            device_train_s=_mean_metric(metrics, "train_s"),
         )
         actions: list[Action] = [closed]
         if self.config.broadcast_model:

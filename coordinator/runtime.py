@@ -5,8 +5,11 @@ will), subscribes to every device topic of the fleet, and feeds the engine from 
 messages decoded by the :class:`~protocol.channel.Channel` are queued by the transport's
 handler thread and processed in order with clock ticks. Actions are carried out in the
 order the engine returns them; round results go to observers (the lab emulator evaluates
-models there) and to the log. At the end the final models are saved as ``.pt`` and
-``.onnx`` under ``state_dir/final``.
+models there) and to the log. A round's aggregation runs on a thread of its own, on the
+``server_device``, and comes back through the same queue as an ``AggregateDone`` event
+(while it runs the engine goes on answering devices); if it fails, :meth:`Coordinator.run`
+raises :class:`~coordinator.errors.AggregationError` and the run can be resumed. At the
+end the final models are saved as ``.pt`` and ``.onnx`` under ``state_dir/final``.
 """
 
 from __future__ import annotations
@@ -16,15 +19,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy.typing as npt
 import torch
 
+from coordinator.aggregation import AggregationJob
 from coordinator.config import CoordinatorConfig
+from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import (
     Action,
+    AggregateDone,
+    AggregateRequested,
     Event,
     Finished,
     Models,
@@ -36,7 +44,7 @@ from coordinator.engine import (
     RoundStarted,
     Tick,
 )
-from coordinator.errors import ConfigError
+from coordinator.errors import AggregationError, ConfigError
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays, state_arrays
@@ -55,6 +63,14 @@ log = logging.getLogger(__name__)
 Array = npt.NDArray[Any]
 Observer = Callable[[Action], None]
 """Called with every RoundStarted, RoundClosed and Finished action, on the engine thread."""
+
+
+@dataclass(frozen=True)
+class _AggregationFailed:
+    """Queued in place of an AggregateDone when the aggregation raised."""
+
+    round: int
+    error: Exception
 
 
 def build_model(config: CoordinatorConfig) -> Classifier:
@@ -126,7 +142,7 @@ class Coordinator:
         clock: returns Unix time in seconds.
 
     Raises:
-        ConfigError: unknown strategy or model.
+        ConfigError: unknown strategy or model, or ``server_device`` cuda without a GPU.
     """
 
     def __init__(
@@ -144,6 +160,7 @@ class Coordinator:
         self.channel = Channel(transport, codec)
         self._clock = clock
         self._tick_s = tick_s
+        self._server_device = resolve_server_device(config.server_device)
         self._template = build_model(config)
         initial = state_arrays(self._template)
         self.engine = RoundEngine(
@@ -156,7 +173,7 @@ class Coordinator:
             shapes={name: a.shape for name, a in initial.items()},
             num_classes=self._template.num_classes,
         )
-        self._events: queue.Queue[Event] = queue.Queue()
+        self._events: queue.Queue[Event | _AggregationFailed] = queue.Queue()
         self._stop = threading.Event()
         self._observers: list[Observer] = []
         self.final_models: Models | None = None
@@ -182,6 +199,7 @@ class Coordinator:
         Raises:
             TransportError: the broker cannot be reached at start.
             StoreError: the state store failed (fatal: the run cannot go on safely).
+            AggregationError: a round's aggregation failed (resume to run it again).
         """
         fleet, me = self.config.fleet, self.config.coordinator_id
         topics = self.engine.topics
@@ -196,10 +214,14 @@ class Coordinator:
             next_tick = self._clock() + self._tick_s
             while not self._stop.is_set() and self.final_models is None:
                 try:
-                    event: Event = self._events.get(timeout=max(0.0, next_tick - self._clock()))
+                    event = self._events.get(timeout=max(0.0, next_tick - self._clock()))
                 except queue.Empty:
                     event = Tick(self._clock())
                     next_tick = self._clock() + self._tick_s
+                if isinstance(event, _AggregationFailed):
+                    raise AggregationError(
+                        f"the aggregation of round {event.round} failed: {event.error}"
+                    ) from event.error
                 self._execute(self.engine.handle(event))
         finally:
             if self.final_models is None:
@@ -238,12 +260,30 @@ class Coordinator:
                     self.config.rounds,
                     len(action.selected),
                 )
+            elif isinstance(action, AggregateRequested):
+                self._aggregate(action.job)
             elif isinstance(action, RoundClosed):
                 self._log_round(action)
             elif isinstance(action, Finished):
                 self._finish(action)
             for observer in self._observers:
                 observer(action)
+
+    def _aggregate(self, job: AggregationJob) -> None:
+        """Run ``job`` on a thread of its own; its outcome comes back as an event."""
+        context = ServerContext.for_round(self._server_device, self.config.seed, job.round)
+
+        def work() -> None:
+            try:
+                result = job.run(context)
+            except Exception as exc:  # surfaces on the engine thread
+                log.exception("round %d: the aggregation failed", job.round)
+                self._events.put(_AggregationFailed(job.round, exc))
+                return
+            self._events.put(AggregateDone(job.round, result, self._clock()))
+
+        name = f"aggregate-round-{job.round}"
+        threading.Thread(target=work, name=name, daemon=True).start()
 
     def _publish(self, action: Publish) -> None:
         try:

@@ -6,7 +6,8 @@ Layout of the :class:`~coordinator.store.Store` (one atomic record per key):
 key                        record
 =========================  =================================================================
 ``run``                    config fingerprint, current round, phase, selected devices, task
-                           ids, deadline (metadata only)
+                           ids, deadline, the updates a closing round aggregates
+                           (metadata only)
 ``registry``               the device registry (metadata only)
 ``models/rNNNNNN/NAME``    global model ``NAME`` (``aca``, ...) that round ``N`` starts from
 ``updates/DEVICE/rNNNNNN`` an accepted update of ``DEVICE`` for round ``N``: its metadata and
@@ -25,8 +26,12 @@ Write order makes every crash recoverable (:meth:`RunState.recover`):
 * accept an update: write ``updates/D/rN`` (now it is accepted and never lost), then, for
   strategies with an OCA cache, write ``oca`` with the device's new slot folded in, then
   delete the device's previous update record (its old slot).
-* close round ``N``: write ``models/r(N+1)/*``, then ``run`` with round ``N+1`` (the commit
-  point), then delete ``models/rN/*`` and round ``N``'s update records no slot refers to.
+* close round ``N``: write ``run`` in phase ``aggregating`` with the devices whose on-time
+  updates the round aggregates; aggregate (off the engine thread; nothing is written);
+  write ``models/r(N+1)/*``, then ``run`` with round ``N+1`` (the commit point), then
+  delete ``models/rN/*`` and round ``N``'s update records no slot refers to. A crash
+  before the commit point leaves round ``N``'s models and updates in place: the resumed
+  coordinator aggregates the same updates again, so none is lost or counted twice.
 
 Recovery redoes what a crash interrupted: it folds into ``oca`` any newest update record
 the sum does not hold yet (each device's slot is its newest record, and the sum records
@@ -55,7 +60,7 @@ __all__ = ["Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
 log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
-Phase = Literal["waiting", "training", "finished"]
+Phase = Literal["waiting", "training", "aggregating", "finished"]
 _ROUND_KEY = re.compile(r"^r(\d{6,})$")
 
 
@@ -72,13 +77,16 @@ class RunMeta:
     round: int = 1
     """The current round (1-based); after the last round, ``rounds + 1``."""
     phase: Phase = "waiting"
-    """``waiting``: no round in progress; ``training``: tasks are out; ``finished``."""
+    """``waiting``: no round in progress; ``training``: tasks are out; ``aggregating``:
+    the round's updates are being aggregated; ``finished``."""
     selected: list[str] = field(default_factory=list)
     task_ids: dict[str, str] = field(default_factory=dict)
     """Device -> message id of its task this round."""
     deadline: float = 0.0
     """Unix time (s) after which updates of this round are late."""
     started_at: float = 0.0
+    aggregating: list[str] = field(default_factory=list)
+    """Phase ``aggregating``: the devices whose on-time update the round aggregates."""
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +102,7 @@ class RunMeta:
                 task_ids={str(k): str(v) for k, v in meta["task_ids"].items()},
                 deadline=float(meta["deadline"]),
                 started_at=float(meta["started_at"]),
+                aggregating=[str(d) for d in meta.get("aggregating", [])],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"corrupt run record: {exc}") from exc
@@ -237,6 +246,13 @@ class RunState:
         if record is None:
             raise StoreError(f"state is missing the update of {device_id} for round {round_number}")
         return StoredUpdate.from_meta(record.meta), record.arrays
+
+    def read_update_meta(self, device_id: str, round_number: int) -> StoredUpdate:
+        """The metadata of an accepted update (its weights stay in the store)."""
+        meta = self.store.read_meta(self.update_key(device_id, round_number))
+        if meta is None:
+            raise StoreError(f"state is missing the update of {device_id} for round {round_number}")
+        return StoredUpdate.from_meta(meta)
 
     def delete_update(self, device_id: str, round_number: int) -> None:
         self.store.delete(self.update_key(device_id, round_number))

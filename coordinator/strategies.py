@@ -26,6 +26,12 @@ fedgen         FedGen: averages what devices share (``full`` model or ``head`` o
 Server models: besides ``aca`` a strategy may keep more arrays between rounds (FedGen's
 ``generator`` and ``prior``); the engine persists every model :meth:`Strategy.aggregate`
 returns and hands them back to :meth:`Strategy.downlink` and the next aggregation.
+
+:meth:`Strategy.aggregate` runs in the aggregation phase, off the engine thread, with a
+:class:`~coordinator.context.ServerContext` (torch device, proxy data, seeded RNG). It
+answers :class:`Aggregated` or, when the round brought nothing to aggregate,
+:class:`NothingToAggregate`; an exception is a failure of the server step, never a
+way to say "no update".
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 
 from coordinator.aggregate import WeightedSum
 from coordinator.config import CoordinatorConfig, TrainingSettings
+from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
 from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_generator
 from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
@@ -62,12 +69,15 @@ from protocol.sets import (
 __all__ = [
     "GLOBAL_SET",
     "WEIGHTS_SET",
+    "AggregateResult",
+    "Aggregated",
     "Contribution",
     "FedAvg",
     "FedAvgOca",
     "FedGen",
     "FedKF",
     "FedProx",
+    "NothingToAggregate",
     "Strategy",
     "build_strategy",
     "strategy_names",
@@ -94,6 +104,23 @@ class Contribution:
     weights: dict[str, Array]
     num_samples: int
     label_counts: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Aggregated:
+    """The next round's server models, by name; always holds ``aca``."""
+
+    models: dict[str, Arrays]
+
+
+@dataclass(frozen=True)
+class NothingToAggregate:
+    """The round brought no on-time update: the server models stay as they are."""
+
+    reason: str
+
+
+AggregateResult = Aggregated | NothingToAggregate
 
 
 class Strategy(abc.ABC):
@@ -168,16 +195,23 @@ class Strategy(abc.ABC):
         current: Mapping[str, Arrays],
         updates: Iterable[Contribution],
         round_number: int,
-    ) -> dict[str, Arrays]:
+        context: ServerContext,
+    ) -> AggregateResult:
         """The next round's server models from the round's on-time updates.
 
-        ``updates`` loads one update at a time; keep memory O(model). The result always
-        holds ``aca``. Raises ValueError when there is nothing to aggregate.
+        ``updates`` loads one update at a time; keep memory O(model). Runs off the
+        engine thread; draws come from ``context.rng``, so a re-run gives the same.
+
+        Raises:
+            Exception: the server step failed; the round stays open, and a resumed
+                coordinator runs the aggregation again.
         """
         acc = WeightedSum()
         for update in updates:
             acc.add(update.weights, update.num_samples)
-        return {"aca": self._merge(current, acc.mean())}
+        if acc.weight <= 0:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
+        return Aggregated({"aca": self._merge(current, acc.mean())})
 
     def _merge(self, current: Mapping[str, Arrays], mean: dict[str, Array]) -> dict[str, Array]:
         """The new ACA: the mean itself, or (head-only) the current model with the mean
@@ -300,7 +334,8 @@ class FedGen(Strategy):
         current: Mapping[str, Arrays],
         updates: Iterable[Contribution],
         round_number: int,
-    ) -> dict[str, Arrays]:
+        context: ServerContext,
+    ) -> AggregateResult:
         acc = WeightedSum()
         heads: list[dict[str, Array]] = []
         counts: list[tuple[int, ...]] = []
@@ -310,21 +345,19 @@ class FedGen(Strategy):
             if update.label_counts is None:  # the engine checks; kept as a guard
                 raise ValueError(f"update of {update.device_id} has no label counts")
             counts.append(update.label_counts)
+        if acc.weight <= 0:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
         aca = self._merge(current, acc.mean())
-        generator = self._generator(current)
-        train_latent_generator(
-            generator,
-            heads,
-            counts,
-            self.generator_training,
-            seed=self.config.seed * 1_000_003 + round_number,
-        )
+        generator = self._generator(current).to(context.device)
+        train_latent_generator(generator, heads, counts, self.generator_training, rng=context.rng)
         prior = label_prior(np.asarray(counts, dtype=np.int64))
-        return {
-            "aca": aca,
-            GENERATOR_SET: state_arrays(generator),
-            PRIOR_SET: {PRIOR_TENSOR: prior.astype(np.float32)},
-        }
+        return Aggregated(
+            {
+                "aca": aca,
+                GENERATOR_SET: state_arrays(generator),
+                PRIOR_SET: {PRIOR_TENSOR: prior.astype(np.float32)},
+            }
+        )
 
     def _generator(self, current: Mapping[str, Arrays]) -> LatentGenerator:
         """Last round's generator, or in round 1 a new one seeded by the run's seed."""

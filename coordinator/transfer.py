@@ -57,11 +57,12 @@ class Link:
     def lossless(self) -> bool:
         return self.downlink is Precision.FP32 and self.uplink is Precision.FP32
 
-    def upload(self, spec: UploadSpec, model_set: str) -> UploadSpec:
+    def upload(self, spec: UploadSpec, model_set: str | None) -> UploadSpec:
         """The strategy's upload ``spec`` in this link's uplink precision: a delta against
-        ``model_set`` when lossy, the full weights in fp32."""
-        if self.uplink is Precision.FP32:
-            return spec.model_copy(update={"precision": Precision.FP32})
+        the device's model set ``model_set`` when lossy, else the full weights (fp32, or
+        lossy where the downlink sends no model to take a delta against)."""
+        if self.uplink is Precision.FP32 or model_set is None:
+            return spec.model_copy(update={"precision": self.uplink})
         return spec.model_copy(
             update={"precision": self.uplink, "mode": "delta", "base": model_set}
         )

@@ -37,7 +37,17 @@ from typing import Any
 
 import torch
 
-from coordinator.engine import Action, Finished, Publish, Received, RoundEngine, RoundStarted
+from coordinator.context import ServerContext, resolve_server_device
+from coordinator.engine import (
+    Action,
+    AggregateDone,
+    AggregateRequested,
+    Finished,
+    Publish,
+    Received,
+    RoundEngine,
+    RoundStarted,
+)
 from coordinator.errors import ConfigError
 from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
@@ -318,6 +328,7 @@ class _Emulation:
         try:  # as coordinator.runtime.Coordinator builds its engine
             template = build_model(coordinator)
             strategy: Strategy = build_strategy(coordinator, template)
+            self._server_device = resolve_server_device(coordinator.server_device)
         except ConfigError as exc:
             raise SimError(str(exc)) from exc
         initial = state_arrays(template)
@@ -431,7 +442,13 @@ class _Emulation:
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, Finished):
+            if isinstance(action, AggregateRequested):  # at once, on this thread
+                job = action.job
+                seed = self.engine.config.seed
+                context = ServerContext.for_round(self._server_device, seed, job.round)
+                done = AggregateDone(job.round, job.run(context), self._clock())
+                self._execute(self.engine.handle(done))
+            elif isinstance(action, Finished):
                 self._finished = True
             elif isinstance(action, RoundStarted):
                 rounds = self.config.rounds

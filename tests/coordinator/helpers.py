@@ -6,12 +6,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from coordinator.config import CoordinatorConfig
-from coordinator.engine import Action, Publish, Received, RoundEngine
+from coordinator.context import ServerContext
+from coordinator.engine import (
+    Action,
+    AggregateDone,
+    AggregateRequested,
+    Event,
+    Publish,
+    Received,
+    RoundEngine,
+)
 from coordinator.runtime import build_model
 from coordinator.store import Store
-from coordinator.strategies import build_strategy
+from coordinator.strategies import Strategy, build_strategy
 from models import state_arrays
 from protocol.messages import DeviceStatus, Hello, Message, RoundTask, Update
 from protocol.tensors import Precision
@@ -33,12 +43,45 @@ def config(**overrides: Any) -> CoordinatorConfig:
     return CoordinatorConfig.model_validate(base)
 
 
-def make_engine(cfg: CoordinatorConfig, store: Store) -> RoundEngine:
+class InlineEngine(RoundEngine):
+    """A RoundEngine whose aggregations run at once, on the CPU of the calling thread, as
+    ``sim.budget`` runs them: :meth:`start` and :meth:`handle` return the
+    AggregateRequested and, after it, the actions of its AggregateDone."""
+
+    def start(self, now: float) -> list[Action]:
+        return self._inline(super().start(now), now)
+
+    def handle(self, event: Event) -> list[Action]:
+        now = event.now
+        return self._inline(super().handle(event), now)
+
+    def _inline(self, actions: list[Action], now: float) -> list[Action]:
+        out: list[Action] = []
+        for action in actions:
+            out.append(action)
+            if isinstance(action, AggregateRequested):
+                out += self._inline(super().handle(aggregate(self, action, now)), now)
+        return out
+
+
+def aggregate(engine: RoundEngine, request: AggregateRequested, now: float) -> AggregateDone:
+    """Carry out ``request`` on the CPU, as the runtime does on its aggregation thread."""
+    job = request.job
+    context = ServerContext.for_round(torch.device("cpu"), engine.config.seed, job.round)
+    return AggregateDone(job.round, job.run(context), now)
+
+
+def make_engine(
+    cfg: CoordinatorConfig, store: Store, *, inline: bool = True, strategy: Strategy | None = None
+) -> RoundEngine:
+    """The engine of ``cfg`` on ``store`` (an :class:`InlineEngine` unless not ``inline``),
+    with ``strategy`` or the one ``cfg`` names."""
     template = build_model(cfg)
     initial = state_arrays(template)
-    return RoundEngine(
+    engine_type = InlineEngine if inline else RoundEngine
+    return engine_type(
         cfg,
-        build_strategy(cfg, template),
+        strategy or build_strategy(cfg, template),
         store,
         initial_model=lambda: initial,
         architecture=template.architecture,

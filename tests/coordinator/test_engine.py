@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from coordinator.engine import Finished, Publish, RoundClosed, RoundStarted, Tick
+from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
+from coordinator.strategies import FedAvg
 from protocol.messages import Ack, CoordinatorStatus, Message, ModelPayload, ReasonCode, RoundTask
 from protocol.tensors import Precision
 from tests.coordinator.helpers import (
@@ -341,3 +343,27 @@ def test_no_broadcast_unless_asked_and_never_with_head_sharing() -> None:
     assert not [a for a in published(closing) if "broadcast" in a.topic]
     with pytest.raises(ValueError, match="broadcast_model needs sharing full"):
         config(strategy="fedgen", sharing="head", broadcast_model=True)
+
+
+class OwnModel(FedAvg):
+    """A strategy whose devices start from a model of their own (as DENSE's will)."""
+
+    def downlink(self, models):
+        return {}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_strategy_without_a_downlink_sends_the_task_alone(precision: str) -> None:
+    cfg = config(min_devices=1, uplink_precision=precision)
+    engine = make_engine(cfg, MemoryStore(), strategy=OwnModel(cfg, build_model(cfg)))
+    engine.start(0.0)
+
+    actions = engine.handle(
+        received(hello(engine, "dev-0", precisions=(Precision.FP32, Precision.INT8)), 1.0)
+    )
+
+    assert not published(actions, "model")
+    task = only(list(tasks_by_device(actions).values())).body
+    assert isinstance(task, RoundTask)
+    assert task.payloads == () and task.model_message is None
+    assert (task.uplink.mode, task.uplink.precision.value) == ("full", precision)
