@@ -13,19 +13,15 @@ round closed requests the same job again on resume, and it gives the same result
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import numpy.typing as npt
 
 from coordinator.context import ServerContext
+from coordinator.groups import GroupModels
 from coordinator.state import RunState
 from coordinator.strategies import AggregateResult, Contribution, Strategy
 
 __all__ = ["AggregationJob"]
-
-Array = npt.NDArray[Any]
 
 
 @dataclass(frozen=True)
@@ -38,8 +34,8 @@ class AggregationJob:
 
     strategy: Strategy
     round: int
-    current: Mapping[str, Mapping[str, Array]]
-    """The server models the round started from, by name."""
+    current: GroupModels
+    """The server models the round started from, by group and role."""
     devices: tuple[str, ...]
     """Devices whose accepted on-time update of ``round`` is aggregated."""
     state: RunState
@@ -49,7 +45,7 @@ class AggregationJob:
         for device_id in self.devices:
             stored, weights = self.state.read_update(device_id, self.round)
             counts = None if stored.label_counts is None else tuple(stored.label_counts)
-            yield Contribution(device_id, weights, stored.num_samples, counts)
+            yield Contribution(device_id, stored.group, weights, stored.num_samples, counts)
 
     def run(self, context: ServerContext) -> AggregateResult:
         """Aggregate; raises whatever the strategy's server step raises."""

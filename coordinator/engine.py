@@ -6,6 +6,10 @@ and carries out the actions it returns (publish a message, report a round). It p
 through a :class:`~coordinator.store.Store` before it returns an action that depends on
 the write, so an Ack for an update is only sent once the update is stored.
 
+Models are kept per architecture group (:mod:`coordinator.groups`): a device's hello
+names its architecture, the engine maps it to a group (refusing architectures the fleet
+does not run), and each selected device gets its group's models at its own precision.
+
 Round rules:
 
 * A round starts when at least ``min_devices`` registered devices are online. It selects
@@ -34,7 +38,7 @@ import logging
 import math
 import uuid
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +47,8 @@ import numpy.typing as npt
 
 from coordinator.aggregation import AggregationJob
 from coordinator.config import CoordinatorConfig, participants
-from coordinator.errors import StoreError, UpdateRejectedError
+from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
+from coordinator.groups import ArchitectureGroup, GroupModels
 from coordinator.registry import DeviceRegistry
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
@@ -84,7 +89,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
-Models = dict[str, dict[str, Array]]
 
 
 # -- events ------------------------------------------------------------------------------
@@ -155,7 +159,8 @@ class AggregateRequested:
 
 @dataclass(frozen=True)
 class RoundClosed:
-    """A finished round: what came in and the new global models (``aca``, ``oca``)."""
+    """A finished round: what came in and the new global models of each group (``aca``,
+    ``oca``)."""
 
     round: int
     selected: int
@@ -163,7 +168,7 @@ class RoundClosed:
     late: int
     rejected: int
     duration_s: float
-    models: Models
+    models: GroupModels
     train_loss: float | None = None
     """Mean training loss the on-time devices reported (sample-weighted)."""
     train_accuracy: float | None = None
@@ -173,10 +178,10 @@ class RoundClosed:
 
 @dataclass(frozen=True)
 class Finished:
-    """The last round closed; ``models`` are the final global models, ``final`` the name
-    of the one the run delivers (``aca`` or ``oca``)."""
+    """The last round closed; ``models`` are the final global models of each group,
+    ``final`` the role of the one the run delivers (``aca`` or ``oca``)."""
 
-    models: Models
+    models: GroupModels
     final: str = "aca"
 
 
@@ -202,12 +207,12 @@ class RoundEngine:
         config: the run's settings.
         strategy: the server side of the algorithm.
         store: where the run's state lives (a fresh or a resumed one).
-        initial_model: called once on a fresh start for the initial global weights.
-        architecture: registry name of the model devices must run.
-        fingerprint: architecture fingerprint devices must announce.
-        shapes: name -> shape of every tensor of the model (the strategy says which of
-            them an update carries).
-        num_classes: the model's classes (the length of label counts).
+        groups: the architecture groups the fleet runs, by name (their initial weights
+            start a fresh run; the strategy says which tensors an update carries).
+
+    Raises:
+        ConfigError: no group, or ``broadcast_model`` with several (one topic serves one
+            model).
     """
 
     def __init__(
@@ -215,30 +220,27 @@ class RoundEngine:
         config: CoordinatorConfig,
         strategy: Strategy,
         store: Store,
-        *,
-        initial_model: Callable[[], dict[str, Array]],
-        architecture: str,
-        fingerprint: str,
-        shapes: Mapping[str, tuple[int, ...]],
-        num_classes: int,
+        groups: Mapping[str, ArchitectureGroup],
     ) -> None:
+        if not groups:
+            raise ConfigError("a fleet runs at least one architecture")
+        if config.broadcast_model and len(groups) > 1:
+            raise ConfigError("broadcast_model needs a fleet of one architecture")
         self.config = config
         self.strategy = strategy
         self.topics = Topics(config.fleet)
         self._state = RunState(store)
-        self._initial_model = initial_model
-        self._architecture = architecture
-        self._fingerprint = fingerprint
-        self._num_classes = num_classes
-        self._shapes = strategy.update_shapes(shapes)
+        self._groups = dict(groups)
+        self._shapes = {name: strategy.update_shapes(g.shapes) for name, g in groups.items()}
         self._uplink = strategy.uplink()
         self._transfers = Transfers(
             self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
         )
         self.registry = DeviceRegistry()
-        self._cache: OcaCache | None = None
+        self._caches: dict[str, OcaCache] = {}
+        """Each group's OCA cache; empty where the strategy keeps none."""
         self._run: RunMeta | None = None
-        self._models: Models = {}
+        self._models: GroupModels = {}
         self._counters = _RoundCounters()
         self._status_sent = ""
 
@@ -253,14 +255,16 @@ class RoundEngine:
     def finished(self) -> bool:
         return self._run is not None and self._run.phase == "finished"
 
-    def models(self) -> Models:
-        """The current global models, by name (``aca``, and ``oca`` where kept)."""
-        models = {"aca": dict(self._models["aca"])}
-        if self._cache is not None and self._cache.devices:
-            models["oca"] = self._cache.model()
-        elif self._cache is not None:
-            models["oca"] = dict(self._models["aca"])
-        return models
+    def models(self) -> GroupModels:
+        """The current global models of each group, by role (``aca``, and ``oca`` where
+        kept; a group's ``oca`` is its ``aca`` until a device of the group has a slot)."""
+        out: GroupModels = {}
+        for group, server in self._models.items():
+            models = out[group] = {"aca": dict(server["aca"])}
+            cache = self._caches.get(group)
+            if cache is not None:
+                models["oca"] = cache.model() if cache.devices else dict(server["aca"])
+        return out
 
     def _require_run(self) -> RunMeta:
         if self._run is None:
@@ -278,16 +282,18 @@ class RoundEngine:
         """
         fingerprint = self.config.fingerprint_fields()
         run = self._state.load_run(fingerprint)
-        self._cache = OcaCache(self._state) if self.strategy.uses_oca else None
+        if self.strategy.uses_oca:
+            self._caches = {group: OcaCache(self._state, group) for group in self._groups}
         if run is None:
             run = RunMeta(fingerprint=fingerprint)
-            self._state.save_models(1, {"aca": self._initial_model()})
+            initial = {name: {"aca": dict(g.initial)} for name, g in self._groups.items()}
+            self._state.save_models(1, initial)
             self._state.save_run(run)
         else:
             log.info("resuming: round %d, phase %s", run.round, run.phase)
-            self._state.recover(run.round, self._cache)
+            self._state.recover(run.round, self._caches)
         self._run = run
-        self._models = self._state.load_models(run.round, required=("aca",))
+        self._models = self._state.load_models(run.round, self._groups, required=("aca",))
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
@@ -339,11 +345,19 @@ class RoundEngine:
     def _on_hello(self, message: Message, hello: Hello, now: float) -> list[Action]:
         device_id = message.sender
         problem: tuple[ReasonCode, str] | None = None
-        if hello.architecture != self._architecture or hello.fingerprint != self._fingerprint:
+        group = self._groups.get(hello.architecture)
+        registered = self.registry.get(device_id)
+        if group is None or hello.fingerprint != group.fingerprint:
+            runs = ", ".join(f"{g.name} ({g.fingerprint})" for g in self._groups.values())
             problem = (
                 ReasonCode.FINGERPRINT_MISMATCH,
-                f"fleet runs {self._architecture} ({self._fingerprint}); device announced "
-                f"{hello.architecture} ({hello.fingerprint})",
+                f"fleet runs {runs}; device announced {hello.architecture} ({hello.fingerprint})",
+            )
+        elif registered is not None and registered["architecture"] != group.name:
+            problem = (
+                ReasonCode.FINGERPRINT_MISMATCH,
+                f"registered with {registered['architecture']}: a device keeps its "
+                "architecture for the run",
             )
         elif (unsupported := self._unsupported_precision(hello)) is not None:
             problem = (ReasonCode.UNSUPPORTED_PRECISION, unsupported)
@@ -402,17 +416,19 @@ class RoundEngine:
             on_time = self._classify(device_id, message.round, update, now)
             if self._state.has_update(device_id, message.round):
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
+            group = self._group_of(device_id)
             announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
             base = self._uplink_base(device_id, update)
-            weights = check_update_weights(update, self._shapes, announced, base)
+            weights = check_update_weights(update, self._shapes[group], announced, base)
             if self._uplink.label_counts:
-                check_label_counts(update, self._num_classes)
+                check_label_counts(update, self._groups[group].num_classes)
         except UpdateRejectedError as exc:
             self._counters.rejected += message.round == run.round
             log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
             return [self._ack(device_id, message, False, exc.reason, exc.detail)]
         stored = StoredUpdate(
             device_id=device_id,
+            group=group,
             round=message.round,
             num_samples=update.num_samples,
             message_id=message.message_id,
@@ -427,8 +443,8 @@ class RoundEngine:
             self._transfers.confirm(device_id, base)
         elif not self._link(device_id).lossless:
             self._transfers.updated(device_id, message.round)
-        if self._cache is not None:
-            self._cache.absorb(device_id, message.round)
+        if self._caches:
+            self._caches[group].absorb(device_id, message.round)
         if not on_time:
             self._counters.late += 1
             detail = "kept in the OCA cache; not averaged into the round"
@@ -462,9 +478,9 @@ class RoundEngine:
             and device_id in run.aggregating
         ):
             return False  # a duplicate of an update being aggregated; acknowledged as such
-        if self._cache is None:
+        if not self._caches:
             raise UpdateRejectedError(ReasonCode.LATE, "after the round's deadline")
-        if round_number <= self._cache.slot_round(device_id):
+        if round_number <= self._caches[self._group_of(device_id)].slot_round(device_id):
             if self._state.has_update(device_id, round_number):
                 return False  # a duplicate of the slot; acknowledged as such by the caller
             raise UpdateRejectedError(ReasonCode.LATE, "older than the device's cached update")
@@ -503,9 +519,18 @@ class RoundEngine:
         log.info("round %d: selected %d of %d online", run.round, count, len(online))
         return [*actions, RoundStarted(run.round, tuple(selected))]
 
-    def _server_sets(self) -> dict[str, Arrays]:
-        """The strategy's downlink for this round (arrays; each device's encoding differs)."""
-        return self.strategy.downlink({**self._models, **self.models()})
+    def _group_of(self, device_id: str) -> str:
+        """The architecture group of a registered device."""
+        return str((self.registry.get(device_id) or {})["architecture"])
+
+    def _server_sets(self) -> dict[str, dict[str, Arrays]]:
+        """The strategy's downlink of each group for this round (arrays; each device's
+        encoding differs)."""
+        models = self.models()
+        return {
+            group: self.strategy.downlink({**server, **models[group]})
+            for group, server in self._models.items()
+        }
 
     def _uplink_base(self, device_id: str, update: Update) -> Base | None:
         weights = update.sets.get(WEIGHTS_SET)
@@ -513,12 +538,17 @@ class RoundEngine:
             return None
         return self._transfers.uplink_base(device_id, weights.base)
 
-    def _task_messages(self, device_id: str, server_sets: Mapping[str, Arrays]) -> list[Action]:
+    def _task_messages(
+        self, device_id: str, server_sets: Mapping[str, Mapping[str, Arrays]]
+    ) -> list[Action]:
+        """The model (where the strategy sends one) and the task for ``device_id``: its
+        group's sets at its precision."""
         run = self._require_run()
         fleet, me = self.config.fleet, self.config.coordinator_id
         link = self._link(device_id)
+        group = self._group_of(device_id)
         sets = self._transfers.downlink(
-            device_id, run.round, server_sets, link, self.strategy.delta_sets
+            device_id, run.round, group, server_sets[group], link, against=self.strategy.delta_sets
         )
         models: list[Publish] = []  # none where the strategy sends no model
         if sets:
@@ -603,7 +633,8 @@ class RoundEngine:
         )
         actions: list[Action] = [closed]
         if self.config.broadcast_model:
-            actions.append(self._broadcast(closing, models[self.strategy.final_model]))
+            (group,) = models.values()  # the constructor made sure of it
+            actions.append(self._broadcast(closing, group[self.strategy.final_model]))
         if finished:
             return [*actions, *self._status("finished"), self._finished()]
         return [*actions, *self._on_tick(now)]
@@ -627,7 +658,7 @@ class RoundEngine:
 
     def _cleanup(self, closed_round: int) -> None:
         try:
-            self._state.recover(closed_round + 1, self._cache)
+            self._state.recover(closed_round + 1, self._caches)
         except StoreError:
             log.exception("cleanup after round %d failed; retried on resume", closed_round)
 

@@ -9,7 +9,8 @@ models there) and to the log. A round's aggregation runs on a thread of its own,
 ``server_device``, and comes back through the same queue as an ``AggregateDone`` event
 (while it runs the engine goes on answering devices); if it fails, :meth:`Coordinator.run`
 raises :class:`~coordinator.errors.AggregationError` and the run can be resumed. At the
-end the final models are saved as ``.pt`` and ``.onnx`` under ``state_dir/final``.
+end the final models are saved as ``.pt`` and ``.onnx`` under ``state_dir/final`` (in a
+folder per architecture group where the fleet runs several).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from coordinator.engine import (
     AggregateRequested,
     Event,
     Finished,
-    Models,
     Publish,
     Received,
     Reconnected,
@@ -45,9 +45,10 @@ from coordinator.engine import (
     Tick,
 )
 from coordinator.errors import AggregationError, ConfigError
+from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
-from models import Classifier, build_classifier, load_state_arrays, state_arrays
+from models import Classifier, build_classifier, load_state_arrays
 from models.errors import ModelError
 from protocol.channel import Channel
 from protocol.codec import Codec
@@ -161,22 +162,19 @@ class Coordinator:
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
-        self._template = build_model(config)
-        initial = state_arrays(self._template)
+        template = build_model(config)
+        self._templates = {template.architecture: template}
+        """A classifier of each architecture group, by group (the fleet's one model)."""
         self.engine = RoundEngine(
             config,
-            build_strategy(config, self._template),
+            build_strategy(config, self._templates),
             store if store is not None else MemoryStore(),
-            initial_model=lambda: initial,
-            architecture=self._template.architecture,
-            fingerprint=self._template.fingerprint(),
-            shapes={name: a.shape for name, a in initial.items()},
-            num_classes=self._template.num_classes,
+            {name: ArchitectureGroup.of(t) for name, t in self._templates.items()},
         )
         self._events: queue.Queue[Event | _AggregationFailed] = queue.Queue()
         self._stop = threading.Event()
         self._observers: list[Observer] = []
-        self.final_models: Models | None = None
+        self.final_models: GroupModels | None = None
         self.final_model = self.engine.strategy.final_model
         """Name of the model the run delivers (``aca`` or ``oca``)."""
 
@@ -190,11 +188,11 @@ class Coordinator:
         """Ask :meth:`run` to return after the event it is processing (thread-safe)."""
         self._stop.set()
 
-    def run(self) -> Models | None:
+    def run(self) -> GroupModels | None:
         """Connect, run rounds until the last one closes (or :meth:`stop`), disconnect.
 
         Returns:
-            The final global models, or None when stopped before the end.
+            The final global models of each group, or None when stopped before the end.
 
         Raises:
             TransportError: the broker cannot be reached at start.
@@ -314,19 +312,21 @@ class Coordinator:
         self.final_models = finished.models
         if self.config.state_dir is None:
             return
-        out_dir = self.config.state_dir / "final"
-        try:
-            paths = save_final_models(
-                finished.models,
-                self._template,
-                out_dir,
-                onnx=self.config.export_onnx,
-                final=finished.final,
-            )
-        except (OSError, ModelError) as exc:
-            log.error("could not save the final models to %s: %s", out_dir, exc)
-            return
-        log.info("final models saved: %s", ", ".join(p.name for p in paths))
+        final_dir = self.config.state_dir / "final"
+        for group, models in finished.models.items():
+            out_dir = final_dir if len(finished.models) == 1 else final_dir / group
+            try:
+                paths = save_final_models(
+                    models,
+                    self._templates[group],
+                    out_dir,
+                    onnx=self.config.export_onnx,
+                    final=finished.final,
+                )
+            except (OSError, ModelError) as exc:
+                log.error("could not save the final models to %s: %s", out_dir, exc)
+                continue
+            log.info("final models saved: %s", ", ".join(str(p) for p in paths))
 
     def _publish_final_status(self, state: str) -> None:
         body = CoordinatorStatus(state=state, strategy=self.config.strategy)

@@ -19,15 +19,18 @@ from coordinator.engine import (
     Received,
     RoundEngine,
 )
+from coordinator.groups import ArchitectureGroup
 from coordinator.runtime import build_model
 from coordinator.store import Store
 from coordinator.strategies import Strategy, build_strategy
-from models import state_arrays
+from models import Classifier
 from protocol.messages import DeviceStatus, Hello, Message, RoundTask, Update
 from protocol.tensors import Precision
 from protocol.tensorset import encode_tensors
 
 FLEET = "test"
+GROUP = "mlp"
+"""The architecture group of the fleet :func:`config` describes (its model)."""
 
 
 def config(**overrides: Any) -> CoordinatorConfig:
@@ -41,6 +44,12 @@ def config(**overrides: Any) -> CoordinatorConfig:
     }
     base.update(overrides)
     return CoordinatorConfig.model_validate(base)
+
+
+def templates(cfg: CoordinatorConfig) -> dict[str, Classifier]:
+    """The fleet's one architecture group: its name -> the classifier of ``cfg``."""
+    template = build_model(cfg)
+    return {template.architecture: template}
 
 
 class InlineEngine(RoundEngine):
@@ -72,22 +81,23 @@ def aggregate(engine: RoundEngine, request: AggregateRequested, now: float) -> A
 
 
 def make_engine(
-    cfg: CoordinatorConfig, store: Store, *, inline: bool = True, strategy: Strategy | None = None
+    cfg: CoordinatorConfig,
+    store: Store,
+    *,
+    inline: bool = True,
+    strategy: Strategy | None = None,
+    fleet: Mapping[str, Classifier] | None = None,
 ) -> RoundEngine:
-    """The engine of ``cfg`` on ``store`` (an :class:`InlineEngine` unless not ``inline``),
-    with ``strategy`` or the one ``cfg`` names."""
-    template = build_model(cfg)
-    initial = state_arrays(template)
+    """The engine of ``cfg`` on ``store`` (an :class:`InlineEngine` unless not ``inline``)
+    for the architecture groups of ``fleet`` (default: the model of ``cfg``), with
+    ``strategy`` or the one ``cfg`` names."""
+    fleet = fleet or templates(cfg)
     engine_type = InlineEngine if inline else RoundEngine
     return engine_type(
         cfg,
-        strategy or build_strategy(cfg, template),
+        strategy or build_strategy(cfg, fleet),
         store,
-        initial_model=lambda: initial,
-        architecture=template.architecture,
-        fingerprint=template.fingerprint(),
-        shapes={k: v.shape for k, v in initial.items()},
-        num_classes=template.num_classes,
+        {name: ArchitectureGroup.of(template) for name, template in fleet.items()},
     )
 
 

@@ -12,13 +12,15 @@ import torch
 from coordinator.context import ServerContext
 from coordinator.engine import AggregateDone, AggregateRequested, RoundClosed, RoundEngine, Tick
 from coordinator.errors import AggregationError
-from coordinator.runtime import Coordinator, build_model
+from coordinator.runtime import Coordinator
 from coordinator.store import FileStore, MemoryStore, Store
 from coordinator.strategies import NothingToAggregate, build_strategy
+from models import state_arrays
 from models.errors import ModelError
 from protocol.messages import Ack, ReasonCode
 from protocol.transport import MemoryBroker, MemoryTransport
 from tests.coordinator.helpers import (
+    GROUP,
     aggregate,
     config,
     hello,
@@ -27,6 +29,7 @@ from tests.coordinator.helpers import (
     received,
     shifted,
     tasks_by_device,
+    templates,
     update,
 )
 from tests.coordinator.test_crash import CrashingStore, SimulatedCrashError
@@ -56,7 +59,7 @@ def round_one(store: Store, devices: int = 2, **overrides) -> tuple[RoundEngine,
 
 
 def weights(engine: RoundEngine) -> dict[str, np.ndarray]:
-    return engine.models()["aca"]
+    return engine.models()[GROUP]["aca"]
 
 
 def test_the_round_closes_on_the_done_event_not_when_the_last_update_arrives() -> None:
@@ -76,7 +79,7 @@ def test_the_round_closes_on_the_done_event_not_when_the_last_update_arrives() -
     (closed,) = [a for a in closing if isinstance(a, RoundClosed)]
     assert closed.round == 1 and closed.on_time == 2 and closed.duration_s == pytest.approx(6.0)
     expected = shifted(w, (100 * 1.0 + 200 * 4.0) / 300)
-    for name, value in closed.models["aca"].items():
+    for name, value in closed.models[GROUP]["aca"].items():
         np.testing.assert_allclose(value, expected[name], atol=1e-5)
     assert engine.round == 2 and tasks_by_device(closing)
 
@@ -99,19 +102,21 @@ def test_updates_while_aggregating_are_duplicates_or_late() -> None:
     assert request.job.devices == ("dev-0",)
     (closed,) = [a for a in closing if isinstance(a, RoundClosed)]
     assert closed.on_time == 1 and closed.late == 1
-    np.testing.assert_allclose(closed.models["aca"]["head.bias"], w["head.bias"] + 1.0, atol=1e-6)
+    np.testing.assert_allclose(
+        closed.models[GROUP]["aca"]["head.bias"], w["head.bias"] + 1.0, atol=1e-6
+    )
     expected_oca = w["head.bias"] + (100 * 1.0 + 200 * 3.0) / 300
-    np.testing.assert_allclose(closed.models["oca"]["head.bias"], expected_oca, atol=1e-5)
+    np.testing.assert_allclose(closed.models[GROUP]["oca"]["head.bias"], expected_oca, atol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedavg_oca", "fedkf", "fedgen"])
 def test_nothing_to_aggregate_is_a_typed_result(strategy: str) -> None:
     cfg = config(strategy=strategy)
-    template = build_model(cfg)
-    current = {"aca": {k: v.numpy() for k, v in template.state_dict().items()}}
+    fleet = templates(cfg)
+    current = {GROUP: {"aca": state_arrays(fleet[GROUP])}}
     context = ServerContext.for_round(CPU, cfg.seed, 1)
 
-    result = build_strategy(cfg, template).aggregate(current, iter(()), 1, context)
+    result = build_strategy(cfg, fleet).aggregate(current, iter(()), 1, context)
 
     assert isinstance(result, NothingToAggregate) and "round 1" in result.reason
 
@@ -127,7 +132,7 @@ def test_a_round_without_updates_closes_with_the_models_unchanged() -> None:
 
     (closed,) = [a for a in closing if isinstance(a, RoundClosed)]
     assert closed.on_time == 0
-    for name, value in closed.models["aca"].items():
+    for name, value in closed.models[GROUP]["aca"].items():
         np.testing.assert_array_equal(value, before[name])
 
 
@@ -138,10 +143,10 @@ def fedgen_round_two(store: Store) -> tuple[RoundEngine, AggregateRequested]:
     counts = (100,) + (0,) * 9
     msg = update("dev-0", 1, w, 100, tasks["dev-0"], label_counts=counts)
     closing = engine.handle(aggregate(engine, requested(engine.handle(received(msg, 2.0))), 3.0))
-    generator = store.read("models/r000002/generator")
+    generator = store.read(f"models/r000002/{GROUP}/generator")
     assert generator is not None
     broken = {n: a[..., :1] if a.ndim else a for n, a in generator.arrays.items()}
-    store.write("models/r000002/generator", generator.meta, broken)
+    store.write(f"models/r000002/{GROUP}/generator", generator.meta, broken)
     resumed = make_engine(engine.config, store, inline=False)
     resumed.start(4.0)
     resumed.handle(received(hello(resumed, "dev-0", share_label_counts=True), 4.0))
@@ -195,17 +200,17 @@ def oca_round(store: Store) -> tuple[RoundEngine, AggregateRequested]:
     return engine, requested(last)
 
 
-def closed_state(engine: RoundEngine, done: AggregateDone) -> tuple[dict, dict]:
-    closing = engine.handle(done)
-    (closed,) = [a for a in closing if isinstance(a, RoundClosed)]
-    return closed.models, {k: v for k, v in engine.models().items()}
+def closed_models(engine: RoundEngine, done: AggregateDone) -> dict:
+    """The models of the fleet's group in the RoundClosed that ``done`` leads to."""
+    (closed,) = [a for a in engine.handle(done) if isinstance(a, RoundClosed)]
+    return closed.models[GROUP]
 
 
 def test_a_crash_while_aggregating_resumes_without_losing_or_double_counting(
     tmp_path: Path,
 ) -> None:
     reference, request = oca_round(MemoryStore())
-    expected, _ = closed_state(reference, aggregate(reference, request, 7.0))
+    expected = closed_models(reference, aggregate(reference, request, 7.0))
     oca_weight = 300.0
 
     oca_round(FileStore(tmp_path))  # the coordinator dies before the aggregation is done
@@ -213,13 +218,13 @@ def test_a_crash_while_aggregating_resumes_without_losing_or_double_counting(
         config(strategy="fedavg_oca", rounds=2, min_devices=2), FileStore(tmp_path), inline=False
     )
     again = requested(resumed.start(8.0))
-    models, _ = closed_state(resumed, aggregate(resumed, again, 9.0))
+    models = closed_models(resumed, aggregate(resumed, again, 9.0))
 
     assert again.job.devices == request.job.devices
     for name in ("aca", "oca"):
         for key, value in expected[name].items():
             np.testing.assert_allclose(models[name][key], value, rtol=1e-6)
-    oca = FileStore(tmp_path).read("oca")
+    oca = FileStore(tmp_path).read(f"oca/{GROUP}")
     assert oca is not None and oca.meta["weight"] == pytest.approx(oca_weight)
     assert sorted(oca.meta["applied"]) == ["dev-0", "dev-1"]
 
@@ -228,7 +233,7 @@ def test_a_crash_at_any_write_of_the_round_close_resumes_to_the_same_models(
     tmp_path: Path,
 ) -> None:
     reference, request = oca_round(MemoryStore())
-    expected, _ = closed_state(reference, aggregate(reference, request, 7.0))
+    expected = closed_models(reference, aggregate(reference, request, 7.0))
     writes = 0
     for crash_at in range(1, 20):
         directory = tmp_path / f"crash-{crash_at}"
@@ -249,8 +254,8 @@ def test_a_crash_at_any_write_of_the_round_close_resumes_to_the_same_models(
         if again:  # the crash came before the commit point: aggregate again
             actions = resumed.handle(aggregate(resumed, again[0], 9.0))
         assert resumed.round == 2
-        oca = FileStore(directory).read("oca")
+        oca = FileStore(directory).read(f"oca/{GROUP}")
         assert oca is not None and oca.meta["weight"] == pytest.approx(300.0)
         for key, value in expected["aca"].items():
-            np.testing.assert_allclose(resumed.models()["aca"][key], value, rtol=1e-6)
+            np.testing.assert_allclose(resumed.models()[GROUP]["aca"][key], value, rtol=1e-6)
     assert writes > 2  # every write of the close was crashed once
