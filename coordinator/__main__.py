@@ -12,7 +12,7 @@ is derived from :class:`~coordinator.config.CoordinatorConfig`
 
 Exit codes:
     0   the run finished; final models are in STATE_DIR/final
-    1   runtime failure: broker unreachable, state store failure
+    1   runtime failure: broker unreachable, state store failure, a failed aggregation
     2   usage error: bad flags or config file, state directory of another run
     130 interrupted (SIGINT/SIGTERM); the state is consistent, resume with --resume
 """
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         include=("num_classes", "in_channels", "image_size"),
     )
     add_training_flags(p.add_argument_group("training (sent to the devices)"), flags)
+    flags.add(p.add_argument_group("server"), CoordinatorConfig, include=("server_device",))
     flags.add(
         p.add_argument_group("state and outputs"),
         CoordinatorConfig,

@@ -26,12 +26,14 @@ __all__ = [
     "BrokerSettings",
     "CoordinatorConfig",
     "FleetSettings",
+    "ServerDevice",
     "TrainingSettings",
     "load_config",
     "participants",
 ]
 
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
+ServerDevice = Literal["auto", "cpu", "cuda"]
 
 
 class _Frozen(BaseModel):
@@ -211,6 +213,9 @@ class CoordinatorConfig(FleetSettings):
     """Continue the run persisted in state_dir (a missing or empty one starts a fresh run)."""
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
+    server_device: ServerDevice = "auto"
+    """Where server-side training (FedGen's generator) runs: auto (a GPU where torch
+    sees one, else the CPU), cpu or cuda."""
     broadcast_model: bool = False
     """After each round publish the final model on fl/FLEET/broadcast/model for devices
     that serve it (python -m edge_client follow / --serve-onnx)."""

@@ -6,6 +6,10 @@ and carries out the actions it returns (publish a message, report a round). It p
 through a :class:`~coordinator.store.Store` before it returns an action that depends on
 the write, so an Ack for an update is only sent once the update is stored.
 
+Models are kept per architecture group (:mod:`coordinator.groups`): a device's hello
+names its architecture, the engine maps it to a group (refusing architectures the fleet
+does not run), and each selected device gets its group's models at its own precision.
+
 Round rules:
 
 * A round starts when at least ``min_devices`` registered devices are online. It selects
@@ -13,8 +17,14 @@ Round rules:
   registered devices), capped by those online, and sends each a model and a task with a
   deadline ``round_timeout_s`` ahead.
 * The round closes when every selected device's update is in, or at the deadline. Only
-  on-time updates of selected devices are averaged into the round's ACA model; with no
-  update at all the model stays as it was.
+  on-time updates of selected devices are aggregated into the round's models; with no
+  update at all the strategy says so (:class:`~coordinator.strategies.NothingToAggregate`)
+  and the models stay as they were.
+* Aggregation is a phase of its own: closing a round returns
+  :class:`AggregateRequested` (the runtime runs the job off the engine thread, server-side
+  training included) and the round is closed by the :class:`AggregateDone` event that
+  answers it. Events keep coming in meanwhile: hellos, statuses, and updates for the
+  round, which are late by now.
 * Late updates (after the deadline, or for an earlier round) are never averaged into a
   round. Strategies with an OCA cache still take a late update into the device's cache
   slot if it is newer than the slot (Ack ``accepted=True, reason=late``); others reject it.
@@ -28,19 +38,21 @@ import logging
 import math
 import uuid
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from coordinator.aggregation import AggregationJob
 from coordinator.config import CoordinatorConfig, participants
-from coordinator.errors import StoreError, UpdateRejectedError
+from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
+from coordinator.groups import ArchitectureGroup, GroupModels
 from coordinator.registry import DeviceRegistry
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies import Arrays, Contribution, Strategy
+from coordinator.strategies import AggregateResult, Arrays, NothingToAggregate, Strategy
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
 from protocol.deltas import encode_full
@@ -61,6 +73,8 @@ from protocol.topics import Topics
 
 __all__ = [
     "Action",
+    "AggregateDone",
+    "AggregateRequested",
     "Event",
     "Finished",
     "Publish",
@@ -75,7 +89,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
-Models = dict[str, dict[str, Array]]
 
 
 # -- events ------------------------------------------------------------------------------
@@ -105,7 +118,17 @@ class Reconnected:
     now: float
 
 
-Event = Received | Tick | Reconnected
+@dataclass(frozen=True)
+class AggregateDone:
+    """The aggregation an :class:`AggregateRequested` asked for has finished."""
+
+    round: int
+    result: AggregateResult
+    now: float
+    """Unix time (s) it finished."""
+
+
+Event = Received | Tick | Reconnected | AggregateDone
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -126,8 +149,18 @@ class RoundStarted:
 
 
 @dataclass(frozen=True)
+class AggregateRequested:
+    """Run ``job`` (off the engine thread) and hand its result back as
+    :class:`AggregateDone`; the round closes then. A failure of the job is fatal to the
+    run: its state stays consistent and a resumed coordinator requests the job again."""
+
+    job: AggregationJob
+
+
+@dataclass(frozen=True)
 class RoundClosed:
-    """A finished round: what came in and the new global models (``aca``, ``oca``)."""
+    """A finished round: what came in and the new global models of each group (``aca``,
+    ``oca``)."""
 
     round: int
     selected: int
@@ -135,7 +168,7 @@ class RoundClosed:
     late: int
     rejected: int
     duration_s: float
-    models: Models
+    models: GroupModels
     train_loss: float | None = None
     """Mean training loss the on-time devices reported (sample-weighted)."""
     train_accuracy: float | None = None
@@ -145,14 +178,14 @@ class RoundClosed:
 
 @dataclass(frozen=True)
 class Finished:
-    """The last round closed; ``models`` are the final global models, ``final`` the name
-    of the one the run delivers (``aca`` or ``oca``)."""
+    """The last round closed; ``models`` are the final global models of each group,
+    ``final`` the role of the one the run delivers (``aca`` or ``oca``)."""
 
-    models: Models
+    models: GroupModels
     final: str = "aca"
 
 
-Action = Publish | RoundStarted | RoundClosed | Finished
+Action = Publish | RoundStarted | AggregateRequested | RoundClosed | Finished
 
 
 @dataclass
@@ -174,12 +207,12 @@ class RoundEngine:
         config: the run's settings.
         strategy: the server side of the algorithm.
         store: where the run's state lives (a fresh or a resumed one).
-        initial_model: called once on a fresh start for the initial global weights.
-        architecture: registry name of the model devices must run.
-        fingerprint: architecture fingerprint devices must announce.
-        shapes: name -> shape of every tensor of the model (the strategy says which of
-            them an update carries).
-        num_classes: the model's classes (the length of label counts).
+        groups: the architecture groups the fleet runs, by name (their initial weights
+            start a fresh run; the strategy says which tensors an update carries).
+
+    Raises:
+        ConfigError: no group, or ``broadcast_model`` with several (one topic serves one
+            model).
     """
 
     def __init__(
@@ -187,30 +220,27 @@ class RoundEngine:
         config: CoordinatorConfig,
         strategy: Strategy,
         store: Store,
-        *,
-        initial_model: Callable[[], dict[str, Array]],
-        architecture: str,
-        fingerprint: str,
-        shapes: Mapping[str, tuple[int, ...]],
-        num_classes: int,
+        groups: Mapping[str, ArchitectureGroup],
     ) -> None:
+        if not groups:
+            raise ConfigError("a fleet runs at least one architecture")
+        if config.broadcast_model and len(groups) > 1:
+            raise ConfigError("broadcast_model needs a fleet of one architecture")
         self.config = config
         self.strategy = strategy
         self.topics = Topics(config.fleet)
         self._state = RunState(store)
-        self._initial_model = initial_model
-        self._architecture = architecture
-        self._fingerprint = fingerprint
-        self._num_classes = num_classes
-        self._shapes = strategy.update_shapes(shapes)
+        self._groups = dict(groups)
+        self._shapes = {name: strategy.update_shapes(g.shapes) for name, g in groups.items()}
         self._uplink = strategy.uplink()
         self._transfers = Transfers(
             self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
         )
         self.registry = DeviceRegistry()
-        self._cache: OcaCache | None = None
+        self._caches: dict[str, OcaCache] = {}
+        """Each group's OCA cache; empty where the strategy keeps none."""
         self._run: RunMeta | None = None
-        self._models: Models = {}
+        self._models: GroupModels = {}
         self._counters = _RoundCounters()
         self._status_sent = ""
 
@@ -225,14 +255,16 @@ class RoundEngine:
     def finished(self) -> bool:
         return self._run is not None and self._run.phase == "finished"
 
-    def models(self) -> Models:
-        """The current global models, by name (``aca``, and ``oca`` where kept)."""
-        models = {"aca": dict(self._models["aca"])}
-        if self._cache is not None and self._cache.devices:
-            models["oca"] = self._cache.model()
-        elif self._cache is not None:
-            models["oca"] = dict(self._models["aca"])
-        return models
+    def models(self) -> GroupModels:
+        """The current global models of each group, by role (``aca``, and ``oca`` where
+        kept; a group's ``oca`` is its ``aca`` until a device of the group has a slot)."""
+        out: GroupModels = {}
+        for group, server in self._models.items():
+            models = out[group] = {"aca": dict(server["aca"])}
+            cache = self._caches.get(group)
+            if cache is not None:
+                models["oca"] = cache.model() if cache.devices else dict(server["aca"])
+        return out
 
     def _require_run(self) -> RunMeta:
         if self._run is None:
@@ -250,25 +282,29 @@ class RoundEngine:
         """
         fingerprint = self.config.fingerprint_fields()
         run = self._state.load_run(fingerprint)
-        self._cache = OcaCache(self._state) if self.strategy.uses_oca else None
+        if self.strategy.uses_oca:
+            self._caches = {group: OcaCache(self._state, group) for group in self._groups}
         if run is None:
             run = RunMeta(fingerprint=fingerprint)
-            self._state.save_models(1, {"aca": self._initial_model()})
+            initial = {name: {"aca": dict(g.initial)} for name, g in self._groups.items()}
+            self._state.save_models(1, initial)
             self._state.save_run(run)
         else:
             log.info("resuming: round %d, phase %s", run.round, run.phase)
-            self._state.recover(run.round, self._cache)
+            self._state.recover(run.round, self._caches)
         self._run = run
-        self._models = self._state.load_models(run.round, required=("aca",))
+        self._models = self._state.load_models(run.round, self._groups, required=("aca",))
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
             missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
             if not missing:  # the crash came after the last update, before the close
-                return actions + self._close_round(now)
+                return actions + self._close_round()
             sets = self._server_sets()
             for device_id in missing:
                 actions += self._task_messages(device_id, sets)
+        elif run.phase == "aggregating":  # the crash came before the round closed
+            actions.append(self._aggregate_requested(run))
         elif run.phase == "finished":
             actions += [*self._status("finished"), self._finished()]
         return actions
@@ -281,6 +317,8 @@ class RoundEngine:
             return self._on_tick(event.now)
         if isinstance(event, Reconnected):
             return self._status(self._status_sent or "starting", force=True)
+        if isinstance(event, AggregateDone):
+            return self._on_aggregate_done(event)
         message = event.message
         if message.fleet != self.config.fleet or message.sender != event.topic_device:
             log.warning(
@@ -307,11 +345,19 @@ class RoundEngine:
     def _on_hello(self, message: Message, hello: Hello, now: float) -> list[Action]:
         device_id = message.sender
         problem: tuple[ReasonCode, str] | None = None
-        if hello.architecture != self._architecture or hello.fingerprint != self._fingerprint:
+        group = self._groups.get(hello.architecture)
+        registered = self.registry.get(device_id)
+        if group is None or hello.fingerprint != group.fingerprint:
+            runs = ", ".join(f"{g.name} ({g.fingerprint})" for g in self._groups.values())
             problem = (
                 ReasonCode.FINGERPRINT_MISMATCH,
-                f"fleet runs {self._architecture} ({self._fingerprint}); device announced "
-                f"{hello.architecture} ({hello.fingerprint})",
+                f"fleet runs {runs}; device announced {hello.architecture} ({hello.fingerprint})",
+            )
+        elif registered is not None and registered["architecture"] != group.name:
+            problem = (
+                ReasonCode.FINGERPRINT_MISMATCH,
+                f"registered with {registered['architecture']}: a device keeps its "
+                "architecture for the run",
             )
         elif (unsupported := self._unsupported_precision(hello)) is not None:
             problem = (ReasonCode.UNSUPPORTED_PRECISION, unsupported)
@@ -372,17 +418,19 @@ class RoundEngine:
             on_time = self._classify(device_id, message.round, update, now)
             if self._state.has_update(device_id, message.round):
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
+            group = self._group_of(device_id)
             announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
             base = self._uplink_base(device_id, update)
-            weights = check_update_weights(update, self._shapes, announced, base)
+            weights = check_update_weights(update, self._shapes[group], announced, base)
             if self._uplink.label_counts:
-                check_label_counts(update, self._num_classes)
+                check_label_counts(update, self._groups[group].num_classes)
         except UpdateRejectedError as exc:
             self._counters.rejected += message.round == run.round
             log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
             return [self._ack(device_id, message, False, exc.reason, exc.detail)]
         stored = StoredUpdate(
             device_id=device_id,
+            group=group,
             round=message.round,
             num_samples=update.num_samples,
             message_id=message.message_id,
@@ -397,8 +445,8 @@ class RoundEngine:
             self._transfers.confirm(device_id, base)
         elif not self._link(device_id).lossless:
             self._transfers.updated(device_id, message.round)
-        if self._cache is not None:
-            self._cache.absorb(device_id, message.round)
+        if self._caches:
+            self._caches[group].absorb(device_id, message.round)
         if not on_time:
             self._counters.late += 1
             detail = "kept in the OCA cache; not averaged into the round"
@@ -406,7 +454,7 @@ class RoundEngine:
         actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
         log.info("round %d: update of %s accepted", run.round, device_id)
         if all(self._state.has_update(d, run.round) for d in run.selected):
-            actions += self._close_round(now)
+            actions += self._close_round()
         return actions
 
     def _classify(self, device_id: str, round_number: int, update: Update, now: float) -> bool:
@@ -424,11 +472,17 @@ class RoundEngine:
             raise UpdateRejectedError(ReasonCode.WRONG_ROUND, "answers another task")
         if current and now <= run.deadline:
             return True
-        if round_number == run.round and not current:
+        if round_number == run.round and run.phase == "waiting":
             raise UpdateRejectedError(ReasonCode.WRONG_ROUND, f"round {run.round} has not started")
-        if self._cache is None:
+        if (
+            run.phase == "aggregating"
+            and round_number == run.round
+            and device_id in run.aggregating
+        ):
+            return False  # a duplicate of an update being aggregated; acknowledged as such
+        if not self._caches:
             raise UpdateRejectedError(ReasonCode.LATE, "after the round's deadline")
-        if round_number <= self._cache.slot_round(device_id):
+        if round_number <= self._caches[self._group_of(device_id)].slot_round(device_id):
             if self._state.has_update(device_id, round_number):
                 return False  # a duplicate of the slot; acknowledged as such by the caller
             raise UpdateRejectedError(ReasonCode.LATE, "older than the device's cached update")
@@ -441,7 +495,7 @@ class RoundEngine:
         if run.phase == "training" and now > run.deadline:
             missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
             log.warning("round %d deadline passed; missing %s", run.round, ", ".join(missing))
-            return self._close_round(now)
+            return self._close_round()
         if run.phase == "waiting":
             online = self.registry.online()
             if len(online) >= self.config.min_devices:
@@ -467,9 +521,18 @@ class RoundEngine:
         log.info("round %d: selected %d of %d online", run.round, count, len(online))
         return [*actions, RoundStarted(run.round, tuple(selected))]
 
-    def _server_sets(self) -> dict[str, Arrays]:
-        """The strategy's downlink for this round (arrays; each device's encoding differs)."""
-        return self.strategy.downlink({**self._models, **self.models()})
+    def _group_of(self, device_id: str) -> str:
+        """The architecture group of a registered device."""
+        return str((self.registry.get(device_id) or {})["architecture"])
+
+    def _server_sets(self) -> dict[str, dict[str, Arrays]]:
+        """The strategy's downlink of each group for this round (arrays; each device's
+        encoding differs)."""
+        models = self.models()
+        return {
+            group: self.strategy.downlink({**server, **models[group]})
+            for group, server in self._models.items()
+        }
 
     def _uplink_base(self, device_id: str, update: Update) -> Base | None:
         weights = update.sets.get(WEIGHTS_SET)
@@ -477,14 +540,23 @@ class RoundEngine:
             return None
         return self._transfers.uplink_base(device_id, weights.base)
 
-    def _task_messages(self, device_id: str, server_sets: Mapping[str, Arrays]) -> list[Action]:
+    def _task_messages(
+        self, device_id: str, server_sets: Mapping[str, Mapping[str, Arrays]]
+    ) -> list[Action]:
+        """The model (where the strategy sends one) and the task for ``device_id``: its
+        group's sets at its precision."""
         run = self._require_run()
         fleet, me = self.config.fleet, self.config.coordinator_id
         link = self._link(device_id)
+        group = self._group_of(device_id)
         sets = self._transfers.downlink(
-            device_id, run.round, server_sets, link, self.strategy.delta_sets
+            device_id, run.round, group, server_sets[group], link, against=self.strategy.delta_sets
         )
-        model = Message(fleet=fleet, sender=me, round=run.round, body=ModelPayload(sets=sets))
+        models: list[Publish] = []  # none where the strategy sends no model
+        if sets:
+            body = ModelPayload(sets=sets)
+            model = Message(fleet=fleet, sender=me, round=run.round, body=body)
+            models.append(Publish(self.topics.to_device(device_id, "model"), model))
         hyper = self.strategy.hyperparameters(run.round)
         hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
         if self.strategy.training.qat and Precision.INT8 in (link.downlink, link.uplink):
@@ -494,9 +566,9 @@ class RoundEngine:
             hyperparameters=hyper,
             deadline=run.deadline,
             downlink_precision=link.downlink,
-            uplink=link.upload(self._uplink, next(iter(sets))),
+            uplink=link.upload(self._uplink, next(iter(sets), None)),
             payloads=tuple(sets),
-            model_message=model.message_id,
+            model_message=models[0].message.message_id if models else None,
         )
         task_message = Message(
             fleet=fleet,
@@ -505,36 +577,38 @@ class RoundEngine:
             body=task,
             message_id=run.task_ids[device_id],
         )
-        return [
-            Publish(self.topics.to_device(device_id, "model"), model),
-            Publish(self.topics.to_device(device_id, "task"), task_message),
-        ]
+        return [*models, Publish(self.topics.to_device(device_id, "task"), task_message)]
 
-    def _on_time_updates(
-        self, round_number: int
-    ) -> Iterator[tuple[StoredUpdate, dict[str, Array]]]:
-        for device_id in self._state.round_updates(round_number):
-            stored, weights = self._state.read_update(device_id, round_number)
-            if stored.on_time:
-                yield stored, weights
-
-    def _close_round(self, now: float) -> list[Action]:
+    def _close_round(self) -> list[Action]:
+        """Persist which updates the round aggregates, then ask for the aggregation."""
         run = self._require_run()
-        closing = run.round
-        stats: list[tuple[int, dict[str, float]]] = []
+        run.phase = "aggregating"
+        run.aggregating = [
+            d
+            for d in self._state.round_updates(run.round)
+            if self._state.read_update_meta(d, run.round).on_time
+        ]
+        self._state.save_run(run)  # a resumed coordinator aggregates these same updates
+        log.info("round %d: aggregating %d update(s)", run.round, len(run.aggregating))
+        return [self._aggregate_requested(run)]
 
-        def updates() -> Iterator[Contribution]:
-            for stored, weights in self._on_time_updates(closing):
-                stats.append((stored.num_samples, {**stored.timings, **stored.metrics}))
-                counts = None if stored.label_counts is None else tuple(stored.label_counts)
-                yield Contribution(stored.device_id, weights, stored.num_samples, counts)
+    def _aggregate_requested(self, run: RunMeta) -> AggregateRequested:
+        job = AggregationJob(
+            self.strategy, run.round, self._models, tuple(run.aggregating), self._state
+        )
+        return AggregateRequested(job)
 
-        try:
-            result = self.strategy.aggregate(self._models, updates(), closing)
-            server = {name: dict(arrays) for name, arrays in result.items()}
-        except ValueError:
-            log.warning("round %d closed without any on-time update; model unchanged", closing)
+    def _on_aggregate_done(self, done: AggregateDone) -> list[Action]:
+        run = self._require_run()
+        if run.phase != "aggregating" or done.round != run.round:
+            raise RuntimeError(f"aggregation of round {done.round} done in {run.phase} {run.round}")
+        closing, now = run.round, done.now
+        if isinstance(done.result, NothingToAggregate):
+            log.warning("round %d closed, model unchanged: %s", closing, done.result.reason)
             server = self._models
+        else:
+            server = {name: dict(arrays) for name, arrays in done.result.models.items()}
+        stats = [self._state.read_update_meta(d, closing) for d in run.aggregating]
         finished = closing >= self.config.rounds
         self._state.save_models(closing + 1, server)
         next_run = RunMeta(
@@ -546,6 +620,7 @@ class RoundEngine:
         self._run, self._models = next_run, server
         self._cleanup(closing)
         models = self.models()
+        metrics = [(u.num_samples, {**u.timings, **u.metrics}) for u in stats]
         closed = RoundClosed(
             round=closing,
             selected=len(run.selected),
@@ -554,13 +629,14 @@ class RoundEngine:
             rejected=self._counters.rejected,
             duration_s=max(0.0, now - run.started_at),
             models=models,
-            train_loss=_weighted_metric(stats, "loss"),
-            train_accuracy=_weighted_metric(stats, "accuracy"),
-            device_train_s=_mean_metric(stats, "train_s"),
+            train_loss=_weighted_metric(metrics, "loss"),
+            train_accuracy=_weighted_metric(metrics, "accuracy"),
+            device_train_s=_mean_metric(metrics, "train_s"),
         )
         actions: list[Action] = [closed]
         if self.config.broadcast_model:
-            actions.append(self._broadcast(closing, models[self.strategy.final_model]))
+            (group,) = models.values()  # the constructor made sure of it
+            actions.append(self._broadcast(closing, group[self.strategy.final_model]))
         if finished:
             return [*actions, *self._status("finished"), self._finished()]
         return [*actions, *self._on_tick(now)]
@@ -584,7 +660,7 @@ class RoundEngine:
 
     def _cleanup(self, closed_round: int) -> None:
         try:
-            self._state.recover(closed_round + 1, self._cache)
+            self._state.recover(closed_round + 1, self._caches)
         except StoreError:
             log.exception("cleanup after round %d failed; retried on resume", closed_round)
 

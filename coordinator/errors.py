@@ -6,6 +6,7 @@
     ├── ConfigError (ValueError)      bad settings: flags, TOML file, strategy options
     ├── StoreError (OSError)          the state directory cannot be read or written
     │   └── StateMismatchError        --resume with a state directory of another run
+    ├── AggregationError              a round's aggregation (server-side training) failed
     └── UpdateRejectedError (ValueError)   an update failed validation; carries a ReasonCode
 
 ``UpdateRejectedError`` never escapes the engine: it becomes an ``Ack(accepted=False)``.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from protocol.messages import ReasonCode
 
 __all__ = [
+    "AggregationError",
     "ConfigError",
     "CoordinatorError",
     "StateMismatchError",
@@ -38,6 +40,11 @@ class StoreError(CoordinatorError, OSError):
 
 class StateMismatchError(StoreError):
     """``--resume`` pointed at a state directory written by a different configuration."""
+
+
+class AggregationError(CoordinatorError):
+    """A round's aggregation failed (a strategy's server step raised). The round stays
+    open in the state store; a resumed coordinator runs the aggregation again."""
 
 
 class UpdateRejectedError(CoordinatorError, ValueError):

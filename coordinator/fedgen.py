@@ -36,8 +36,8 @@ and ``ensemble_eta`` 1). Where that code differs, the choices here are ours:
   over the labels some device holds;
 - no adversarial "student" term (the reference code's ``ensemble_beta`` is 0 too).
 
-Everything here is pure: no I/O, and randomness only from a ``torch.Generator`` seeded by
-the caller, so equal seeds and inputs give equal generators.
+Everything here is pure: no I/O, and randomness only from a CPU ``torch.Generator`` the
+caller seeds, so equal seeds and inputs give equal generators.
 """
 
 from __future__ import annotations
@@ -253,13 +253,13 @@ def train_latent_generator(
     label_counts: npt.ArrayLike,
     settings: GeneratorTraining | None = None,
     *,
-    seed: int,
+    rng: torch.Generator,
 ) -> dict[str, float]:
     """Train ``generator`` in place so the label-weighted ensemble of ``heads`` labels its output.
 
     Each of ``settings.steps`` Adam steps draws ``y ~ label_prior(label_counts)`` and
-    ``eps ~ N(0, I)`` (``batch_size`` of each, from a ``torch.Generator`` seeded with
-    ``seed``), computes ``latents = G(eps, y)`` in training mode and minimises
+    ``eps ~ N(0, I)`` (``batch_size`` of each, from ``rng``), computes
+    ``latents = G(eps, y)`` in training mode and minimises
     ``ensemble_weight * L_ens + diversity_weight * L_div`` (see the module docstring) over
     the generator's parameters only. The heads are copied into frozen tensors; the
     arrays passed in are not changed. Runs on the generator's device and dtype; the
@@ -271,7 +271,7 @@ def train_latent_generator(
             ``"head.bias"`` ``(C,)``), e.g. ``state_arrays(model, "head")``.
         label_counts: per device (same order as ``heads``), its samples per class ``(D, C)``.
         settings: steps, batch size, learning rate and loss weights (defaults when None).
-        seed: seeds the draws of labels and noise.
+        rng: a CPU generator the draws of labels and noise come from (it advances).
 
     Returns:
         ``ensemble_loss_first`` / ``ensemble_loss_last``: the ensemble loss ``L_ens`` in
@@ -285,7 +285,6 @@ def train_latent_generator(
     """
     settings = settings if settings is not None else GeneratorTraining()
     head_weights, head_biases, shares, prior = _checked(generator, heads, label_counts)
-    rng = torch.Generator().manual_seed(seed)
     optimizer = Adam(generator.parameters(), lr=settings.lr)
     ensemble_losses: list[float] = []
     diversity_losses: list[float] = []

@@ -5,8 +5,12 @@ will), subscribes to every device topic of the fleet, and feeds the engine from 
 messages decoded by the :class:`~protocol.channel.Channel` are queued by the transport's
 handler thread and processed in order with clock ticks. Actions are carried out in the
 order the engine returns them; round results go to observers (the lab emulator evaluates
-models there) and to the log. At the end the final models are saved as ``.pt`` and
-``.onnx`` under ``state_dir/final``.
+models there) and to the log. A round's aggregation runs on a thread of its own, on the
+``server_device``, and comes back through the same queue as an ``AggregateDone`` event
+(while it runs the engine goes on answering devices); if it fails, :meth:`Coordinator.run`
+raises :class:`~coordinator.errors.AggregationError` and the run can be resumed. At the
+end the final models are saved as ``.pt`` and ``.onnx`` under ``state_dir/final`` (in a
+folder per architecture group where the fleet runs several).
 """
 
 from __future__ import annotations
@@ -16,18 +20,22 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy.typing as npt
 import torch
 
+from coordinator.aggregation import AggregationJob
 from coordinator.config import CoordinatorConfig
+from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import (
     Action,
+    AggregateDone,
+    AggregateRequested,
     Event,
     Finished,
-    Models,
     Publish,
     Received,
     Reconnected,
@@ -36,10 +44,11 @@ from coordinator.engine import (
     RoundStarted,
     Tick,
 )
-from coordinator.errors import ConfigError
+from coordinator.errors import AggregationError, ConfigError
+from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
-from models import Classifier, build_classifier, load_state_arrays, state_arrays
+from models import Classifier, build_classifier, load_state_arrays
 from models.errors import ModelError
 from protocol.channel import Channel
 from protocol.codec import Codec
@@ -55,6 +64,14 @@ log = logging.getLogger(__name__)
 Array = npt.NDArray[Any]
 Observer = Callable[[Action], None]
 """Called with every RoundStarted, RoundClosed and Finished action, on the engine thread."""
+
+
+@dataclass(frozen=True)
+class _AggregationFailed:
+    """Queued in place of an AggregateDone when the aggregation raised."""
+
+    round: int
+    error: Exception
 
 
 def build_model(config: CoordinatorConfig) -> Classifier:
@@ -126,7 +143,7 @@ class Coordinator:
         clock: returns Unix time in seconds.
 
     Raises:
-        ConfigError: unknown strategy or model.
+        ConfigError: unknown strategy or model, or ``server_device`` cuda without a GPU.
     """
 
     def __init__(
@@ -144,22 +161,20 @@ class Coordinator:
         self.channel = Channel(transport, codec)
         self._clock = clock
         self._tick_s = tick_s
-        self._template = build_model(config)
-        initial = state_arrays(self._template)
+        self._server_device = resolve_server_device(config.server_device)
+        template = build_model(config)
+        self._templates = {template.architecture: template}
+        """A classifier of each architecture group, by group (the fleet's one model)."""
         self.engine = RoundEngine(
             config,
-            build_strategy(config, self._template),
+            build_strategy(config, self._templates),
             store if store is not None else MemoryStore(),
-            initial_model=lambda: initial,
-            architecture=self._template.architecture,
-            fingerprint=self._template.fingerprint(),
-            shapes={name: a.shape for name, a in initial.items()},
-            num_classes=self._template.num_classes,
+            {name: ArchitectureGroup.of(t) for name, t in self._templates.items()},
         )
-        self._events: queue.Queue[Event] = queue.Queue()
+        self._events: queue.Queue[Event | _AggregationFailed] = queue.Queue()
         self._stop = threading.Event()
         self._observers: list[Observer] = []
-        self.final_models: Models | None = None
+        self.final_models: GroupModels | None = None
         self.final_model = self.engine.strategy.final_model
         """Name of the model the run delivers (``aca`` or ``oca``)."""
 
@@ -173,15 +188,16 @@ class Coordinator:
         """Ask :meth:`run` to return after the event it is processing (thread-safe)."""
         self._stop.set()
 
-    def run(self) -> Models | None:
+    def run(self) -> GroupModels | None:
         """Connect, run rounds until the last one closes (or :meth:`stop`), disconnect.
 
         Returns:
-            The final global models, or None when stopped before the end.
+            The final global models of each group, or None when stopped before the end.
 
         Raises:
             TransportError: the broker cannot be reached at start.
             StoreError: the state store failed (fatal: the run cannot go on safely).
+            AggregationError: a round's aggregation failed (resume to run it again).
         """
         fleet, me = self.config.fleet, self.config.coordinator_id
         topics = self.engine.topics
@@ -196,10 +212,14 @@ class Coordinator:
             next_tick = self._clock() + self._tick_s
             while not self._stop.is_set() and self.final_models is None:
                 try:
-                    event: Event = self._events.get(timeout=max(0.0, next_tick - self._clock()))
+                    event = self._events.get(timeout=max(0.0, next_tick - self._clock()))
                 except queue.Empty:
                     event = Tick(self._clock())
                     next_tick = self._clock() + self._tick_s
+                if isinstance(event, _AggregationFailed):
+                    raise AggregationError(
+                        f"the aggregation of round {event.round} failed: {event.error}"
+                    ) from event.error
                 self._execute(self.engine.handle(event))
         finally:
             if self.final_models is None:
@@ -238,12 +258,30 @@ class Coordinator:
                     self.config.rounds,
                     len(action.selected),
                 )
+            elif isinstance(action, AggregateRequested):
+                self._aggregate(action.job)
             elif isinstance(action, RoundClosed):
                 self._log_round(action)
             elif isinstance(action, Finished):
                 self._finish(action)
             for observer in self._observers:
                 observer(action)
+
+    def _aggregate(self, job: AggregationJob) -> None:
+        """Run ``job`` on a thread of its own; its outcome comes back as an event."""
+        context = ServerContext.for_round(self._server_device, self.config.seed, job.round)
+
+        def work() -> None:
+            try:
+                result = job.run(context)
+            except Exception as exc:  # surfaces on the engine thread
+                log.exception("round %d: the aggregation failed", job.round)
+                self._events.put(_AggregationFailed(job.round, exc))
+                return
+            self._events.put(AggregateDone(job.round, result, self._clock()))
+
+        name = f"aggregate-round-{job.round}"
+        threading.Thread(target=work, name=name, daemon=True).start()
 
     def _publish(self, action: Publish) -> None:
         try:
@@ -274,19 +312,21 @@ class Coordinator:
         self.final_models = finished.models
         if self.config.state_dir is None:
             return
-        out_dir = self.config.state_dir / "final"
-        try:
-            paths = save_final_models(
-                finished.models,
-                self._template,
-                out_dir,
-                onnx=self.config.export_onnx,
-                final=finished.final,
-            )
-        except (OSError, ModelError) as exc:
-            log.error("could not save the final models to %s: %s", out_dir, exc)
-            return
-        log.info("final models saved: %s", ", ".join(p.name for p in paths))
+        final_dir = self.config.state_dir / "final"
+        for group, models in finished.models.items():
+            out_dir = final_dir if len(finished.models) == 1 else final_dir / group
+            try:
+                paths = save_final_models(
+                    models,
+                    self._templates[group],
+                    out_dir,
+                    onnx=self.config.export_onnx,
+                    final=finished.final,
+                )
+            except (OSError, ModelError) as exc:
+                log.error("could not save the final models to %s: %s", out_dir, exc)
+                continue
+            log.info("final models saved: %s", ", ".join(str(p) for p in paths))
 
     def _publish_final_status(self, state: str) -> None:
         body = CoordinatorStatus(state=state, strategy=self.config.strategy)

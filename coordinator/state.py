@@ -6,33 +6,41 @@ Layout of the :class:`~coordinator.store.Store` (one atomic record per key):
 key                        record
 =========================  =================================================================
 ``run``                    config fingerprint, current round, phase, selected devices, task
-                           ids, deadline (metadata only)
+                           ids, deadline, the updates a closing round aggregates
+                           (metadata only)
 ``registry/DEVICE``        the registry's entry of ``DEVICE``, what its hello announced
                            (metadata only; one record per device, so registering one
                            writes O(1) whatever the fleet's size)
-``models/rNNNNNN/NAME``    global model ``NAME`` (``aca``, ...) that round ``N`` starts from
-``updates/DEVICE/rNNNNNN`` an accepted update of ``DEVICE`` for round ``N``: its metadata and
-                           weights. Writing it is the commit point of acceptance.
+``models/rNNNNNN/G/ROLE``  global model ``ROLE`` (``aca``, ...) of architecture group ``G``
+                           that round ``N`` starts from
+``updates/DEVICE/rNNNNNN`` an accepted update of ``DEVICE`` for round ``N``: its metadata (the
+                           device's group among it) and weights. Writing it is the commit
+                           point of acceptance.
 ``bases/DEVICE/sent``       the model (as decoded) the device's current task gives it: round,
                            content fingerprint, arrays; quantized transfers only
 ``bases/DEVICE/held``       the same for the model the device is known to hold (it
                            uploaded a delta against it or announced it): downlink deltas
                            are taken against it
-``oca``                    OCA running sum ``S = sum_k n_k w_k`` (float64), total weight and
-                           which update of each device is inside the sum
+``oca/G``                  group ``G``'s OCA running sum ``S = sum_k n_k w_k`` (float64), total
+                           weight and which update of each of its devices is inside the sum
 =========================  =================================================================
 
 Write order makes every crash recoverable (:meth:`RunState.recover`):
 
 * accept an update: write ``updates/D/rN`` (now it is accepted and never lost), then, for
-  strategies with an OCA cache, write ``oca`` with the device's new slot folded in, then
-  delete the device's previous update record (its old slot).
-* close round ``N``: write ``models/r(N+1)/*``, then ``run`` with round ``N+1`` (the commit
-  point), then delete ``models/rN/*`` and round ``N``'s update records no slot refers to.
+  strategies with an OCA cache, write ``oca/G`` (``G`` the device's group) with the
+  device's new slot folded in, then delete the device's previous update record (its old
+  slot).
+* close round ``N``: write ``run`` in phase ``aggregating`` with the devices whose on-time
+  updates the round aggregates; aggregate (off the engine thread; nothing is written);
+  write ``models/r(N+1)/*/*``, then ``run`` with round ``N+1`` (the commit point), then
+  delete ``models/rN/*`` and round ``N``'s update records no slot refers to. A crash
+  before the commit point leaves round ``N``'s models and updates in place: the resumed
+  coordinator aggregates the same updates again, so none is lost or counted twice.
 
-Recovery redoes what a crash interrupted: it folds into ``oca`` any newest update record
-the sum does not hold yet (each device's slot is its newest record, and the sum records
-which round it holds, so nothing is counted twice), and deletes records and model
+Recovery redoes what a crash interrupted: it folds into its group's ``oca/G`` any newest
+update record the sum does not hold yet (each device's slot is its newest record, and the
+sum records which round it holds, so nothing is counted twice), and deletes records and model
 versions the committed ``run`` no longer needs. The cache slots live only in the store;
 RAM holds the running sum, O(model) whatever the number of devices.
 """
@@ -41,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -50,6 +58,7 @@ import numpy.typing as npt
 
 from coordinator.aggregate import WeightedSum
 from coordinator.errors import StateMismatchError, StoreError
+from coordinator.groups import GroupModels
 from coordinator.store import Store
 
 __all__ = ["Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
@@ -57,7 +66,7 @@ __all__ = ["Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
 log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
-Phase = Literal["waiting", "training", "finished"]
+Phase = Literal["waiting", "training", "aggregating", "finished"]
 _ROUND_KEY = re.compile(r"^r(\d{6,})$")
 
 
@@ -74,13 +83,16 @@ class RunMeta:
     round: int = 1
     """The current round (1-based); after the last round, ``rounds + 1``."""
     phase: Phase = "waiting"
-    """``waiting``: no round in progress; ``training``: tasks are out; ``finished``."""
+    """``waiting``: no round in progress; ``training``: tasks are out; ``aggregating``:
+    the round's updates are being aggregated; ``finished``."""
     selected: list[str] = field(default_factory=list)
     task_ids: dict[str, str] = field(default_factory=dict)
     """Device -> message id of its task this round."""
     deadline: float = 0.0
     """Unix time (s) after which updates of this round are late."""
     started_at: float = 0.0
+    aggregating: list[str] = field(default_factory=list)
+    """Phase ``aggregating``: the devices whose on-time update the round aggregates."""
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +108,7 @@ class RunMeta:
                 task_ids={str(k): str(v) for k, v in meta["task_ids"].items()},
                 deadline=float(meta["deadline"]),
                 started_at=float(meta["started_at"]),
+                aggregating=[str(d) for d in meta["aggregating"]],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"corrupt run record: {exc}") from exc
@@ -106,6 +119,8 @@ class StoredUpdate:
     """Metadata of an accepted update record."""
 
     device_id: str
+    group: str
+    """The device's architecture group."""
     round: int
     num_samples: int
     message_id: str
@@ -125,6 +140,7 @@ class StoredUpdate:
         try:
             return cls(
                 device_id=str(meta["device_id"]),
+                group=str(meta["group"]),
                 round=int(meta["round"]),
                 num_samples=int(meta["num_samples"]),
                 message_id=str(meta["message_id"]),
@@ -197,27 +213,32 @@ class RunState:
 
     # -- models ------------------------------------------------------------------------
 
-    def save_models(self, round_number: int, models: Mapping[str, Mapping[str, Array]]) -> None:
-        for name, arrays in models.items():
-            self.store.write(f"models/{_round_key(round_number)}/{name}", {}, arrays)
+    def save_models(self, round_number: int, models: GroupModels) -> None:
+        for group, roles in models.items():
+            for role, arrays in roles.items():
+                self.store.write(f"models/{_round_key(round_number)}/{group}/{role}", {}, arrays)
 
     def load_models(
-        self, round_number: int, required: tuple[str, ...] = ("aca",)
-    ) -> dict[str, dict[str, Array]]:
-        """Every server model round ``round_number`` starts from, by name.
+        self, round_number: int, groups: Iterable[str], required: tuple[str, ...] = ("aca",)
+    ) -> GroupModels:
+        """Every server model round ``round_number`` starts from, by group and role.
 
         Raises:
-            StoreError: one of ``required`` is missing.
+            StoreError: a group lacks one of the ``required`` roles.
         """
-        prefix = f"models/{_round_key(round_number)}/"
-        out = {}
-        for key in self.store.keys(prefix.rstrip("/")):
-            record = self.store.read(key)
-            if record is not None:
-                out[key.removeprefix(prefix)] = record.arrays
-        missing = [name for name in required if name not in out]
-        if missing:
-            raise StoreError(f"state is missing model(s) {missing} of round {round_number}")
+        out: GroupModels = {}
+        for group in groups:
+            prefix = f"models/{_round_key(round_number)}/{group}/"
+            roles = out[group] = {}
+            for key in self.store.keys(prefix.rstrip("/")):
+                record = self.store.read(key)
+                if record is not None:
+                    roles[key.removeprefix(prefix)] = record.arrays
+            missing = [role for role in required if role not in roles]
+            if missing:
+                raise StoreError(
+                    f"state is missing model(s) {missing} of group {group} in round {round_number}"
+                )
         return out
 
     def drop_models_except(self, round_number: int) -> None:
@@ -245,6 +266,13 @@ class RunState:
         if record is None:
             raise StoreError(f"state is missing the update of {device_id} for round {round_number}")
         return StoredUpdate.from_meta(record.meta), record.arrays
+
+    def read_update_meta(self, device_id: str, round_number: int) -> StoredUpdate:
+        """The metadata of an accepted update (its weights stay in the store)."""
+        meta = self.store.read_meta(self.update_key(device_id, round_number))
+        if meta is None:
+            raise StoreError(f"state is missing the update of {device_id} for round {round_number}")
+        return StoredUpdate.from_meta(meta)
 
     def delete_update(self, device_id: str, round_number: int) -> None:
         self.store.delete(self.update_key(device_id, round_number))
@@ -285,13 +313,17 @@ class RunState:
 
     # -- recovery ----------------------------------------------------------------------
 
-    def recover(self, current_round: int, cache: OcaCache | None) -> None:
-        """Finish what a crash interrupted (see the module docstring); idempotent."""
+    def recover(self, current_round: int, caches: Mapping[str, OcaCache]) -> None:
+        """Finish what a crash interrupted (see the module docstring); idempotent.
+
+        ``caches``: the OCA cache of each group (none: the strategy keeps no OCA).
+        """
         self.drop_models_except(current_round)
         for device_id, rounds in self.update_rounds().items():
             keep = {current_round}
-            if cache is not None:
+            if caches:
                 newest = rounds[-1]
+                cache = caches[self.read_update_meta(device_id, newest).group]
                 if cache.slot_round(device_id) < newest:
                     log.info("recovery: folding %s round %d into the OCA", device_id, newest)
                     cache.absorb(device_id, newest)
@@ -302,17 +334,17 @@ class RunState:
 
 
 class OcaCache:
-    """The OCA model: the sample-weighted average of every device's latest update.
+    """A group's OCA model: the sample-weighted average of the latest update of every
+    device of the group.
 
     Each device's slot is its newest accepted update record in the store; this object
     holds the running float64 sum and which round of each device it contains.
     """
 
-    KEY = "oca"
-
-    def __init__(self, state: RunState) -> None:
+    def __init__(self, state: RunState, group: str) -> None:
         self._state = state
-        record = state.store.read(self.KEY)
+        self._key = f"oca/{group}"
+        record = state.store.read(self._key)
         self._applied: dict[str, tuple[int, int]] = {}
         if record is None:
             self._sum = WeightedSum()
@@ -370,4 +402,4 @@ class OcaCache:
             "weight": self._sum.weight,
             "dtypes": {k: v.str for k, v in self._sum.dtypes.items()},
         }
-        self._state.store.write(self.KEY, meta, self._sum.sums)
+        self._state.store.write(self._key, meta, self._sum.sums)

@@ -23,9 +23,19 @@ fedgen         FedGen: averages what devices share (``full`` model or ``head`` o
                each round; sends the generator and the label prior with the model
 =============  ===================================================================
 
-Server models: besides ``aca`` a strategy may keep more arrays between rounds (FedGen's
-``generator`` and ``prior``); the engine persists every model :meth:`Strategy.aggregate`
-returns and hands them back to :meth:`Strategy.downlink` and the next aggregation.
+Server models are kept per architecture group (:mod:`coordinator.groups`): a fleet may
+mix architectures, and the engine asks a strategy for each group's downlink. Besides
+``aca`` a strategy may keep more arrays between rounds (FedGen's ``generator`` and
+``prior``); the engine persists every model :meth:`Strategy.aggregate` returns, by group
+and role, and hands them back to :meth:`Strategy.downlink` and the next aggregation. The
+strategies here average within a group (FedAvg of a mixed fleet is FedAvg per group);
+FedGen runs with one group only.
+
+:meth:`Strategy.aggregate` runs in the aggregation phase, off the engine thread, with a
+:class:`~coordinator.context.ServerContext` (torch device, proxy data, seeded RNG). It
+answers :class:`Aggregated` or, when the round brought nothing to aggregate,
+:class:`NothingToAggregate`; an exception is a failure of the server step, never a
+way to say "no update".
 """
 
 from __future__ import annotations
@@ -41,8 +51,10 @@ import torch
 
 from coordinator.aggregate import WeightedSum
 from coordinator.config import CoordinatorConfig, TrainingSettings
+from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
 from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_generator
+from coordinator.groups import GroupModels
 from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
 from models import load_state_arrays as load_arrays
 from models.classifiers import HEAD_PREFIX
@@ -62,12 +74,15 @@ from protocol.sets import (
 __all__ = [
     "GLOBAL_SET",
     "WEIGHTS_SET",
+    "AggregateResult",
+    "Aggregated",
     "Contribution",
     "FedAvg",
     "FedAvgOca",
     "FedGen",
     "FedKF",
     "FedProx",
+    "NothingToAggregate",
     "Strategy",
     "build_strategy",
     "strategy_names",
@@ -91,9 +106,28 @@ class Contribution:
     """One accepted on-time update, as the aggregation sees it."""
 
     device_id: str
+    group: str
+    """The device's architecture group."""
     weights: dict[str, Array]
     num_samples: int
     label_counts: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Aggregated:
+    """The next round's server models: every group's, by role; each holds ``aca``."""
+
+    models: GroupModels
+
+
+@dataclass(frozen=True)
+class NothingToAggregate:
+    """The round brought no on-time update: the server models stay as they are."""
+
+    reason: str
+
+
+AggregateResult = Aggregated | NothingToAggregate
 
 
 class Strategy(abc.ABC):
@@ -111,14 +145,13 @@ class Strategy(abc.ABC):
     """Whether ``sharing head`` is supported: devices upload only the prediction head,
     the server averages the heads and sends the aggregated head back as ``head``."""
 
-    def __init__(self, config: CoordinatorConfig, template: Classifier) -> None:
+    def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         if config.sharing == "head" and not self.head_sharing:
             raise ConfigError(f"strategy {self.name!r} does not support sharing 'head'")
         final = config.final_model or ("oca" if self.uses_oca else "aca")
         if final == "oca" and not self.uses_oca:
             raise ConfigError(f"strategy {self.name!r} keeps no OCA model; use final_model aca")
         self.config = config
-        self.template = template
         self.head_only = config.sharing == "head"
         self.final_model: str = final
         """The global model a run delivers (``aca``, or ``oca`` where one is kept)."""
@@ -155,29 +188,44 @@ class Strategy(abc.ABC):
         return None
 
     def downlink(self, models: Mapping[str, Arrays]) -> dict[str, Arrays]:
-        """Tensor sets to send each selected device, by set name.
+        """Tensor sets to send each selected device of a group, by set name.
 
-        ``models`` holds the server models (``aca`` and any the strategy keeps) and, for
-        strategies with an OCA cache, ``oca``.
+        ``models`` holds the group's server models (``aca`` and any the strategy keeps)
+        and, for strategies with an OCA cache, ``oca``.
         """
         aca = models["aca"]
         return {HEAD_SET: _head(aca)} if self.head_only else {GLOBAL_SET: aca}
 
     def aggregate(
         self,
-        current: Mapping[str, Arrays],
+        current: GroupModels,
         updates: Iterable[Contribution],
         round_number: int,
-    ) -> dict[str, Arrays]:
-        """The next round's server models from the round's on-time updates.
+        context: ServerContext,
+    ) -> AggregateResult:
+        """The next round's server models of every group from the round's on-time updates.
 
-        ``updates`` loads one update at a time; keep memory O(model). The result always
-        holds ``aca``. Raises ValueError when there is nothing to aggregate.
+        ``current`` holds the models the round started from, by group and role.
+        ``updates`` loads one update at a time; keep memory O(model) per group. Runs off
+        the engine thread; draws come from ``context.rng``, so a re-run gives the same.
+        Here: each group's ACA is the sample-weighted average of its devices' updates; a
+        group without an update keeps its models.
+
+        Raises:
+            Exception: the server step failed; the round stays open, and a resumed
+                coordinator runs the aggregation again.
         """
-        acc = WeightedSum()
+        sums: dict[str, WeightedSum] = {}
         for update in updates:
-            acc.add(update.weights, update.num_samples)
-        return {"aca": self._merge(current, acc.mean())}
+            sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
+        if not sums:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
+        return Aggregated(
+            {
+                group: {"aca": self._merge(models, sums[group].mean())} if group in sums else models
+                for group, models in current.items()
+            }
+        )
 
     def _merge(self, current: Mapping[str, Arrays], mean: dict[str, Array]) -> dict[str, Array]:
         """The new ACA: the mean itself, or (head-only) the current model with the mean
@@ -251,7 +299,7 @@ class FedGen(Strategy):
     against this round's heads and sends it with the label prior from round 2 on;
     devices weigh the generator term with ``alpha_t = generative_alpha *
     generative_alpha_decay ** (t - 1)``. Defaults from the paper: 20 local steps of
-    batch 32.
+    batch 32. One architecture group: the generator lives in its latent space.
     """
 
     name = "fedgen"
@@ -259,8 +307,11 @@ class FedGen(Strategy):
     training_defaults: ClassVar[Mapping[str, int]] = {"local_steps": 20, "batch_size": 32}
     generator_training = GeneratorTraining()
 
-    def __init__(self, config: CoordinatorConfig, template: Classifier) -> None:
-        super().__init__(config, template)
+    def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
+        super().__init__(config, templates)
+        if len(templates) != 1:
+            raise ConfigError(f"strategy {self.name!r} runs one architecture, not {len(templates)}")
+        (template,) = templates.values()
         self._generator_config = LatentGeneratorConfig.for_classifier(
             template,
             noise_dim=self.training.generator_noise_dim,
@@ -297,10 +348,12 @@ class FedGen(Strategy):
 
     def aggregate(
         self,
-        current: Mapping[str, Arrays],
+        current: GroupModels,
         updates: Iterable[Contribution],
         round_number: int,
-    ) -> dict[str, Arrays]:
+        context: ServerContext,
+    ) -> AggregateResult:
+        ((group, models),) = current.items()
         acc = WeightedSum()
         heads: list[dict[str, Array]] = []
         counts: list[tuple[int, ...]] = []
@@ -310,21 +363,18 @@ class FedGen(Strategy):
             if update.label_counts is None:  # the engine checks; kept as a guard
                 raise ValueError(f"update of {update.device_id} has no label counts")
             counts.append(update.label_counts)
-        aca = self._merge(current, acc.mean())
-        generator = self._generator(current)
-        train_latent_generator(
-            generator,
-            heads,
-            counts,
-            self.generator_training,
-            seed=self.config.seed * 1_000_003 + round_number,
-        )
+        if acc.weight <= 0:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
+        aca = self._merge(models, acc.mean())
+        generator = self._generator(models).to(context.device)
+        train_latent_generator(generator, heads, counts, self.generator_training, rng=context.rng)
         prior = label_prior(np.asarray(counts, dtype=np.int64))
-        return {
+        server = {
             "aca": aca,
             GENERATOR_SET: state_arrays(generator),
             PRIOR_SET: {PRIOR_TENSOR: prior.astype(np.float32)},
         }
+        return Aggregated({group: server})
 
     def _generator(self, current: Mapping[str, Arrays]) -> LatentGenerator:
         """Last round's generator, or in round 1 a new one seeded by the run's seed."""
@@ -339,7 +389,7 @@ class FedGen(Strategy):
             return LatentGenerator(self._generator_config)
 
 
-_REGISTRY: dict[str, Callable[[CoordinatorConfig, Classifier], Strategy]] = {
+_REGISTRY: dict[str, Callable[[CoordinatorConfig, Mapping[str, Classifier]], Strategy]] = {
     cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen)
 }
 
@@ -349,13 +399,14 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def build_strategy(config: CoordinatorConfig, template: Classifier) -> Strategy:
-    """The strategy ``config.strategy`` for a fleet running ``template``'s architecture.
+def build_strategy(config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> Strategy:
+    """The strategy ``config.strategy`` for a fleet of the architecture groups
+    ``templates`` (group name -> a classifier of its architecture).
 
     Raises:
         ConfigError: unknown name (the message lists the known ones), or options the
             strategy cannot honour (``final_model oca`` without an OCA model, ``sharing
-            head`` where heads alone cannot be averaged).
+            head`` where heads alone cannot be averaged, several groups for FedGen).
     """
     try:
         factory = _REGISTRY[config.strategy]
@@ -363,4 +414,4 @@ def build_strategy(config: CoordinatorConfig, template: Classifier) -> Strategy:
         raise ConfigError(
             f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}"
         ) from None
-    return factory(config, template)
+    return factory(config, templates)

@@ -57,11 +57,12 @@ class Link:
     def lossless(self) -> bool:
         return self.downlink is Precision.FP32 and self.uplink is Precision.FP32
 
-    def upload(self, spec: UploadSpec, model_set: str) -> UploadSpec:
+    def upload(self, spec: UploadSpec, model_set: str | None) -> UploadSpec:
         """The strategy's upload ``spec`` in this link's uplink precision: a delta against
-        ``model_set`` when lossy, the full weights in fp32."""
-        if self.uplink is Precision.FP32:
-            return spec.model_copy(update={"precision": Precision.FP32})
+        the device's model set ``model_set`` when lossy, else the full weights (fp32, or
+        lossy where the downlink sends no model to take a delta against)."""
+        if self.uplink is Precision.FP32 or model_set is None:
+            return spec.model_copy(update={"precision": self.uplink})
         return spec.model_copy(
             update={"precision": self.uplink, "mode": "delta", "base": model_set}
         )
@@ -81,7 +82,9 @@ class Transfers:
         self._state = state
         self._deltas = deltas
         self._teacher_budget = teacher_budget
-        self._cache: dict[tuple[int, str, Precision], Encoded] = {}
+        self._cache: dict[tuple[int, str, str, Precision], Encoded] = {}
+        """Full encodings of this round, by (round, group, set, precision): devices of a
+        group at one precision share them."""
 
     def new_round(self) -> None:
         """Forget the encodings cached for the previous round."""
@@ -91,11 +94,14 @@ class Transfers:
         self,
         device_id: str,
         round_number: int,
+        group: str,
         sets: Mapping[str, Arrays],
         link: Link,
+        *,
         against: Mapping[str, str] = {},
     ) -> dict[str, TensorSet]:
-        """The tensor sets for ``device_id``; the first of ``sets`` is its model.
+        """The tensor sets for ``device_id`` of architecture group ``group``; the first of
+        ``sets`` (its group's downlink) is its model.
 
         ``against`` maps a set to the set it travels as a delta against. For a lossy
         link the decoded model is stored as the device's ``sent`` base first.
@@ -107,19 +113,26 @@ class Transfers:
         done: dict[str, Encoded] = {}
         for position, (name, arrays) in enumerate(sets.items()):
             if position == 0:
-                encoded = self._model(device_id, round_number, name, arrays, link)
+                encoded = self._model(device_id, round_number, group, name, arrays, link=link)
             elif name in against and against[name] in done:
                 other = done[against[name]]
                 budget = max(1, int(self._teacher_budget * compressed_size(other.tensors)))
                 ref = set_base(against[name])
                 encoded = fit_delta(arrays, other.received, ref, precision, budget)
             else:
-                encoded = self._full(round_number, name, arrays, precision)
+                encoded = self._full(round_number, group, name, arrays, precision)
             done[name] = encoded
         return {name: encoded.tensors for name, encoded in done.items()}
 
     def _model(
-        self, device_id: str, round_number: int, name: str, arrays: Arrays, link: Link
+        self,
+        device_id: str,
+        round_number: int,
+        group: str,
+        name: str,
+        arrays: Arrays,
+        *,
+        link: Link,
     ) -> Encoded:
         precision = link.downlink
         held = None
@@ -128,7 +141,7 @@ class Transfers:
             if held is not None and held.arrays.keys() != arrays.keys():
                 held = None  # another model subset (e.g. a changed sharing mode)
         if held is None:
-            encoded = self._full(round_number, name, arrays, precision)
+            encoded = self._full(round_number, group, name, arrays, precision)
         else:
             encoded = encode_delta(arrays, held.arrays, held.fingerprint, precision)
         if not link.lossless:
@@ -136,8 +149,10 @@ class Transfers:
             self._state.save_base(device_id, "sent", base)
         return encoded
 
-    def _full(self, round_number: int, name: str, arrays: Arrays, precision: Precision) -> Encoded:
-        key = (round_number, name, precision)
+    def _full(
+        self, round_number: int, group: str, name: str, arrays: Arrays, precision: Precision
+    ) -> Encoded:
+        key = (round_number, group, name, precision)
         if key not in self._cache:
             self._cache[key] = encode_full(arrays, precision)
         return self._cache[key]

@@ -37,8 +37,19 @@ from typing import Any
 
 import torch
 
-from coordinator.engine import Action, Finished, Publish, Received, RoundEngine, RoundStarted
+from coordinator.context import ServerContext, resolve_server_device
+from coordinator.engine import (
+    Action,
+    AggregateDone,
+    AggregateRequested,
+    Finished,
+    Publish,
+    Received,
+    RoundEngine,
+    RoundStarted,
+)
 from coordinator.errors import ConfigError
+from coordinator.groups import ArchitectureGroup
 from coordinator.runtime import build_model
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
@@ -47,7 +58,6 @@ from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import session as dev
 from edge_client.train.trainer import build_device_model
 from edge_client.train.transfer import TransferState
-from models import state_arrays
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
 from protocol.codec import Codec
 from protocol.messages import (
@@ -317,19 +327,15 @@ class _Emulation:
         coordinator = config.coordinator_config(federation.num_classes, channels, side)
         try:  # as coordinator.runtime.Coordinator builds its engine
             template = build_model(coordinator)
-            strategy: Strategy = build_strategy(coordinator, template)
+            strategy: Strategy = build_strategy(coordinator, {template.architecture: template})
+            self._server_device = resolve_server_device(coordinator.server_device)
         except ConfigError as exc:
             raise SimError(str(exc)) from exc
-        initial = state_arrays(template)
         self.engine = RoundEngine(
             coordinator,
             strategy,
             MemoryStore(),
-            initial_model=lambda: initial,
-            architecture=template.architecture,
-            fingerprint=template.fingerprint(),
-            shapes={name: a.shape for name, a in initial.items()},
-            num_classes=template.num_classes,
+            {template.architecture: ArchitectureGroup.of(template)},
         )
         self.devices: dict[str, _Device] = {}
         specs: list[FleetDevice] = []
@@ -431,7 +437,13 @@ class _Emulation:
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, Finished):
+            if isinstance(action, AggregateRequested):  # at once, on this thread
+                job = action.job
+                seed = self.engine.config.seed
+                context = ServerContext.for_round(self._server_device, seed, job.round)
+                done = AggregateDone(job.round, job.run(context), self._clock())
+                self._execute(self.engine.handle(done))
+            elif isinstance(action, Finished):
                 self._finished = True
             elif isinstance(action, RoundStarted):
                 rounds = self.config.rounds

@@ -375,17 +375,16 @@ class _Recorder:
         now = self.totals()
         delta = [a - b for a, b in zip(now, self._last, strict=True)]
         self._last = now
+        models = action.models[self._scratch.architecture]  # the fleet's one group
         if self._personal:  # each device: its own feature extractor + the global head
-            head = {k: v for k, v in action.models["aca"].items() if k.startswith(HEAD_PREFIX)}
+            head = {k: v for k, v in models["aca"].items() if k.startswith(HEAD_PREFIX)}
             states = [
                 {**state_arrays(self._fleet.model(device_id), "features"), **head}
                 for device_id in self._device_ids
             ]
             metrics = {"aca": evaluate_personal(states, self._scratch, self._device_tests)}
         else:
-            metrics = evaluate_models(
-                action.models, self._scratch, self._device_tests, self._global_test
-            )
+            metrics = evaluate_models(models, self._scratch, self._device_tests, self._global_test)
         record = RoundRecord(
             round=action.round,
             wall_s=wall,
@@ -527,7 +526,8 @@ def run_simulation(
             raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
         models = outcome.get("models")
         if final_models_dir is not None and models:
-            save_final_models(models, scratch, final_models_dir, final=coordinator.final_model)
+            group = models[scratch.architecture]  # the fleet's one group
+            save_final_models(group, scratch, final_models_dir, final=coordinator.final_model)
         totals = recorder.totals()
         ranks = None if recorder.sync is None else recorder.sync.ask("final")
 

@@ -6,18 +6,31 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from coordinator.config import CoordinatorConfig
-from coordinator.engine import Action, Publish, Received, RoundEngine
+from coordinator.context import ServerContext
+from coordinator.engine import (
+    Action,
+    AggregateDone,
+    AggregateRequested,
+    Event,
+    Publish,
+    Received,
+    RoundEngine,
+)
+from coordinator.groups import ArchitectureGroup
 from coordinator.runtime import build_model
 from coordinator.store import Store
-from coordinator.strategies import build_strategy
-from models import state_arrays
+from coordinator.strategies import Strategy, build_strategy
+from models import Classifier
 from protocol.messages import DeviceStatus, Hello, Message, RoundTask, Update
 from protocol.tensors import Precision
 from protocol.tensorset import encode_tensors
 
 FLEET = "test"
+GROUP = "mlp"
+"""The architecture group of the fleet :func:`config` describes (its model)."""
 
 
 def config(**overrides: Any) -> CoordinatorConfig:
@@ -33,18 +46,58 @@ def config(**overrides: Any) -> CoordinatorConfig:
     return CoordinatorConfig.model_validate(base)
 
 
-def make_engine(cfg: CoordinatorConfig, store: Store) -> RoundEngine:
+def templates(cfg: CoordinatorConfig) -> dict[str, Classifier]:
+    """The fleet's one architecture group: its name -> the classifier of ``cfg``."""
     template = build_model(cfg)
-    initial = state_arrays(template)
-    return RoundEngine(
+    return {template.architecture: template}
+
+
+class InlineEngine(RoundEngine):
+    """A RoundEngine whose aggregations run at once, on the CPU of the calling thread, as
+    ``sim.budget`` runs them: :meth:`start` and :meth:`handle` return the
+    AggregateRequested and, after it, the actions of its AggregateDone."""
+
+    def start(self, now: float) -> list[Action]:
+        return self._inline(super().start(now), now)
+
+    def handle(self, event: Event) -> list[Action]:
+        now = event.now
+        return self._inline(super().handle(event), now)
+
+    def _inline(self, actions: list[Action], now: float) -> list[Action]:
+        out: list[Action] = []
+        for action in actions:
+            out.append(action)
+            if isinstance(action, AggregateRequested):
+                out += self._inline(super().handle(aggregate(self, action, now)), now)
+        return out
+
+
+def aggregate(engine: RoundEngine, request: AggregateRequested, now: float) -> AggregateDone:
+    """Carry out ``request`` on the CPU, as the runtime does on its aggregation thread."""
+    job = request.job
+    context = ServerContext.for_round(torch.device("cpu"), engine.config.seed, job.round)
+    return AggregateDone(job.round, job.run(context), now)
+
+
+def make_engine(
+    cfg: CoordinatorConfig,
+    store: Store,
+    *,
+    inline: bool = True,
+    strategy: Strategy | None = None,
+    fleet: Mapping[str, Classifier] | None = None,
+) -> RoundEngine:
+    """The engine of ``cfg`` on ``store`` (an :class:`InlineEngine` unless not ``inline``)
+    for the architecture groups of ``fleet`` (default: the model of ``cfg``), with
+    ``strategy`` or the one ``cfg`` names."""
+    fleet = fleet or templates(cfg)
+    engine_type = InlineEngine if inline else RoundEngine
+    return engine_type(
         cfg,
-        build_strategy(cfg, template),
+        strategy or build_strategy(cfg, fleet),
         store,
-        initial_model=lambda: initial,
-        architecture=template.architecture,
-        fingerprint=template.fingerprint(),
-        shapes={k: v.shape for k, v in initial.items()},
-        num_classes=template.num_classes,
+        {name: ArchitectureGroup.of(template) for name, template in fleet.items()},
     )
 
 

@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from coordinator.__main__ import build_parser, config_from_args
 from coordinator.config import participants
+from coordinator.context import resolve_server_device
 from coordinator.errors import ConfigError
 
 TOML = """
@@ -193,3 +195,19 @@ def test_resume_without_a_saved_run_says_it_starts_fresh(tmp_path: Path) -> None
 
     assert f"WARNING coordinator: no saved run in {missing}: starting a fresh run" in result.stderr
     assert result.returncode == 1  # then the broker is refused: a runtime failure
+
+
+def test_server_device_flag_reaches_the_config_and_resolves() -> None:
+    chosen = parse("--embedded-broker", "--server-device", "cpu")
+    plain = parse("--embedded-broker")
+
+    assert chosen.server_device == "cpu" and plain.server_device == "auto"
+    assert "--server-device {auto,cpu,cuda}" in build_parser().format_help()
+    assert resolve_server_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_server_device("auto").type == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no usable GPU"):
+            resolve_server_device("cuda")
+    with pytest.raises(SystemExit):
+        parse("--embedded-broker", "--server-device", "tpu")

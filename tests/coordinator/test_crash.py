@@ -21,7 +21,13 @@ import pytest
 from coordinator.engine import Event, Finished, Received, RoundEngine, Tick
 from coordinator.errors import StateMismatchError
 from coordinator.store import FileStore, Record, Store
-from tests.coordinator.helpers import config, hello, make_engine, update
+from tests.coordinator.helpers import (
+    GROUP,
+    config,
+    hello,
+    make_engine,
+    update,
+)
 
 DEVICES = ("dev-0", "dev-1", "dev-2")
 ROUNDS = 3
@@ -63,7 +69,8 @@ class CrashingStore(Store):
 def weights_for(engine: RoundEngine, device: str, round_number: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([round_number, DEVICES.index(device)])
     return {
-        k: rng.normal(size=v.shape).astype(np.float32) for k, v in engine.models()["aca"].items()
+        k: rng.normal(size=v.shape).astype(np.float32)
+        for k, v in engine.models()[GROUP]["aca"].items()
     }
 
 
@@ -107,10 +114,10 @@ def play(engine: RoundEngine, events: list[Event]) -> Finished | None:
 
 
 def outcome(engine: RoundEngine, store: Store, finished: Finished) -> dict[str, Any]:
-    oca = store.read("oca")
+    oca = store.read(f"oca/{GROUP}")
     assert oca is not None
     return {
-        "models": finished.models,
+        "models": finished.models[GROUP],
         "applied": oca.meta["applied"],
         "weight": oca.meta["weight"],
         "keys": store.keys(),

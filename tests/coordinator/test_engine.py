@@ -7,10 +7,12 @@ import pytest
 
 from coordinator.engine import Finished, Publish, RoundClosed, RoundStarted, Tick
 from coordinator.store import MemoryStore
+from coordinator.strategies import FedAvg
 from protocol.messages import Ack, CoordinatorStatus, Message, ModelPayload, ReasonCode, RoundTask
 from protocol.tensors import Precision
 from tests.coordinator.helpers import (
     FLEET,
+    GROUP,
     config,
     hello,
     make_engine,
@@ -19,6 +21,7 @@ from tests.coordinator.helpers import (
     shifted,
     status,
     tasks_by_device,
+    templates,
     update,
 )
 
@@ -115,7 +118,7 @@ def test_fedavg_round_is_the_sample_weighted_average() -> None:
     closed = only([a for a in closing if isinstance(a, RoundClosed)])
     assert closed.round == 1 and closed.on_time == 2 and closed.selected == 2
     expected = shifted(w, (100 * 1.0 + 200 * 4.0) / 300)
-    for name, value in closed.models["aca"].items():
+    for name, value in closed.models[GROUP]["aca"].items():
         np.testing.assert_allclose(value, expected[name], atol=1e-5)
     assert engine.round == 2
     assert tasks_by_device(closing)  # round 2 started at once
@@ -133,7 +136,7 @@ def test_deadline_closes_round_with_the_on_time_updates_only() -> None:
     closed = only([a for a in closing if isinstance(a, RoundClosed)])
     assert closed.on_time == 1
     np.testing.assert_allclose(
-        closed.models["aca"]["head.bias"], shifted(w, 2.0)["head.bias"], atol=1e-6
+        closed.models[GROUP]["aca"]["head.bias"], shifted(w, 2.0)["head.bias"], atol=1e-6
     )
     ack = only(acks(late))
     assert not ack.accepted and ack.reason is ReasonCode.LATE
@@ -147,7 +150,7 @@ def test_round_without_updates_keeps_the_model() -> None:
 
     closed = only([a for a in closing if isinstance(a, RoundClosed)])
     assert closed.on_time == 0
-    for name, value in closed.models["aca"].items():
+    for name, value in closed.models[GROUP]["aca"].items():
         np.testing.assert_array_equal(value, w[name])
 
 
@@ -161,7 +164,7 @@ def test_late_update_goes_into_the_oca_cache_but_not_the_round() -> None:
 
     ack = only(acks(late))
     assert ack.accepted and ack.reason is ReasonCode.LATE
-    models = engine.models()
+    models = engine.models()[GROUP]
     np.testing.assert_allclose(models["aca"]["head.bias"], shifted(w, 1.0)["head.bias"], atol=1e-6)
     np.testing.assert_allclose(
         models["oca"]["head.bias"], shifted(w, (100 + 600) / 300)["head.bias"], atol=1e-5
@@ -267,7 +270,7 @@ def test_run_finishes_after_the_last_round() -> None:
         )
 
     finished = only([a for a in actions if isinstance(a, Finished)])
-    assert engine.finished and set(finished.models) == {"aca"}
+    assert engine.finished and set(finished.models[GROUP]) == {"aca"}
     statuses = [
         a.message.body.state
         for a in published(actions)
@@ -294,7 +297,7 @@ def test_oca_incremental_sum_equals_direct_average_over_many_rounds() -> None:
             if any(isinstance(a, RoundClosed) for a in result):
                 actions = result
 
-    oca = engine.models()["oca"]
+    oca = engine.models()[GROUP]["oca"]
     total = sum(n for _, n in latest.values())
     for name in shapes:
         direct = sum(w[name].astype(np.float64) * n for w, n in latest.values()) / total
@@ -328,8 +331,8 @@ def test_broadcast_model_publishes_the_final_model_after_each_round(precision: s
     assert sent.mode == "full"
     assert encodings == {"fp32"} if precision == "fp32" else "int8_ch" in encodings
     arrays = sent.to_arrays()
-    assert arrays.keys() == closed.models["aca"].keys()
-    for name, value in closed.models["aca"].items():
+    assert arrays.keys() == closed.models[GROUP]["aca"].keys()
+    for name, value in closed.models[GROUP]["aca"].items():
         np.testing.assert_allclose(arrays[name], value, atol=0 if precision == "fp32" else 0.05)
 
 
@@ -341,3 +344,27 @@ def test_no_broadcast_unless_asked_and_never_with_head_sharing() -> None:
     assert not [a for a in published(closing) if "broadcast" in a.topic]
     with pytest.raises(ValueError, match="broadcast_model needs sharing full"):
         config(strategy="fedgen", sharing="head", broadcast_model=True)
+
+
+class OwnModel(FedAvg):
+    """A strategy whose devices start from a model of their own (as DENSE's will)."""
+
+    def downlink(self, models):
+        return {}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_strategy_without_a_downlink_sends_the_task_alone(precision: str) -> None:
+    cfg = config(min_devices=1, uplink_precision=precision)
+    engine = make_engine(cfg, MemoryStore(), strategy=OwnModel(cfg, templates(cfg)))
+    engine.start(0.0)
+
+    actions = engine.handle(
+        received(hello(engine, "dev-0", precisions=(Precision.FP32, Precision.INT8)), 1.0)
+    )
+
+    assert not published(actions, "model")
+    task = only(list(tasks_by_device(actions).values())).body
+    assert isinstance(task, RoundTask)
+    assert task.payloads == () and task.model_message is None
+    assert (task.uplink.mode, task.uplink.precision.value) == ("full", precision)

@@ -129,7 +129,9 @@ def test_training_teaches_the_generator_to_fool_the_weighted_ensemble() -> None:
     generator, heads = make_generator(), make_heads()
     before = ensemble_accuracy(generator, heads, COUNTS, samples=2000, seed=1)
 
-    stats = train_latent_generator(generator, heads, COUNTS, FAST, seed=0)
+    stats = train_latent_generator(
+        generator, heads, COUNTS, FAST, rng=torch.Generator().manual_seed(0)
+    )
     after = ensemble_accuracy(generator, heads, COUNTS, samples=2000, seed=1)
 
     assert before < 0.5
@@ -142,7 +144,9 @@ def test_training_teaches_the_generator_to_fool_the_weighted_ensemble() -> None:
 def test_default_settings_also_learn() -> None:
     generator, heads = make_generator(hidden_dim=256), make_heads()
 
-    stats = train_latent_generator(generator, heads, COUNTS, GeneratorTraining(steps=200), seed=0)
+    stats = train_latent_generator(
+        generator, heads, COUNTS, GeneratorTraining(steps=200), rng=torch.Generator().manual_seed(0)
+    )
 
     assert stats["ensemble_loss_last"] < stats["ensemble_loss_first"]
     assert ensemble_accuracy(generator, heads, COUNTS, samples=2000, seed=1) > 0.9
@@ -153,9 +157,13 @@ def test_same_seed_gives_the_same_generator_and_another_seed_does_not() -> None:
     a, b, c = make_generator(), make_generator(), make_generator()
     settings = GeneratorTraining(steps=20, lr=1e-3)
 
-    stats_a = train_latent_generator(a, heads, COUNTS, settings, seed=7)
-    stats_b = train_latent_generator(b, heads, COUNTS, settings, seed=7)
-    train_latent_generator(c, heads, COUNTS, settings, seed=8)
+    stats_a = train_latent_generator(
+        a, heads, COUNTS, settings, rng=torch.Generator().manual_seed(7)
+    )
+    stats_b = train_latent_generator(
+        b, heads, COUNTS, settings, rng=torch.Generator().manual_seed(7)
+    )
+    train_latent_generator(c, heads, COUNTS, settings, rng=torch.Generator().manual_seed(8))
 
     assert stats_a == stats_b
     state_a, state_b, state_c = generator_state(a), generator_state(b), generator_state(c)
@@ -171,7 +179,9 @@ def test_only_the_generator_changes() -> None:
     state_before = generator_state(generator)
     generator.eval()
 
-    train_latent_generator(generator, heads, counts, GeneratorTraining(steps=5), seed=0)
+    train_latent_generator(
+        generator, heads, counts, GeneratorTraining(steps=5), rng=torch.Generator().manual_seed(0)
+    )
 
     for head, before in zip(heads, heads_before, strict=True):
         assert head.keys() == before.keys()
@@ -190,7 +200,11 @@ def test_heads_from_a_classifier_state_are_accepted() -> None:
     heads = [state_arrays(model, "head")] * 2
 
     stats = train_latent_generator(
-        make_generator(), heads, [[3, 1, 0, 2], [0, 5, 5, 0]], GeneratorTraining(steps=3), seed=0
+        make_generator(),
+        heads,
+        [[3, 1, 0, 2], [0, 5, 5, 0]],
+        GeneratorTraining(steps=3),
+        rng=torch.Generator().manual_seed(0),
     )
 
     assert stats["steps"] == 3
@@ -245,7 +259,13 @@ def test_invalid_inputs_raise_value_error_and_leave_the_generator_alone(
     before = generator_state(generator)
 
     with pytest.raises(ValueError, match=message):
-        train_latent_generator(generator, heads, counts, GeneratorTraining(steps=2), seed=0)
+        train_latent_generator(
+            generator,
+            heads,
+            counts,
+            GeneratorTraining(steps=2),
+            rng=torch.Generator().manual_seed(0),
+        )
     with pytest.raises(ValueError, match=message):
         ensemble_accuracy(generator, heads, counts, samples=10)
 

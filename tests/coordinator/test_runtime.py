@@ -15,7 +15,14 @@ from protocol.tensors import Precision
 from protocol.tensorset import encode_tensors
 from protocol.topics import Topics
 from protocol.transport import MemoryBroker, MemoryTransport
-from tests.coordinator.helpers import FLEET, config, hello, make_engine, update
+from tests.coordinator.helpers import (
+    FLEET,
+    GROUP,
+    config,
+    hello,
+    make_engine,
+    update,
+)
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -40,7 +47,7 @@ def test_malformed_and_foreign_messages_change_nothing() -> None:
     channel = Channel(attacker)
     topics = Topics(FLEET)
     engine = make_engine(cfg, MemoryStore())
-    weights = {k: np.zeros(s, np.float32) for k, s in engine._shapes.items()}
+    weights = {k: np.zeros(s, np.float32) for k, s in engine._shapes[GROUP].items()}
     good_hello = hello(engine, "dev-0")
 
     attacker.publish(topics.device("dev-0", "update"), b"\x00garbage")

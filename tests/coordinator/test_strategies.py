@@ -15,6 +15,7 @@ from models import state_arrays
 from protocol.deltas import decode_sets
 from protocol.messages import Ack, ModelPayload, ReasonCode, RoundTask
 from tests.coordinator.helpers import (
+    GROUP,
     config,
     hello,
     make_engine,
@@ -22,6 +23,7 @@ from tests.coordinator.helpers import (
     received,
     shifted,
     tasks_by_device,
+    templates,
     update,
 )
 
@@ -100,19 +102,19 @@ def test_fedkf_single_sends_the_student_only() -> None:
 
 
 def test_final_model_defaults_to_oca_where_kept_and_refuses_oca_without_cache() -> None:
-    assert build_strategy(config(strategy="fedkf"), build_model(config())).final_model == "oca"
+    assert build_strategy(config(strategy="fedkf"), templates(config())).final_model == "oca"
     cfg = config(strategy="fedkf", final_model="aca")
-    assert build_strategy(cfg, build_model(cfg)).final_model == "aca"
-    assert build_strategy(config(), build_model(config())).final_model == "aca"
+    assert build_strategy(cfg, templates(cfg)).final_model == "aca"
+    assert build_strategy(config(), templates(config())).final_model == "aca"
     with pytest.raises(ConfigError, match="keeps no OCA"):
-        build_strategy(config(final_model="oca"), build_model(config()))
+        build_strategy(config(final_model="oca"), templates(config()))
 
 
 def test_training_defaults_come_from_the_strategy_unless_set() -> None:
-    fedgen = build_strategy(config(strategy="fedgen"), build_model(config()))
+    fedgen = build_strategy(config(strategy="fedgen"), templates(config()))
     assert fedgen.training.local_steps == 20 and fedgen.training.batch_size == 32
     cfg = config(strategy="fedgen", training=TrainingSettings(local_epochs=2))
-    chosen = build_strategy(cfg, build_model(cfg))
+    chosen = build_strategy(cfg, templates(cfg))
     assert chosen.training.local_epochs == 2 and chosen.training.local_steps == 0
 
 
@@ -172,7 +174,7 @@ def test_fedgen_head_sharing_sends_and_takes_only_the_head() -> None:
     np.testing.assert_allclose(
         sets["prior"]["label_prior"], label_prior(np.array([counts, other])), rtol=1e-6
     )
-    aca = engine.models()["aca"]
+    aca = engine.models()[GROUP]["aca"]
     for name in full:
         if name.startswith("features."):
             np.testing.assert_array_equal(aca[name], full[name])  # the server never had them

@@ -16,6 +16,7 @@ from protocol.messages import Ack, Message, ModelPayload, ReasonCode, RoundTask,
 from protocol.tensors import Encoding, Precision
 from tests.coordinator.helpers import (
     FLEET,
+    GROUP,
     config,
     hello,
     make_engine,
@@ -105,7 +106,7 @@ def test_a_lossy_device_gets_a_full_model_then_deltas_against_what_it_holds() ->
     after = engine.handle(received(message, 2.0))
 
     assert acks(after)[0].accepted
-    aca = engine.models()["aca"]
+    aca = engine.models()[GROUP]["aca"]
     for name, value in trained.items():  # the coordinator rebuilt the update in fp32
         assert aca[name].dtype == np.float32
         step = np.abs(value - held[name]).max() / 127
@@ -124,14 +125,14 @@ def test_an_update_against_an_unknown_base_is_rejected_and_changes_nothing() -> 
     device.take(actions)
     device.received["global"] = shifted(device.received["global"], 0.5)  # not what was sent
     message, _ = device.answer(1, 0.01)
-    before = engine.models()["aca"]
+    before = engine.models()[GROUP]["aca"]
 
     after = engine.handle(received(message, 2.0))
 
     (ack,) = acks(after)
     assert not ack.accepted and ack.reason is ReasonCode.UNKNOWN_BASE
     assert engine.round == 1
-    for name, value in engine.models()["aca"].items():
+    for name, value in engine.models()[GROUP]["aca"].items():
         np.testing.assert_array_equal(value, before[name])
 
 
@@ -197,7 +198,7 @@ def test_fedkf_dual_downlink_costs_at_most_1_3x_a_single_one(precision: str) -> 
     dual = [len(codec.encode(a.message)) for a in published(actions, "model")]
     sets = [a.message.body.sets for a in published(actions, "model")]
     assert all(s["teacher"].mode == "delta" and s["teacher"].base == "set:student" for s in sets)
-    models = engine.models()
+    models = engine.models()["lenet5"]
     assert any(
         not np.allclose(models["aca"][k], models["oca"][k]) for k in models["aca"]
     )  # the teacher differs from the student

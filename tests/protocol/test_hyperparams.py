@@ -42,7 +42,7 @@ def test_every_strategy_sends_hyperparameters_the_device_accepts(strategy: str) 
     config = CoordinatorConfig(strategy=strategy, training=TrainingSettings(momentum=0.5))
     template = build_classifier("lenet5", num_classes=10, in_channels=1, image_size=28)
 
-    sent = build_strategy(config, template).hyperparameters(2)
+    sent = build_strategy(config, {template.architecture: template}).hyperparameters(2)
     received = TrainConfig.from_hyperparameters(sent)
 
     assert received.momentum == 0.5 and received.total_steps(100) > 0
