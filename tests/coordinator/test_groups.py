@@ -167,3 +167,17 @@ def test_fedgen_and_the_broadcast_run_one_architecture() -> None:
         type(make_engine(cfg, MemoryStore()))(
             cfg, build_strategy(cfg, fleet), MemoryStore(), groups
         )
+
+
+def test_each_device_is_its_own_registry_record_and_a_resume_knows_them_all() -> None:
+    store = MemoryStore()
+    engine, fleet, _ = start(store)
+
+    # One record per device (registering one writes O(1), whatever the fleet's size).
+    assert store.keys("registry") == sorted(f"registry/{d}" for d in DEVICES)
+    record = store.read_meta("registry/dev-b")
+    assert record is not None and record["architecture"] == "lenet5"
+    resumed = make_engine(engine.config, store, fleet=fleet)
+    resumed.start(3.0)
+    assert len(resumed.registry) == len(DEVICES)
+    assert all(resumed.registry.get(d) == engine.registry.get(d) for d in DEVICES)
