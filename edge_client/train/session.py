@@ -32,6 +32,7 @@ Task rules:
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import math
@@ -288,6 +289,7 @@ class Stop:
 Action = Publish | SetStatus | SendUpdate | RunJob | SaveState | SaveModel | CommitUpload | Stop
 
 
+@functools.cache  # the installed version does not change while the process runs
 def _software_version() -> str:
     try:
         return importlib.metadata.version("edgefl")[:64]
