@@ -130,6 +130,29 @@ def broker_unreachable(url: str, timeout_s: float = 5.0) -> str | None:
         return f"cannot reach the MQTT broker at {where}: {reason}"
 
 
+EMBEDDED_BROKER_DEVICES = 2000
+"""Fleets above this size get a note that the embedded broker is slow for them."""
+
+
+def embedded_broker_note(config: SimConfig) -> str | None:
+    """A note for a large fleet on the embedded broker, else None.
+
+    amqtt checks every message against every subscription (each device has its own), so
+    each message costs O(devices) and a round O(devices^2); Mosquitto's topic tree and
+    the in-process twin's do not (docs/fleet.md).
+    """
+    if config.transport != "mqtt" or config.broker_url is not None:
+        return None
+    if config.devices <= EMBEDDED_BROKER_DEVICES:
+        return None
+    return (
+        f"note: the embedded broker (amqtt) checks each message against all {config.devices} "
+        "devices' subscriptions, so joining and every round slow down with the fleet's "
+        "square; for thousands of devices use a real broker (--broker mqtt://HOST:PORT, "
+        "e.g. Mosquitto) or --transport inproc (docs/fleet.md)"
+    )
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Handler of ``python -m sim run``."""
     import torch
@@ -155,6 +178,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"transport {config.transport}",
         file=sys.stderr,
     )
+    note = embedded_broker_note(config)
+    if note is not None:
+        print(note, file=sys.stderr)
     with TerminalProgress(config.rounds) as progress:
         try:
             report = run_simulation(config, progress=progress, final_models_dir=args.save_models)

@@ -15,7 +15,7 @@ import pytest
 from coordinator.config import FleetSettings
 from sim.__main__ import build_parser, main
 from sim.run import SimConfig
-from sim.run_cli import sim_config
+from sim.run_cli import EMBEDDED_BROKER_DEVICES, embedded_broker_note, sim_config
 
 
 def run_sim(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -112,3 +112,15 @@ def test_a_missing_dataset_is_one_line_naming_the_flags(tmp_path: Path) -> None:
     assert errors[0].startswith("python -m sim run: error: mnist:")
     assert "--data-dir" in errors[0] and "--download" in errors[0]
     assert "download=True" not in errors[0]
+
+
+def test_a_large_fleet_on_the_embedded_broker_gets_a_note_naming_the_alternatives() -> None:
+    large = EMBEDDED_BROKER_DEVICES + 1
+
+    note = embedded_broker_note(SimConfig(devices=large))
+
+    assert note is not None and "--broker" in note and "--transport inproc" in note
+    assert embedded_broker_note(SimConfig(devices=EMBEDDED_BROKER_DEVICES)) is None
+    assert embedded_broker_note(SimConfig(devices=large, transport="inproc")) is None
+    broker = SimConfig(devices=large, broker_url="mqtt://127.0.0.1:1883")
+    assert embedded_broker_note(broker) is None
