@@ -494,7 +494,13 @@ class RoundEngine:
         run = self._require_run()
         if run.phase == "training" and now > run.deadline:
             missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
-            log.warning("round %d deadline passed; missing %s", run.round, ", ".join(missing))
+            log.warning(
+                "round %d deadline passed; missing %d of %d devices: %s",
+                run.round,
+                len(missing),
+                len(run.selected),
+                _some(missing),
+            )
             return self._close_round()
         if run.phase == "waiting":
             online = self.registry.online()
@@ -705,3 +711,9 @@ def _weighted_metric(stats: list[tuple[int, dict[str, float]]], name: str) -> fl
 def _mean_metric(stats: list[tuple[int, dict[str, float]]], name: str) -> float | None:
     values = [m[name] for _, m in stats if name in m and math.isfinite(m[name])]
     return sum(values) / len(values) if values else None
+
+
+def _some(names: list[str], shown: int = 10) -> str:
+    """The first ``shown`` of ``names``, and how many more there are."""
+    head = ", ".join(names[:shown])
+    return head if len(names) <= shown else f"{head} and {len(names) - shown} more"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -124,13 +126,16 @@ def test_fedavg_round_is_the_sample_weighted_average() -> None:
     assert tasks_by_device(closing)  # round 2 started at once
 
 
-def test_deadline_closes_round_with_the_on_time_updates_only() -> None:
+def test_deadline_closes_round_with_the_on_time_updates_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     engine, _, actions = started(2)
     w = global_weights(actions)
     engine.handle(received(update("dev-0", 1, shifted(w, 2.0), 100), 5.0))
 
     assert engine.handle(Tick(30.0)) == []
-    closing = engine.handle(Tick(62.0))
+    with caplog.at_level(logging.WARNING, logger="coordinator.engine"):
+        closing = engine.handle(Tick(62.0))
     late = engine.handle(received(update("dev-1", 1, shifted(w, 9.0), 200), 63.0))
 
     closed = only([a for a in closing if isinstance(a, RoundClosed)])
@@ -140,6 +145,20 @@ def test_deadline_closes_round_with_the_on_time_updates_only() -> None:
     )
     ack = only(acks(late))
     assert not ack.accepted and ack.reason is ReasonCode.LATE
+    assert "round 1 deadline passed; missing 1 of 2 devices: dev-1" in caplog.text
+
+
+def test_a_missed_deadline_names_ten_missing_devices_and_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine, _, _ = started(13)
+
+    with caplog.at_level(logging.WARNING, logger="coordinator.engine"):
+        engine.handle(Tick(100.0))
+
+    (line,) = [r.getMessage() for r in caplog.records if "deadline passed" in r.message]
+    assert line.startswith("round 1 deadline passed; missing 13 of 13 devices: dev-")
+    assert line.endswith(" and 3 more") and line.count("dev-") == 10
 
 
 def test_round_without_updates_keeps_the_model() -> None:
