@@ -39,6 +39,7 @@ from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
 from models import Classifier, build_classifier, state_arrays
 from models.classifiers import HEAD_PREFIX
+from protocol.errors import BrokerError
 from protocol.messages import Ack, CoordinatorStatus, ReasonCode
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
@@ -263,11 +264,9 @@ def _broker(config: SimConfig, shard: Shard | None) -> Iterator[Callable[[str], 
     if shard is not None:
         url = config.broker_url
         if shard.leader and url is None:
-            from protocol.transport.broker import EmbeddedBroker
-
-            with EmbeddedBroker() as embedded:
-                log.info("embedded MQTT broker at %s (for %d ranks)", embedded.url, shard.world)
-                shared = broadcast(embedded.url)
+            with _embedded_broker() as embedded:
+                log.info("embedded MQTT broker at %s (for %d ranks)", embedded, shard.world)
+                shared = broadcast(embedded)
                 yield lambda client_id: MqttTransport(
                     MqttConfig.from_url(shared, client_id=client_id)
                 )
@@ -283,13 +282,27 @@ def _broker(config: SimConfig, shard: Shard | None) -> Iterator[Callable[[str], 
         url = config.broker_url
         yield lambda client_id: MqttTransport(MqttConfig.from_url(url, client_id=client_id))
         return
+    with _embedded_broker() as embedded:
+        log.info("embedded MQTT broker at %s", embedded)
+        yield lambda client_id: MqttTransport(MqttConfig.from_url(embedded, client_id=client_id))
+
+
+@contextlib.contextmanager
+def _embedded_broker() -> Iterator[str]:
+    """The embedded broker's URL while it runs. A broker that does not stop in time once
+    the run is over (amqtt still working through a large fleet's backlog) is left to end
+    with the process: a warning, not an error that would lose the finished run's report.
+    """
     from protocol.transport.broker import EmbeddedBroker
 
-    with EmbeddedBroker() as embedded:  # started on entry
-        log.info("embedded MQTT broker at %s", embedded.url)
-        yield lambda client_id: MqttTransport(
-            MqttConfig.from_url(embedded.url, client_id=client_id)
-        )
+    embedded = EmbeddedBroker().start()
+    try:
+        yield embedded.url
+    finally:
+        try:
+            embedded.stop()
+        except BrokerError as exc:
+            log.warning("%s; its thread ends with the process", exc)
 
 
 _COORDINATOR_START_S = 5.0

@@ -181,3 +181,25 @@ def test_per_round_bytes_do_not_depend_on_the_pool_size(transport: str) -> None:
             assert getattr(a, field) == pytest.approx(getattr(b, field), rel=0.002), field
     for field in ("bytes_up", "bytes_down", "wire_bytes_up", "wire_bytes_down"):
         assert one.final[field] == pytest.approx(each.final[field], rel=0.002), field
+
+
+def test_a_broker_that_does_not_stop_in_time_loses_nothing_of_the_finished_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """amqtt still routing a 10,000-device backlog did not stop within its 10 s; the
+    run had finished and its report was lost to that error."""
+    from protocol.errors import BrokerError
+    from protocol.transport.broker import EmbeddedBroker
+
+    stop = EmbeddedBroker.stop
+
+    def slow_stop(self: EmbeddedBroker, timeout: float = 10.0) -> None:
+        stop(self, timeout)
+        raise BrokerError(f"embedded broker thread did not stop within {timeout} s")
+
+    monkeypatch.setattr(EmbeddedBroker, "stop", slow_stop)
+
+    report = run_simulation(quick(transport="mqtt"))
+
+    assert [r.round for r in report.rounds] == [1, 2]
+    assert "did not stop within 10.0 s; its thread ends with the process" in caplog.text
