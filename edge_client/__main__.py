@@ -495,17 +495,14 @@ def _run_template(args: argparse.Namespace) -> int:
     from edge_client.serve.template import verify_template
 
     try:
-        import torch
-
-        from models import ModelError, build_classifier
+        from models import ModelError, build_classifier, seeded
         from models.onnx_template import export_template
     except ImportError as exc:
         raise _CliError(
             f"template needs torch and onnx ({exc}); pip install 'edgefl[server]'"
         ) from exc
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with seeded(0):
             model = build_classifier(
                 args.model,
                 num_classes=args.num_classes,

@@ -30,7 +30,13 @@ from models.generators import (
     LatentGeneratorConfig,
 )
 from models.lenet import LeNet5, LeNet5Config
-from models.registry import build_classifier, build_generator, classifier_names, generator_kinds
+from models.registry import (
+    build_classifier,
+    build_generator,
+    classifier_names,
+    generator_kinds,
+    seeded,
+)
 from models.resnet import FEDDF_RESNET8_WIDTHS, FEDKF_RESNET8_WIDTHS, ResNet8, ResNet8Config
 from models.small import MLP, FedGenCNN, FedGenCNNConfig, MLPConfig
 from models.state import (
@@ -68,6 +74,7 @@ __all__ = [
     "build_generator",
     "classifier_names",
     "generator_kinds",
+    "seeded",
     # state
     "StateSubset",
     "load_state_arrays",

@@ -3,15 +3,17 @@
 Names are the only way other packages pick an architecture (never string matching in
 their own code). Options are validated into the model's pydantic configuration; a bad
 option raises :class:`~models.errors.ModelConfigError`, an unknown name
-:class:`~models.errors.UnknownModelError`. Seeding is the caller's business: call
-``torch.manual_seed`` before a build to get reproducible weights. Modules are built on
-the CPU and then moved to ``device``, so a seed gives the same weights on every device.
+:class:`~models.errors.UnknownModelError`. Seeding is the caller's business: build inside
+:func:`seeded` to get reproducible weights. Modules are built on the CPU and then moved
+to ``device``, so a seed gives the same weights on every device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Literal, TypeVar, overload
 
@@ -36,7 +38,13 @@ from models.lenet import LeNet5
 from models.resnet import ResNet8
 from models.small import MLP, FedGenCNN
 
-__all__ = ["build_classifier", "build_generator", "classifier_names", "generator_kinds"]
+__all__ = [
+    "build_classifier",
+    "build_generator",
+    "classifier_names",
+    "generator_kinds",
+    "seeded",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,20 @@ _CLASSIFIERS: Mapping[str, type[Classifier]] = MappingProxyType(
 _GENERATOR_KINDS = ("image", "latent")
 
 _ConfigT = TypeVar("_ConfigT", bound=BaseModel)
+
+_SEEDED = threading.Lock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Inside: torch's global CPU RNG seeded with ``seed``; outside it is as it was.
+
+    The global RNG is one per process, so one thread at a time holds it: devices that
+    train on several threads (the sim's) still build each module from its own seed.
+    """
+    with _SEEDED, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def classifier_names() -> tuple[str, ...]:

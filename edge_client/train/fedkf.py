@@ -51,6 +51,7 @@ from models import (
     ModelConfigError,
     build_generator,
     load_state_arrays,
+    seeded,
 )
 from models.losses import distillation_kl, fedkf_generator_loss
 from models.optim import Adam
@@ -185,8 +186,7 @@ def local_image_generator(
     if isinstance(existing, LocalImageGenerator) and existing.signature == signature:
         existing.optimizer.lr = config.generator_lr
         return existing
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
+    with seeded(config.seed):
         try:
             module = build_generator(
                 "image",

@@ -45,7 +45,7 @@ from edge_client.train.strategies import (
 )
 from edge_client.train.training import TrainHook
 from edge_client.train.transfer import TransferState
-from models import Classifier, ModelError, build_classifier
+from models import Classifier, ModelError, build_classifier, seeded
 from protocol.deltas import UnknownBaseError
 from protocol.errors import DecodeError
 from protocol.tensors import Precision
@@ -89,8 +89,7 @@ def build_device_model(config: ClientConfig, data: DeviceData) -> Classifier:
     if height != width:
         raise ConfigError(f"images must be square for the classifiers, got {height}x{width}")
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.init_seed)
+        with seeded(config.init_seed):
             return build_classifier(
                 config.model, num_classes=data.num_classes, in_channels=channels, image_size=height
             )

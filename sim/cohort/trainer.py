@@ -7,12 +7,14 @@ its own :class:`~edge_client.train.trainer.LocalTrainer` (its model, data, held 
 uplink residual and learning state); the decode jobs and the encoding of the uploads run
 on a thread pool (zstd and numpy release the GIL), the training of every train job at
 once in :func:`~sim.cohort.engine.train_cohort`. With ``engine="loop"`` the train jobs run
-one after the other on the per-device path instead (the reference).
+on the per-device path instead (the reference), one per CPU core at a time: each trains
+with one torch thread, and torch releases the GIL while it computes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +103,8 @@ class BatchedTrainer(LoopTrainer):
         max_cohort: most devices in one batched computation; None: from the free memory
             (:func:`auto_max_cohort`).
         workers: threads decoding and encoding messages.
+        train_workers: loop engine: devices training at once, each on its own thread;
+            None: one per CPU core this process may use.
     """
 
     def __init__(
@@ -111,18 +115,22 @@ class BatchedTrainer(LoopTrainer):
         device: torch.device = torch.device("cpu"),  # noqa: B008
         max_cohort: int | None = None,
         workers: int = 4,
+        train_workers: int | None = None,
     ) -> None:
         super().__init__(devices, device=device)
         self.engine = resolve_engine(engine, device)
         self.device = device
         self.max_cohort = max_cohort
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
+        slots = train_workers if train_workers is not None else len(os.sched_getaffinity(0))
+        self._trainers_pool = ThreadPoolExecutor(max(1, slots), thread_name_prefix="cohort-loop")
         self._warned: set[str] = set()
 
     def close(self) -> None:
         """Stop: jobs not yet run answer ``Cancelled``; the codec threads end."""
         super().close()
         self._pool.shutdown(wait=False)
+        self._trainers_pool.shutdown(wait=False)
 
     def run_many(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
         """Run ``(device_id, job)`` pairs; the results in the same order. Never raises
@@ -134,8 +142,9 @@ class BatchedTrainer(LoopTrainer):
             results[k] = result
         trains = [k for k, (_, job) in enumerate(jobs) if isinstance(job, TrainJob)]
         if self.engine == "loop":
-            for k in trains:
-                results[k] = self._one(jobs[k])
+            looped = self._trainers_pool.map(lambda k: self._one(jobs[k]), trains)
+            for k, result in zip(trains, looped, strict=True):
+                results[k] = result
         elif trains:
             trained = self._train_batched([jobs[k] for k in trains])
             for k, result in zip(trains, trained, strict=True):
