@@ -14,9 +14,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.errors import ConfigError
+from models import classifier_names
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN
 from protocol.tensors import Precision
@@ -179,7 +188,9 @@ class FleetSettings(_Frozen):
     teacher_budget: float = Field(default=0.25, gt=0, le=1)
     """fedkf dual: teacher delta bytes as a fraction of the model's."""
     model: str = "lenet5"
-    """Classifier (a model registry name)."""
+    """Classifier (a model registry name), or a comma-separated list of them for a
+    fleet that mixes architectures: one architecture group each (the sim assigns them
+    to its devices in turn; a real device names its own in its hello)."""
     rounds: int = Field(default=10, ge=1)
     """Federated rounds to run."""
     participation: float = Field(default=0.2, gt=0, le=1)
@@ -190,6 +201,23 @@ class FleetSettings(_Frozen):
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()
     """What each selected device is asked to do per round (sent in the task)."""
+
+    @field_validator("model")
+    @classmethod
+    def _known_models(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",")]
+        unknown = [name for name in names if name not in classifier_names()]
+        if unknown:
+            known = ", ".join(classifier_names())
+            raise ValueError(f"unknown model {', '.join(map(repr, unknown))}; choose from {known}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{value!r} names an architecture twice")
+        return ",".join(names)
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The fleet's architectures (registry names), in the order ``model`` lists them."""
+        return tuple(self.model.split(","))
 
 
 class CoordinatorConfig(FleetSettings):

@@ -57,7 +57,7 @@ from protocol.messages import CoordinatorStatus, Message
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
 
-__all__ = ["Coordinator", "Observer", "build_model", "save_final_models"]
+__all__ = ["Coordinator", "Observer", "build_models", "save_final_models"]
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +74,28 @@ class _AggregationFailed:
     error: Exception
 
 
-def build_model(config: CoordinatorConfig) -> Classifier:
-    """The run's classifier, initialised from ``config.seed`` (same weights every time).
+def build_models(config: CoordinatorConfig) -> dict[str, Classifier]:
+    """A classifier of each of the run's architectures, by architecture (its group's
+    name), each initialised from ``config.seed`` (same weights every time, as a device
+    built with that seed has them).
 
     Raises:
-        ConfigError: unknown model or invalid options.
+        ConfigError: invalid model options.
     """
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            return build_classifier(
-                config.model,
-                num_classes=config.num_classes,
-                in_channels=config.in_channels,
-                image_size=config.image_size,
-            )
-    except ModelError as exc:
-        raise ConfigError(str(exc)) from exc
+    templates = {}
+    for name in config.architectures:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                templates[name] = build_classifier(
+                    name,
+                    num_classes=config.num_classes,
+                    in_channels=config.in_channels,
+                    image_size=config.image_size,
+                )
+        except ModelError as exc:
+            raise ConfigError(str(exc)) from exc
+    return templates
 
 
 def save_final_models(
@@ -162,9 +167,8 @@ class Coordinator:
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
-        template = build_model(config)
-        self._templates = {template.architecture: template}
-        """A classifier of each architecture group, by group (the fleet's one model)."""
+        self._templates = build_models(config)
+        """A classifier of each architecture group, by group."""
         self.engine = RoundEngine(
             config,
             build_strategy(config, self._templates),
