@@ -241,6 +241,9 @@ class CoordinatorConfig(FleetSettings):
     """Continue the run persisted in state_dir (a missing or empty one starts a fresh run)."""
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
+    proxy_data: Path | None = None
+    """A .npy file of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
+    [0, 1], for server-side distillation (feddf); no device data reaches the server."""
     server_device: ServerDevice = "auto"
     """Where server-side training (FedGen's generator) runs: auto (a GPU where torch
     sees one, else the CPU), cpu or cuda."""

@@ -46,6 +46,7 @@ from coordinator.engine import (
 )
 from coordinator.errors import AggregationError, ConfigError
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
+from coordinator.proxy import proxy_tensor
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays
@@ -146,9 +147,13 @@ class Coordinator:
         codec: codec with its decode limits (defaults when None).
         tick_s: seconds between clock ticks (deadline checks, round starts).
         clock: returns Unix time in seconds.
+        proxy_data: unlabeled images for server-side distillation, ``(N, C, H, W)`` or
+            ``(N, H, W)``, uint8 or floats in [0, 1] (:func:`~coordinator.proxy.
+            proxy_tensor`); every aggregation finds them in its context.
 
     Raises:
-        ConfigError: unknown strategy or model, or ``server_device`` cuda without a GPU.
+        ConfigError: unknown strategy or model, ``server_device`` cuda without a GPU,
+            or proxy data that does not fit the models.
     """
 
     def __init__(
@@ -160,6 +165,7 @@ class Coordinator:
         codec: Codec | None = None,
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.time,
+        proxy_data: npt.NDArray[Any] | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -167,6 +173,11 @@ class Coordinator:
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
+        self._proxy = (
+            None
+            if proxy_data is None
+            else proxy_tensor(proxy_data, config.in_channels, config.image_size)
+        )
         self._templates = build_models(config)
         """A classifier of each architecture group, by group."""
         self.engine = RoundEngine(
@@ -273,7 +284,9 @@ class Coordinator:
 
     def _aggregate(self, job: AggregationJob) -> None:
         """Run ``job`` on a thread of its own; its outcome comes back as an event."""
-        context = ServerContext.for_round(self._server_device, self.config.seed, job.round)
+        context = ServerContext.for_round(
+            self._server_device, self.config.seed, job.round, proxy_data=self._proxy
+        )
 
         def work() -> None:
             try:

@@ -48,7 +48,7 @@ from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
 from sim.cohort.trainer import BatchedTrainer, Engine, resolve_device
-from sim.datasets import load_dataset
+from sim.datasets import load_dataset, load_proxy_images
 from sim.errors import SimError
 from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
 from sim.metrics import ModelMetrics, evaluate_models, evaluate_personal
@@ -85,6 +85,9 @@ class SimConfig(FleetSettings):
     """Minimum train samples per device, for the partitioner."""
     test_fraction: float = Field(default=0.2, ge=0, lt=1)
     """Local test share of each device's data."""
+    proxy_data: Path | None = None
+    """A folder with the files of a dataset the readers know: its train images, labels
+    ignored, are the coordinator's unlabeled proxy data (feddf distils on them)."""
     device_precisions: tuple[str, ...] = ()
     """Comma-separated precisions the devices ask for, round robin: int8 (both ways) or
     int8/int4 (down/up); empty: every device takes the fleet's."""
@@ -471,6 +474,7 @@ def run_simulation(
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
+    proxy = None if config.proxy_data is None else load_proxy_images(config.proxy_data)
     scratch = {
         name: build_classifier(
             name, num_classes=federation.num_classes, in_channels=channels, image_size=side
@@ -498,7 +502,10 @@ def run_simulation(
         )
         try:
             coordinator = Coordinator(
-                coordinator_config, make_transport(f"{config.fleet}-coordinator"), store
+                coordinator_config,
+                make_transport(f"{config.fleet}-coordinator"),
+                store,
+                proxy_data=proxy,
             )
             fleet = Fleet(
                 devices, make_transport, trainer=trainer, options=config.fleet_options(shard)

@@ -35,7 +35,15 @@ DESCRIPTION = (
     "through the in-memory twin with the same byte counts."
 )
 FLEET_FIELDS = ("devices", *(n for n in FleetSettings.model_fields if n != "training"))
-DATA_FIELDS = ("dataset", "data_dir", "class_fraction", "alpha", "min_samples", "test_fraction")
+DATA_FIELDS = (
+    "dataset",
+    "data_dir",
+    "class_fraction",
+    "alpha",
+    "min_samples",
+    "test_fraction",
+    "proxy_data",
+)
 DATA_CHOICES = {"dataset": dataset_names()}
 _LIST = {"device_precisions": "LIST"}
 
