@@ -197,6 +197,10 @@ class FleetSettings(_Frozen):
     """Fraction C of the registered devices selected per round."""
     round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     """Seconds devices have per round to deliver their update."""
+    drop_worst: bool = False
+    """feddf: leave out of the ensemble the teachers no better than chance on the
+    held-out proxy images (their predictions agree with the ensemble's on at most
+    1 / classes of them); the log names them."""
     seed: int = Field(default=0, ge=0)
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()

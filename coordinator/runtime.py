@@ -153,7 +153,8 @@ class Coordinator:
 
     Raises:
         ConfigError: unknown strategy or model, ``server_device`` cuda without a GPU,
-            or proxy data that does not fit the models.
+            proxy data that does not fit the models, or none for a strategy that
+            distils on it.
     """
 
     def __init__(
@@ -180,9 +181,14 @@ class Coordinator:
         )
         self._templates = build_models(config)
         """A classifier of each architecture group, by group."""
+        strategy = build_strategy(config, self._templates)
+        if strategy.needs_proxy_data and self._proxy is None:
+            raise ConfigError(
+                f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data"
+            )
         self.engine = RoundEngine(
             config,
-            build_strategy(config, self._templates),
+            strategy,
             store if store is not None else MemoryStore(),
             {name: ArchitectureGroup.of(t) for name, t in self._templates.items()},
         )

@@ -13,7 +13,9 @@ import torch
 
 from coordinator.config import TrainingSettings
 from models import build_classifier
+from sim.errors import SimError
 from sim.run import SimConfig, run_simulation
+from tests.sim.test_datasets import write_mnist_like
 
 QUICK = TrainingSettings(local_epochs=1, local_steps=2, batch_size=16)
 
@@ -62,6 +64,27 @@ def test_a_fleet_of_several_architectures_trains_and_reports_each_group(
         assert {k: v.shape for k, v in saved.items()} == {
             k: v.shape for k, v in template.state_dict().items()
         }
+
+
+def test_feddf_fuses_a_fleet_of_several_architectures_on_proxy_data(tmp_path: Path) -> None:
+    write_mnist_like(tmp_path / "proxy", n_train=200, n_test=1)
+    config = quick(
+        strategy="feddf",
+        model="mlp,lenet5",
+        participation=1.0,
+        transport="inproc",
+        proxy_data=tmp_path / "proxy",
+        drop_worst=True,
+    )
+
+    report = run_simulation(config)
+
+    assert [r.round for r in report.rounds] == [1, 2]
+    for record in report.rounds:
+        assert record.active_devices == 6
+        assert set(record.models) == {"mlp/aca", "lenet5/aca"}
+    with pytest.raises(SimError, match="proxy-data"):
+        run_simulation(quick(strategy="feddf", transport="inproc"))
 
 
 def test_embedded_broker_counts_the_same_bytes_as_the_inproc_twin() -> None:
