@@ -76,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_training_flags(p.add_argument_group("training (sent to the devices)"), flags)
     flags.add(
-        p.add_argument_group("server"), CoordinatorConfig, include=("server_device", "proxy_data")
+        p.add_argument_group("server"),
+        CoordinatorConfig,
+        include=("server_device", "proxy_data"),
+        metavars={"proxy_data": "FILE"},
     )
     flags.add(
         p.add_argument_group("state and outputs"),

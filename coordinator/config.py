@@ -246,7 +246,7 @@ class CoordinatorConfig(FleetSettings):
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
     proxy_data: Path | None = None
-    """A .npy file of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
+    """File (.npy) of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
     [0, 1], for server-side distillation (feddf); no device data reaches the server."""
     server_device: ServerDevice = "auto"
     """Where server-side training (FedGen's generator) runs: auto (a GPU where torch

@@ -86,7 +86,7 @@ class SimConfig(FleetSettings):
     test_fraction: float = Field(default=0.2, ge=0, lt=1)
     """Local test share of each device's data."""
     proxy_data: Path | None = None
-    """A folder with the files of a dataset the readers know: its train images, labels
+    """Folder with the files of a dataset the readers know: its train images, labels
     ignored, are the coordinator's unlabeled proxy data (feddf distils on them)."""
     device_precisions: tuple[str, ...] = ()
     """Comma-separated precisions the devices ask for, round robin: int8 (both ways) or

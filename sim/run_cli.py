@@ -66,7 +66,13 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
     add_fleet_flags(fleet, flags, SimConfig, include=FLEET_FIELDS)
     flags.add(fleet, SimConfig, include=("device_precisions", "fleet"), metavars=_LIST)
     add_training_flags(run.add_argument_group("training (sent to the devices)"), flags)
-    flags.add(run.add_argument_group("data"), SimConfig, include=DATA_FIELDS, choices=DATA_CHOICES)
+    flags.add(
+        run.add_argument_group("data"),
+        SimConfig,
+        include=DATA_FIELDS,
+        choices=DATA_CHOICES,
+        metavars={"proxy_data": "DIR"},
+    )
     flags.add(
         run.add_argument_group("transport"),
         SimConfig,
