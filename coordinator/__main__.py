@@ -75,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         include=("num_classes", "in_channels", "image_size"),
     )
     add_training_flags(p.add_argument_group("training (sent to the devices)"), flags)
-    flags.add(p.add_argument_group("server"), CoordinatorConfig, include=("server_device",))
+    flags.add(
+        p.add_argument_group("server"),
+        CoordinatorConfig,
+        include=("server_device", "proxy_data"),
+        metavars={"proxy_data": "FILE"},
+    )
     flags.add(
         p.add_argument_group("state and outputs"),
         CoordinatorConfig,
@@ -114,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 def run(config: CoordinatorConfig) -> int:
     """Run the job described by ``config``; returns the exit code."""
+    from coordinator.proxy import read_proxy_file
     from coordinator.runtime import Coordinator
     from coordinator.store import FileStore, MemoryStore, Store
     from protocol.errors import BrokerError, TransportError
@@ -134,6 +140,7 @@ def run(config: CoordinatorConfig) -> int:
             if config.resume and not store.exists("run"):
                 # a supervisor restarting with --resume also starts the very first run
                 log.warning("no saved run in %s: starting a fresh run", config.state_dir)
+        proxy = None if config.proxy_data is None else read_proxy_file(config.proxy_data)
         url = settings.url
         if settings.embedded:
             from protocol.transport.broker import EmbeddedBroker
@@ -143,7 +150,7 @@ def run(config: CoordinatorConfig) -> int:
             log.info("embedded broker at %s", url)
         assert url is not None
         transport = MqttTransport(settings.mqtt_config(url, f"edgefl-coordinator-{config.fleet}"))
-        coordinator = Coordinator(config, transport, store)
+        coordinator = Coordinator(config, transport, store, proxy_data=proxy)
         _stop_on_signals(coordinator.stop)
         log.info(
             "fleet %s: %s on %s, %d rounds, C=%.2f; waiting for %d device(s)",

@@ -242,7 +242,12 @@ def add_fleet_flags(
     split = names.index("downlink_precision") if "downlink_precision" in names else len(names)
     options: dict[str, Any] = {
         "flags": {"round_timeout_s": "--round-timeout"},
-        "choices": {"strategy": strategy_names(), "model": classifier_names()},
+        "choices": {"strategy": strategy_names()},
+        "metavars": {"model": "MODEL[,MODEL...]"},
+        "help": {
+            "model": "classifier, or a comma-separated list of them for a fleet that mixes "
+            f"architectures (one group each): {', '.join(classifier_names())}"
+        },
     }
     flags.add(parser, model, include=names[:split], **options)
     precision = FleetSettings.model_fields["downlink_precision"].default

@@ -14,9 +14,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.errors import ConfigError
+from models import classifier_names
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN
 from protocol.tensors import Precision
@@ -179,17 +188,40 @@ class FleetSettings(_Frozen):
     teacher_budget: float = Field(default=0.25, gt=0, le=1)
     """fedkf dual: teacher delta bytes as a fraction of the model's."""
     model: str = "lenet5"
-    """Classifier (a model registry name)."""
+    """Classifier (a model registry name), or a comma-separated list of them for a
+    fleet that mixes architectures: one architecture group each (the sim assigns them
+    to its devices in turn; a real device names its own in its hello)."""
     rounds: int = Field(default=10, ge=1)
     """Federated rounds to run."""
     participation: float = Field(default=0.2, gt=0, le=1)
     """Fraction C of the registered devices selected per round."""
     round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     """Seconds devices have per round to deliver their update."""
+    drop_worst: bool = False
+    """feddf: leave out of the ensemble the teachers no better than chance on the
+    held-out proxy images (their predictions agree with the ensemble's on at most
+    1 / classes of them); the log names them."""
     seed: int = Field(default=0, ge=0)
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()
     """What each selected device is asked to do per round (sent in the task)."""
+
+    @field_validator("model")
+    @classmethod
+    def _known_models(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",")]
+        unknown = [name for name in names if name not in classifier_names()]
+        if unknown:
+            known = ", ".join(classifier_names())
+            raise ValueError(f"unknown model {', '.join(map(repr, unknown))}; choose from {known}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{value!r} names an architecture twice")
+        return ",".join(names)
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The fleet's architectures (registry names), in the order ``model`` lists them."""
+        return tuple(self.model.split(","))
 
 
 class CoordinatorConfig(FleetSettings):
@@ -213,6 +245,9 @@ class CoordinatorConfig(FleetSettings):
     """Continue the run persisted in state_dir (a missing or empty one starts a fresh run)."""
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
+    proxy_data: Path | None = None
+    """File (.npy) of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
+    [0, 1], for server-side distillation (feddf); no device data reaches the server."""
     server_device: ServerDevice = "auto"
     """Where server-side training (FedGen's generator) runs: auto (a GPU where torch
     sees one, else the CPU), cpu or cuda."""

@@ -46,6 +46,7 @@ from coordinator.engine import (
 )
 from coordinator.errors import AggregationError, ConfigError
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
+from coordinator.proxy import proxy_tensor
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays
@@ -57,7 +58,7 @@ from protocol.messages import CoordinatorStatus, Message
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
 
-__all__ = ["Coordinator", "Observer", "build_model", "save_final_models"]
+__all__ = ["Coordinator", "Observer", "build_models", "save_final_models"]
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +75,28 @@ class _AggregationFailed:
     error: Exception
 
 
-def build_model(config: CoordinatorConfig) -> Classifier:
-    """The run's classifier, initialised from ``config.seed`` (same weights every time).
+def build_models(config: CoordinatorConfig) -> dict[str, Classifier]:
+    """A classifier of each of the run's architectures, by architecture (its group's
+    name), each initialised from ``config.seed`` (same weights every time, as a device
+    built with that seed has them).
 
     Raises:
-        ConfigError: unknown model or invalid options.
+        ConfigError: invalid model options.
     """
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            return build_classifier(
-                config.model,
-                num_classes=config.num_classes,
-                in_channels=config.in_channels,
-                image_size=config.image_size,
-            )
-    except ModelError as exc:
-        raise ConfigError(str(exc)) from exc
+    templates = {}
+    for name in config.architectures:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                templates[name] = build_classifier(
+                    name,
+                    num_classes=config.num_classes,
+                    in_channels=config.in_channels,
+                    image_size=config.image_size,
+                )
+        except ModelError as exc:
+            raise ConfigError(str(exc)) from exc
+    return templates
 
 
 def save_final_models(
@@ -141,9 +147,14 @@ class Coordinator:
         codec: codec with its decode limits (defaults when None).
         tick_s: seconds between clock ticks (deadline checks, round starts).
         clock: returns Unix time in seconds.
+        proxy_data: unlabeled images for server-side distillation, ``(N, C, H, W)`` or
+            ``(N, H, W)``, uint8 or floats in [0, 1] (:func:`~coordinator.proxy.
+            proxy_tensor`); every aggregation finds them in its context.
 
     Raises:
-        ConfigError: unknown strategy or model, or ``server_device`` cuda without a GPU.
+        ConfigError: unknown strategy or model, ``server_device`` cuda without a GPU,
+            proxy data that does not fit the models, or none for a strategy that
+            distils on it.
     """
 
     def __init__(
@@ -155,6 +166,7 @@ class Coordinator:
         codec: Codec | None = None,
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.time,
+        proxy_data: npt.NDArray[Any] | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -162,12 +174,21 @@ class Coordinator:
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
-        template = build_model(config)
-        self._templates = {template.architecture: template}
-        """A classifier of each architecture group, by group (the fleet's one model)."""
+        self._proxy = (
+            None
+            if proxy_data is None
+            else proxy_tensor(proxy_data, config.in_channels, config.image_size)
+        )
+        self._templates = build_models(config)
+        """A classifier of each architecture group, by group."""
+        strategy = build_strategy(config, self._templates)
+        if strategy.needs_proxy_data and self._proxy is None:
+            raise ConfigError(
+                f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data"
+            )
         self.engine = RoundEngine(
             config,
-            build_strategy(config, self._templates),
+            strategy,
             store if store is not None else MemoryStore(),
             {name: ArchitectureGroup.of(t) for name, t in self._templates.items()},
         )
@@ -269,7 +290,9 @@ class Coordinator:
 
     def _aggregate(self, job: AggregationJob) -> None:
         """Run ``job`` on a thread of its own; its outcome comes back as an event."""
-        context = ServerContext.for_round(self._server_device, self.config.seed, job.round)
+        context = ServerContext.for_round(
+            self._server_device, self.config.seed, job.round, proxy_data=self._proxy
+        )
 
         def work() -> None:
             try:

@@ -21,6 +21,9 @@ fedkf          FedKF: ACA and OCA as fedavg_oca; downlink ``dual`` sends ACA as 
 fedgen         FedGen: averages what devices share (``full`` model or ``head`` only)
                and trains a conditional latent generator against the devices' heads
                each round; sends the generator and the label prior with the model
+feddf          FedDF: each group's model starts from the average of its group's
+               updates and is distilled from the ensemble of every update, whatever
+               its architecture, on the server's unlabeled proxy data
 =============  ===================================================================
 
 Server models are kept per architecture group (:mod:`coordinator.groups`): a fleet may
@@ -29,7 +32,7 @@ mix architectures, and the engine asks a strategy for each group's downlink. Bes
 ``prior``); the engine persists every model :meth:`Strategy.aggregate` returns, by group
 and role, and hands them back to :meth:`Strategy.downlink` and the next aggregation. The
 strategies here average within a group (FedAvg of a mixed fleet is FedAvg per group);
-FedGen runs with one group only.
+FedDF fuses across groups by distillation; FedGen runs with one group only.
 
 :meth:`Strategy.aggregate` runs in the aggregation phase, off the engine thread, with a
 :class:`~coordinator.context.ServerContext` (torch device, proxy data, seeded RNG). It
@@ -41,6 +44,8 @@ way to say "no update".
 from __future__ import annotations
 
 import abc
+import copy
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -53,6 +58,13 @@ from coordinator.aggregate import WeightedSum
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
+from coordinator.feddf import (
+    DistillSettings,
+    chance_teachers,
+    distill,
+    holdout_split,
+    teacher_logits,
+)
 from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_generator
 from coordinator.groups import GroupModels
 from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
@@ -79,6 +91,7 @@ __all__ = [
     "Contribution",
     "FedAvg",
     "FedAvgOca",
+    "FedDF",
     "FedGen",
     "FedKF",
     "FedProx",
@@ -87,6 +100,8 @@ __all__ = [
     "build_strategy",
     "strategy_names",
 ]
+
+log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
 Arrays = Mapping[str, Array]
@@ -141,6 +156,8 @@ class Strategy(abc.ABC):
     delta_sets: ClassVar[Mapping[str, str]] = {}
     """Downlink sets sent as a delta against another set of the same message, fitted into
     ``teacher_budget`` of that set's bytes (FedKF: the teacher against the student)."""
+    needs_proxy_data: ClassVar[bool] = False
+    """Whether the server step distils on proxy data (the run must give some)."""
     head_sharing: ClassVar[bool] = False
     """Whether ``sharing head`` is supported: devices upload only the prediction head,
     the server averages the heads and sends the aggregated head back as ``head``."""
@@ -389,8 +406,92 @@ class FedGen(Strategy):
             return LatentGenerator(self._generator_config)
 
 
+class FedDF(Strategy):
+    """FedDF (ensemble distillation for model fusion): see :mod:`coordinator.feddf`.
+
+    One global model per architecture group. Each round a group's model starts from the
+    sample-weighted average of its group's on-time updates (a group without one starts
+    from its current model) and is distilled on the server's proxy data from the
+    ensemble of every on-time update of the round (their averaged logits), across
+    groups. With ``drop_worst`` the teachers no better than chance on the held-out
+    proxy images are left out (logged). Devices train as with FedAvg.
+    """
+
+    name = "feddf"
+    needs_proxy_data = True
+    distillation = DistillSettings()
+
+    def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
+        super().__init__(config, templates)
+        self._templates = {name: copy.deepcopy(t) for name, t in templates.items()}
+
+    def aggregate(
+        self,
+        current: GroupModels,
+        updates: Iterable[Contribution],
+        round_number: int,
+        context: ServerContext,
+    ) -> AggregateResult:
+        if context.proxy_data is None:
+            raise ConfigError("feddf distils on proxy data: give the run some (--proxy-data)")
+        images = context.proxy_data.to(context.device)
+        sums: dict[str, WeightedSum] = {}
+        teachers: list[torch.Tensor] = []
+        names: list[str] = []
+        for update in updates:
+            sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
+            model = self._model(update.group, update.weights, context.device)
+            teachers.append(teacher_logits(model, images))
+            names.append(update.device_id)
+        if not teachers:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
+        settings = self.distillation
+        train, held_out = holdout_split(len(images), settings.holdout, context.rng)
+        if self.config.drop_worst:
+            dropped = chance_teachers(teachers, held_out)
+            if dropped:
+                log.warning(
+                    "round %d: drop-worst left out %s (no better than chance on the held-out "
+                    "proxy images)",
+                    round_number,
+                    ", ".join(names[i] for i in dropped),
+                )
+            teachers = [t for i, t in enumerate(teachers) if i not in dropped]
+        ensemble = torch.stack(teachers).mean(0)
+        out: GroupModels = {}
+        for group, models in current.items():
+            start = sums[group].mean() if group in sums else models["aca"]
+            student = self._model(group, start, context.device)
+            result = distill(
+                student,
+                images,
+                ensemble,
+                train=train,
+                held_out=held_out,
+                settings=settings,
+                rng=context.rng,
+            )
+            log.info(
+                "round %d: %s distilled from %d teacher(s) in %d steps, held-out KL %.4f -> %.4f",
+                round_number,
+                group,
+                len(teachers),
+                result.steps,
+                result.kl_before,
+                result.kl_after,
+            )
+            out[group] = {"aca": state_arrays(student)}
+        return Aggregated(out)
+
+    def _model(self, group: str, arrays: Arrays, device: torch.device) -> Classifier:
+        """The group's architecture with ``arrays`` loaded, on ``device``."""
+        model = self._templates[group]
+        load_arrays(model, arrays)
+        return model.to(device)
+
+
 _REGISTRY: dict[str, Callable[[CoordinatorConfig, Mapping[str, Classifier]], Strategy]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen)
+    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen, FedDF)
 }
 
 

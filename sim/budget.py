@@ -50,7 +50,7 @@ from coordinator.engine import (
 )
 from coordinator.errors import ConfigError
 from coordinator.groups import ArchitectureGroup
-from coordinator.runtime import build_model
+from coordinator.runtime import build_models
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
 from edge_client.errors import ConfigError as DeviceConfigError
@@ -326,8 +326,8 @@ class _Emulation:
         federation, channels, side = build_federation(config)
         coordinator = config.coordinator_config(federation.num_classes, channels, side)
         try:  # as coordinator.runtime.Coordinator builds its engine
-            template = build_model(coordinator)
-            strategy: Strategy = build_strategy(coordinator, {template.architecture: template})
+            templates = build_models(coordinator)
+            strategy: Strategy = build_strategy(coordinator, templates)
             self._server_device = resolve_server_device(coordinator.server_device)
         except ConfigError as exc:
             raise SimError(str(exc)) from exc
@@ -335,7 +335,7 @@ class _Emulation:
             coordinator,
             strategy,
             MemoryStore(),
-            {template.architecture: ArchitectureGroup.of(template)},
+            {name: ArchitectureGroup.of(t) for name, t in templates.items()},
         )
         self.devices: dict[str, _Device] = {}
         specs: list[FleetDevice] = []

@@ -12,6 +12,7 @@ generator in :mod:`sim.synthetic`; all are re-exported here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -32,6 +33,7 @@ __all__ = [
     "DatasetSplits",
     "dataset_names",
     "load_dataset",
+    "load_proxy_images",
     "make_synthetic",
     "read_cifar_batch",
     "read_idx_images",
@@ -205,6 +207,24 @@ _REGISTRY: dict[str, tuple[_Loader, frozenset[str]]] = {
 def dataset_names() -> list[str]:
     """Names accepted by :func:`load_dataset`, sorted."""
     return sorted(_REGISTRY)
+
+
+def load_proxy_images(folder: str | os.PathLike[str]) -> np.ndarray:
+    """The train images of the dataset whose official files sit in ``folder`` itself
+    (any file dataset of :func:`dataset_names`; MNIST and Fashion-MNIST files read
+    alike), as unlabeled proxy data: float32 ``(N, C, H, W)`` in [0, 1]. Their labels
+    are never used.
+
+    Raises:
+        DatasetError: ``folder`` holds no known dataset, or its files are corrupt.
+    """
+    data_dir = Path(folder)
+    for name, layout in _LAYOUTS.items():
+        base = layout.train[0]
+        if (data_dir / base).is_file() or (data_dir / f"{base}.gz").is_file():
+            return _read_split(name, dataclasses.replace(layout, subdirs=()), data_dir, "train").x
+    wanted = ", ".join(sorted({layout.train[0] for layout in _LAYOUTS.values()}))
+    raise DatasetError(f"{data_dir}: no dataset's train images in it (looked for {wanted})")
 
 
 def load_dataset(

@@ -9,7 +9,10 @@ topics, carried over a bounded pool of broker connections; every message goes th
 the broker. The fleet's byte counters give the per-round bytes (up = published by
 devices, down = delivered to devices, as N separate devices would count them). After
 each round every global model is evaluated on every device's test split (AMP / FM / WLP)
-and on the dataset's test split.
+and on the dataset's test split. A fleet of several architectures (``--model
+lenet5,resnet8``) gives them to the devices in turn; each group's models are evaluated
+on every device's test split and reported as ``GROUP/ROLE`` (``lenet5/aca``); a fleet of
+one architecture reports its models by role alone (``aca``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 from coordinator.config import CoordinatorConfig, FleetSettings
 from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
 from coordinator.errors import ConfigError
+from coordinator.groups import Models
 from coordinator.runtime import Coordinator, save_final_models
 from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
@@ -45,10 +49,10 @@ from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
 from sim.cohort.trainer import BatchedTrainer, Engine, resolve_device
-from sim.datasets import load_dataset
+from sim.datasets import load_dataset, load_proxy_images
 from sim.errors import SimError
 from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
-from sim.metrics import evaluate_models, evaluate_personal
+from sim.metrics import ModelMetrics, evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
 from sim.progress import Progress
 from sim.report import RoundRecord, RunReport
@@ -82,6 +86,9 @@ class SimConfig(FleetSettings):
     """Minimum train samples per device, for the partitioner."""
     test_fraction: float = Field(default=0.2, ge=0, lt=1)
     """Local test share of each device's data."""
+    proxy_data: Path | None = None
+    """Folder with the files of a dataset the readers know: its train images, labels
+    ignored, are the coordinator's unlabeled proxy data (feddf distils on them)."""
     device_precisions: tuple[str, ...] = ()
     """Comma-separated precisions the devices ask for, round robin: int8 (both ways) or
     int8/int4 (down/up); empty: every device takes the fleet's."""
@@ -147,6 +154,10 @@ class SimConfig(FleetSettings):
             export_onnx=False,
         )
 
+    def device_architecture(self, index: int) -> str:
+        """The architecture of device ``index``: the fleet's architectures in turn."""
+        return self.architectures[index % len(self.architectures)]
+
     def device_link(self, index: int) -> tuple[Precision | None, Precision | None]:
         """What device ``index`` asks for (downlink, uplink); None: the fleet's."""
         if not self.device_precisions:
@@ -154,16 +165,17 @@ class SimConfig(FleetSettings):
         return parse_link(self.device_precisions[index % len(self.device_precisions)])
 
     def device_config(self, index: int, device_id: str) -> ClientConfig:
-        """The configuration of emulated device ``index``: it consents to share label
-        counts (FedGen needs them), stops when the run finishes and keeps its state in
-        ``state_dir/devices/ID`` (without fsync: the writes stay atomic) when the run
+        """The configuration of emulated device ``index``: it runs the fleet's
+        architectures in turn (device ``index`` the ``index % len``-th), consents to share
+        label counts (FedGen needs them), stops when the run finishes and keeps its state
+        in ``state_dir/devices/ID`` (without fsync: the writes stay atomic) when the run
         has a state dir."""
         down, up = self.device_link(index)
         state = None if self.state_dir is None else self.state_dir / "devices" / device_id
         return ClientConfig(
             device_id=device_id,
             fleet=self.fleet,
-            model=self.model,
+            model=self.device_architecture(index),
             exit_when_finished=True,
             share_label_counts=True,
             init_seed=self.seed,
@@ -331,21 +343,20 @@ class _Recorder:
 
     def __init__(
         self,
+        config: SimConfig,
         federation: Federation,
-        scratch: Classifier,
+        scratch: dict[str, Classifier],
         fleet: Fleet,
         progress: Progress | None,
-        total_rounds: int,
-        *,
-        personal: bool = False,
     ) -> None:
         self.records: list[RoundRecord] = []
         self._scratch = scratch
         self._fleet = fleet
         self._device_ids = [d.device_id for d in federation.devices]
-        self._personal = personal
+        self._groups = [config.device_architecture(i) for i in range(len(self._device_ids))]
+        self._personal = config.sharing == "head"
         self._progress = progress
-        self._total_rounds = total_rounds
+        self._total_rounds = config.rounds
         self._round = 0
         self._trained: set[str] = set()
         self._device_tests = [(d.test.x, d.test.y) for d in federation.devices]
@@ -388,16 +399,11 @@ class _Recorder:
         now = self.totals()
         delta = [a - b for a, b in zip(now, self._last, strict=True)]
         self._last = now
-        models = action.models[self._scratch.architecture]  # the fleet's one group
-        if self._personal:  # each device: its own feature extractor + the global head
-            head = {k: v for k, v in models["aca"].items() if k.startswith(HEAD_PREFIX)}
-            states = [
-                {**state_arrays(self._fleet.model(device_id), "features"), **head}
-                for device_id in self._device_ids
-            ]
-            metrics = {"aca": evaluate_personal(states, self._scratch, self._device_tests)}
-        else:
-            metrics = evaluate_models(models, self._scratch, self._device_tests, self._global_test)
+        metrics = {}
+        for group, models in action.models.items():
+            by_role = self._evaluate(group, models)
+            prefix = "" if len(action.models) == 1 else f"{group}/"
+            metrics.update({prefix + role: m for role, m in by_role.items()})
         record = RoundRecord(
             round=action.round,
             wall_s=wall,
@@ -412,6 +418,22 @@ class _Recorder:
         self.records.append(record)
         if self._progress is not None:
             self._progress.round_closed(record)
+
+    def _evaluate(self, group: str, models: Models) -> dict[str, ModelMetrics]:
+        """Metrics of one group's global models by role: each on every device's test
+        split; with head sharing the ``aca`` head on each of the group's devices' own
+        feature extractor."""
+        scratch = self._scratch[group]
+        if not self._personal:
+            return evaluate_models(models, scratch, self._device_tests, self._global_test)
+        head = {k: v for k, v in models["aca"].items() if k.startswith(HEAD_PREFIX)}
+        members = [i for i, g in enumerate(self._groups) if g == group]
+        states = [
+            {**state_arrays(self._fleet.model(self._device_ids[i]), "features"), **head}
+            for i in members
+        ]
+        tests = [self._device_tests[i] for i in members]
+        return {"aca": evaluate_personal(states, scratch, tests)}
 
     @property
     def round_started(self) -> bool:
@@ -465,9 +487,13 @@ def run_simulation(
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
-    scratch = build_classifier(
-        config.model, num_classes=federation.num_classes, in_channels=channels, image_size=side
-    )
+    proxy = None if config.proxy_data is None else load_proxy_images(config.proxy_data)
+    scratch = {
+        name: build_classifier(
+            name, num_classes=federation.num_classes, in_channels=channels, image_size=side
+        )
+        for name in config.architectures
+    }
     mine = range(len(federation.devices)) if shard is None else shard.devices(config.devices)
     devices = [
         (
@@ -489,15 +515,17 @@ def run_simulation(
         )
         try:
             coordinator = Coordinator(
-                coordinator_config, make_transport(f"{config.fleet}-coordinator"), store
+                coordinator_config,
+                make_transport(f"{config.fleet}-coordinator"),
+                store,
+                proxy_data=proxy,
             )
             fleet = Fleet(
                 devices, make_transport, trainer=trainer, options=config.fleet_options(shard)
             )
         except (ConfigError, DeviceConfigError) as exc:
             raise SimError(str(exc)) from exc
-        personal = config.sharing == "head"
-        recorder = _Recorder(federation, scratch, fleet, progress, config.rounds, personal=personal)
+        recorder = _Recorder(config, federation, scratch, fleet, progress)
         if shard is not None:
             recorder.sync = stack.enter_context(_ranks(shard, fleet))
         coordinator.add_observer(recorder)
@@ -539,8 +567,9 @@ def run_simulation(
             raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
         models = outcome.get("models")
         if final_models_dir is not None and models:
-            group = models[scratch.architecture]  # the fleet's one group
-            save_final_models(group, scratch, final_models_dir, final=coordinator.final_model)
+            for group, arrays in models.items():
+                out = final_models_dir if len(models) == 1 else final_models_dir / group
+                save_final_models(arrays, scratch[group], out, final=coordinator.final_model)
         totals = recorder.totals()
         ranks = None if recorder.sync is None else recorder.sync.ask("final")
 

@@ -35,7 +35,15 @@ DESCRIPTION = (
     "through the in-memory twin with the same byte counts."
 )
 FLEET_FIELDS = ("devices", *(n for n in FleetSettings.model_fields if n != "training"))
-DATA_FIELDS = ("dataset", "data_dir", "class_fraction", "alpha", "min_samples", "test_fraction")
+DATA_FIELDS = (
+    "dataset",
+    "data_dir",
+    "class_fraction",
+    "alpha",
+    "min_samples",
+    "test_fraction",
+    "proxy_data",
+)
 DATA_CHOICES = {"dataset": dataset_names()}
 _LIST = {"device_precisions": "LIST"}
 
@@ -58,7 +66,13 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
     add_fleet_flags(fleet, flags, SimConfig, include=FLEET_FIELDS)
     flags.add(fleet, SimConfig, include=("device_precisions", "fleet"), metavars=_LIST)
     add_training_flags(run.add_argument_group("training (sent to the devices)"), flags)
-    flags.add(run.add_argument_group("data"), SimConfig, include=DATA_FIELDS, choices=DATA_CHOICES)
+    flags.add(
+        run.add_argument_group("data"),
+        SimConfig,
+        include=DATA_FIELDS,
+        choices=DATA_CHOICES,
+        metavars={"proxy_data": "DIR"},
+    )
     flags.add(
         run.add_argument_group("transport"),
         SimConfig,

@@ -13,6 +13,7 @@ name              device side
 ``fedprox``       local SGD plus ``mu / 2 * ||w - w_global||^2`` over the trainable
                   parameters (``w_global``: the weights received this round)
 ``fedavg_oca``    as ``fedavg`` (the "FedAvg (OCA)" variant differs on the server only)
+``feddf``         as ``fedavg`` (FedDF fuses the models by distillation on the server)
 ``fedkf``         the student learns CE plus ``gamma * KL(teacher || student)`` on
                   samples of a local image generator (:mod:`edge_client.train.fedkf`)
 ``fedgen``        CE plus ``alpha * CE(head(G(eps, y)), y)`` with the coordinator's
@@ -25,8 +26,8 @@ Received tensor sets, by name (each strategy declares those it understands with
 =================  ==========================================  =========================
 set                contents                                    used by
 =================  ==========================================  =========================
-``"global"``       the classifier's full state                 fedprox, fedavg_oca
-                                                               (required); fedavg and
+``"global"``       the classifier's full state                 fedprox, fedavg_oca,
+                                                               feddf (required); fedavg and
                                                                fedgen (full sharing)
 ``"student"``      the classifier's full state (ACA model)     fedkf (required)
 ``"teacher"``      the classifier's full state (OCA model)     fedkf (absent: FedKF-)
@@ -102,6 +103,7 @@ __all__ = [
     "DeviceStrategy",
     "FedAvg",
     "FedAvgOCA",
+    "FedDF",
     "FedGen",
     "FedKF",
     "FedProx",
@@ -444,6 +446,13 @@ class FedAvgOCA(DeviceStrategy):
     name = "fedavg_oca"
 
 
+class FedDF(DeviceStrategy):
+    """FedDF: devices train as in FedAvg; the server fuses the models by ensemble
+    distillation on its proxy data, across architectures."""
+
+    name = "feddf"
+
+
 class FedProx(DeviceStrategy):
     """FedProx: local SGD with a proximal term of weight ``mu`` to the global weights."""
 
@@ -538,7 +547,7 @@ class FedGen(_Shared):
 
 
 _STRATEGIES: Mapping[str, DeviceStrategy] = MappingProxyType(
-    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedProx, FedKF, FedGen)}
+    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedDF, FedProx, FedKF, FedGen)}
 )
 
 

@@ -20,7 +20,7 @@ from coordinator.engine import (
     RoundEngine,
 )
 from coordinator.groups import ArchitectureGroup
-from coordinator.runtime import build_model
+from coordinator.runtime import build_models
 from coordinator.store import Store
 from coordinator.strategies import Strategy, build_strategy
 from models import Classifier
@@ -47,9 +47,8 @@ def config(**overrides: Any) -> CoordinatorConfig:
 
 
 def templates(cfg: CoordinatorConfig) -> dict[str, Classifier]:
-    """The fleet's one architecture group: its name -> the classifier of ``cfg``."""
-    template = build_model(cfg)
-    return {template.architecture: template}
+    """The fleet's architecture groups: their names -> the classifiers of ``cfg``."""
+    return build_models(cfg)
 
 
 class InlineEngine(RoundEngine):
@@ -102,7 +101,7 @@ def make_engine(
 
 
 def hello(engine: RoundEngine, device_id: str, samples: int = 100, **fields: Any) -> Message:
-    template = build_model(engine.config)
+    (template,) = build_models(engine.config).values()
     body = {
         "device_id": device_id,
         "architecture": template.architecture,

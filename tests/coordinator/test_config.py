@@ -13,6 +13,7 @@ from coordinator.__main__ import build_parser, config_from_args
 from coordinator.config import participants
 from coordinator.context import resolve_server_device
 from coordinator.errors import ConfigError
+from coordinator.runtime import build_models
 
 TOML = """
 fleet = "lab"
@@ -71,6 +72,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         (["--embedded-broker", "--local-epochs", "0"], "local_epochs and local_steps"),
         (["--embedded-broker", "--resume"], "resume needs a state_dir"),
         (["--rounds", "2"], "--broker URL or --embedded-broker"),
+        (["--embedded-broker", "--model", "lenet5,vgg"], "unknown model 'vgg'"),
+        (["--embedded-broker", "--model", "mlp,lenet5,mlp"], "names an architecture twice"),
     ],
 )
 def test_invalid_settings_raise_config_error(argv: list[str], match: str) -> None:
@@ -211,3 +214,16 @@ def test_server_device_flag_reaches_the_config_and_resolves() -> None:
             resolve_server_device("cuda")
     with pytest.raises(SystemExit):
         parse("--embedded-broker", "--server-device", "tpu")
+
+
+def test_a_model_list_gives_the_coordinator_one_group_per_architecture() -> None:
+    config = parse("--embedded-broker", "--model", "lenet5, mlp")
+
+    templates = build_models(config)
+
+    assert config.model == "lenet5,mlp" and config.architectures == ("lenet5", "mlp")
+    assert {name: t.architecture for name, t in templates.items()} == {
+        "lenet5": "lenet5",
+        "mlp": "mlp",
+    }
+    assert "--model MODEL[,MODEL...]" in build_parser().format_help()

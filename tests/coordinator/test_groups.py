@@ -9,7 +9,7 @@ import torch
 from coordinator.engine import RoundClosed
 from coordinator.errors import ConfigError
 from coordinator.groups import ArchitectureGroup
-from coordinator.runtime import build_model
+from coordinator.runtime import build_models
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier
@@ -34,7 +34,7 @@ def two_groups(**overrides) -> dict[str, Classifier]:
     cfg = config(**overrides)
     torch.manual_seed(7)
     lenet = build_classifier("lenet5", num_classes=cfg.num_classes)
-    return {"mlp": build_model(cfg), "lenet5": lenet}
+    return {"mlp": build_models(cfg)["mlp"], "lenet5": lenet}
 
 
 def hello_as(engine, device_id: str, group: Classifier, **fields):

@@ -8,7 +8,7 @@ import pytest
 from coordinator.config import TrainingSettings
 from coordinator.errors import ConfigError
 from coordinator.fedgen import label_prior
-from coordinator.runtime import build_model
+from coordinator.runtime import build_models
 from coordinator.store import MemoryStore
 from coordinator.strategies import build_strategy
 from models import state_arrays
@@ -133,7 +133,7 @@ def test_fedgen_refuses_a_device_without_label_count_consent() -> None:
 def test_fedgen_head_sharing_sends_and_takes_only_the_head() -> None:
     engine, actions = start("fedgen", devices=2, sharing="head", participation=1.0)
     tasks = tasks_by_device(actions)
-    template = build_model(engine.config)
+    (template,) = build_models(engine.config).values()
     full = state_arrays(template)
     head = state_arrays(template, "head")
     for device, task in tasks.items():

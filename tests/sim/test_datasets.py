@@ -18,6 +18,7 @@ from sim.datasets import (
     ArrayDataset,
     dataset_names,
     load_dataset,
+    load_proxy_images,
     make_synthetic,
     read_cifar_batch,
     read_idx_images,
@@ -395,3 +396,20 @@ def test_synthetic_images_do_not_depend_on_how_many_are_made_at_a_time(
     assert np.array_equal(whole.train.y, chunked.train.y)
     assert whole.test is not None and chunked.test is not None
     assert np.array_equal(whole.test.x, chunked.test.x)
+
+
+def test_proxy_images_are_the_train_images_of_the_dataset_in_the_folder(tmp_path: Path) -> None:
+    arrays = write_mnist_like(tmp_path / "mnist", n_train=12, n_test=3)
+    images = RNG.integers(0, 256, (5, 28, 28), dtype=np.uint8)
+    base = tmp_path / "letters" / "emnist-letters-train"
+    write(Path(f"{base}-images-idx3-ubyte"), idx_bytes(2051, images), False)
+    write(Path(f"{base}-labels-idx1-ubyte"), idx_bytes(2049, np.ones(5)), False)
+
+    mnist = load_proxy_images(tmp_path / "mnist")
+    letters = load_proxy_images(tmp_path / "letters")
+
+    assert mnist.shape == (12, 1, 28, 28) and mnist.dtype == np.float32
+    np.testing.assert_allclose(mnist[:, 0] * 255, arrays["train"][0], atol=1e-4)
+    np.testing.assert_allclose(letters[2, 0] * 255, images[2].T, atol=1e-4)  # as read for training
+    with pytest.raises(DatasetError, match="no dataset's train images"):
+        load_proxy_images(tmp_path)  # the files sit in subfolders, not in the folder itself

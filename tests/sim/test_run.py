@@ -9,9 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from coordinator.config import TrainingSettings
+from models import build_classifier
+from sim.errors import SimError
 from sim.run import SimConfig, run_simulation
+from tests.sim.test_datasets import write_mnist_like
 
 QUICK = TrainingSettings(local_epochs=1, local_steps=2, batch_size=16)
 
@@ -39,6 +43,48 @@ def test_inproc_run_reports_every_round_with_bytes_and_both_models() -> None:
     assert data["config"]["devices"] == 6
     assert data["final"]["rounds"] == 2 and data["final"]["peak_rss_bytes"] > 0
     assert data["final"]["peak_gpu_bytes"] == 0  # trained on the CPU
+
+
+@pytest.mark.parametrize("transport", ["inproc", "mqtt"])
+def test_a_fleet_of_several_architectures_trains_and_reports_each_group(
+    transport: str, tmp_path: Path
+) -> None:
+    config = quick(model="mlp,lenet5", participation=1.0, transport=transport)
+
+    report = run_simulation(config, final_models_dir=tmp_path)
+
+    for record in report.rounds:
+        assert record.active_devices == 6  # three devices of each architecture
+        assert set(record.models) == {"mlp/aca", "lenet5/aca"}
+        assert all(m.global_acc is not None for m in record.models.values())
+    assert report.to_json_dict()["config"]["model"] == "mlp,lenet5"
+    for name in ("mlp", "lenet5"):
+        saved = torch.load(tmp_path / name / "model.pt", weights_only=True)
+        template = build_classifier(name, num_classes=report.final["num_classes"])
+        assert {k: v.shape for k, v in saved.items()} == {
+            k: v.shape for k, v in template.state_dict().items()
+        }
+
+
+def test_feddf_fuses_a_fleet_of_several_architectures_on_proxy_data(tmp_path: Path) -> None:
+    write_mnist_like(tmp_path / "proxy", n_train=200, n_test=1)
+    config = quick(
+        strategy="feddf",
+        model="mlp,lenet5",
+        participation=1.0,
+        transport="inproc",
+        proxy_data=tmp_path / "proxy",
+        drop_worst=True,
+    )
+
+    report = run_simulation(config)
+
+    assert [r.round for r in report.rounds] == [1, 2]
+    for record in report.rounds:
+        assert record.active_devices == 6
+        assert set(record.models) == {"mlp/aca", "lenet5/aca"}
+    with pytest.raises(SimError, match="proxy-data"):
+        run_simulation(quick(strategy="feddf", transport="inproc"))
 
 
 def test_embedded_broker_counts_the_same_bytes_as_the_inproc_twin() -> None:

@@ -45,7 +45,7 @@ HP = {"local_epochs": 2, "batch_size": 16, "lr": 0.1, "seed": 1}
 
 
 def test_registry_names_and_unknown_strategy() -> None:
-    assert strategy_names() == ("fedavg", "fedavg_oca", "fedgen", "fedkf", "fedprox")
+    assert strategy_names() == ("fedavg", "fedavg_oca", "feddf", "fedgen", "fedkf", "fedprox")
     assert isinstance(device_strategy("fedprox"), FedProx)
     with pytest.raises(TaskError, match="unknown strategy 'fedsgd'; known: fedavg, fedavg_oca"):
         device_strategy("fedsgd")
@@ -185,6 +185,7 @@ def test_every_strategy_declares_its_sets() -> None:
     assert declared == {
         "fedavg": {"global": (False, True), "head": (False, False)},
         "fedavg_oca": {"global": (True, True)},
+        "feddf": {"global": (True, True)},
         "fedprox": {"global": (True, True)},
         "fedkf": {"student": (True, True), "teacher": (False, True)},
         "fedgen": {
@@ -197,6 +198,7 @@ def test_every_strategy_declares_its_sets() -> None:
     assert {name: device_strategy(name).uploads for name in strategy_names()} == {
         "fedavg": ("all", "head"),
         "fedavg_oca": ("all",),
+        "feddf": ("all",),
         "fedprox": ("all",),
         "fedkf": ("all",),
         "fedgen": ("all", "head"),

@@ -1,0 +1,64 @@
+"""Unlabeled proxy images for server-side distillation (FedDF), and where they come from.
+
+The coordinator never sees device data. A run may give it public, unlabeled images of the
+same shape as the devices' (``--proxy-data FILE.npy``; the lab emulator reads any dataset
+its readers know and hands the images over): strategies find them in
+:attr:`~coordinator.context.ServerContext.proxy_data`. Labels, where the source has
+them, are never read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from coordinator.errors import ConfigError
+
+__all__ = ["proxy_tensor", "read_proxy_file"]
+
+
+def read_proxy_file(path: Path) -> npt.NDArray[Any]:
+    """The images of a ``.npy`` file (``np.save`` of one array; no pickle).
+
+    Raises:
+        ConfigError: the file cannot be read or is not a plain ``.npy`` array.
+    """
+    try:
+        images = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--proxy-data {path}: not a readable .npy array: {exc}") from exc
+    if not isinstance(images, np.ndarray):
+        raise ConfigError(f"--proxy-data {path}: holds several arrays; give one .npy array")
+    return images
+
+
+def proxy_tensor(images: npt.NDArray[Any], channels: int, side: int) -> torch.Tensor:
+    """``images`` as the models' inputs: float32 ``(N, channels, side, side)``.
+
+    Accepts ``(N, H, W)`` (one channel) or ``(N, C, H, W)``; uint8 pixels are scaled to
+    [0, 1] as the devices' data is, floats are taken as they are.
+
+    Raises:
+        ConfigError: no image, a shape that does not fit the models, another dtype, or
+            values that are not finite.
+    """
+    if images.ndim == 3:
+        images = images[:, None]
+    expected = (channels, side, side)
+    if images.ndim != 4 or tuple(images.shape[1:]) != expected or len(images) == 0:
+        raise ConfigError(
+            f"proxy data of shape {images.shape}; the models take (N, {channels}, {side}, "
+            f"{side}) images, N >= 1"
+        )
+    if images.dtype == np.uint8:
+        return torch.from_numpy(np.multiply(images, np.float32(1 / 255), dtype=np.float32))
+    if images.dtype.kind != "f":
+        raise ConfigError(f"proxy data of dtype {images.dtype}: give uint8 or float pixels")
+    out = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32))
+    if not torch.isfinite(out).all():
+        raise ConfigError("proxy data holds values that are not finite")
+    return out

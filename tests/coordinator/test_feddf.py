@@ -1,0 +1,111 @@
+"""FedDF: ensemble distillation on proxy data, the pure step and the strategy."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from coordinator.context import ServerContext
+from coordinator.feddf import (
+    DistillSettings,
+    chance_teachers,
+    distill,
+    holdout_split,
+    kl_to_ensemble,
+    teacher_logits,
+)
+from coordinator.runtime import build_models
+from coordinator.strategies import Aggregated, Contribution, NothingToAggregate, build_strategy
+from models import build_classifier, state_arrays
+from tests.coordinator.helpers import config
+
+CPU = torch.device("cpu")
+
+
+def seeded(name: str, seed: int):
+    torch.manual_seed(seed)
+    return build_classifier(name, num_classes=10)
+
+
+def proxy(count: int = 256) -> torch.Tensor:
+    return torch.rand((count, 1, 28, 28), generator=torch.Generator().manual_seed(3))
+
+
+def test_distillation_lowers_the_kl_to_the_ensemble_on_held_out_proxy_data() -> None:
+    images = proxy()
+    teachers = [seeded("lenet5", 1), seeded("mlp", 2), seeded("lenet5", 3)]
+    ensemble = torch.stack([teacher_logits(t, images) for t in teachers]).mean(0)
+    rng = torch.Generator().manual_seed(0)
+    train, held_out = holdout_split(len(images), 0.25, rng)
+    student = seeded("mlp", 4)
+    settings = DistillSettings(max_steps=150, eval_every=10, lr=3e-3)
+
+    result = distill(
+        student, images, ensemble, train=train, held_out=held_out, settings=settings, rng=rng
+    )
+
+    after = float(kl_to_ensemble(teacher_logits(student, images[held_out]), ensemble[held_out]))
+    assert after == result.kl_after < 0.5 * result.kl_before
+    assert 0 < result.steps <= 150
+    assert set(train.tolist()).isdisjoint(held_out.tolist()) and len(held_out) == 64
+
+
+def test_early_stopping_keeps_the_best_student_measured() -> None:
+    images = proxy(64)
+    teacher = seeded("mlp", 1)
+    ensemble = teacher_logits(teacher, images)
+    rng = torch.Generator().manual_seed(0)
+    train, held_out = holdout_split(len(images), 0.5, rng)
+    student = seeded("mlp", 1)  # the teacher itself: no step can improve on it
+    settings = DistillSettings(max_steps=100, eval_every=5, patience=2)
+
+    result = distill(
+        student, images, ensemble, train=train, held_out=held_out, settings=settings, rng=rng
+    )
+
+    assert result.steps == 10  # two measurements without improvement
+    assert result.kl_after == result.kl_before
+    for name, tensor in teacher.state_dict().items():
+        assert torch.equal(student.state_dict()[name], tensor), name
+
+
+def test_drop_worst_names_the_teachers_no_better_than_chance() -> None:
+    held_out = torch.arange(8)
+    agree = torch.nn.functional.one_hot(torch.arange(8) % 4, 4).float() * 5
+    contrary = torch.nn.functional.one_hot((torch.arange(8) + 1) % 4, 4).float()
+
+    assert chance_teachers([agree, agree, contrary], held_out) == [2]
+    assert chance_teachers([agree, agree], held_out) == []
+
+
+def contributions(templates) -> list[Contribution]:
+    out = []
+    for index, (group, seed) in enumerate([("mlp", 1), ("lenet5", 2), ("mlp", 3)]):
+        weights = state_arrays(seeded(group, seed))
+        assert weights.keys() == state_arrays(templates[group]).keys()
+        out.append(Contribution(f"dev-{index}", group, weights, num_samples=10 * (index + 1)))
+    return out
+
+
+def test_feddf_distils_each_group_from_every_architecture_and_keeps_its_shapes() -> None:
+    cfg = config(strategy="feddf", model="mlp,lenet5", seed=5)
+    templates = build_models(cfg)
+    strategy = build_strategy(cfg, templates)
+    current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
+    context = ServerContext.for_round(CPU, cfg.seed, 1, proxy_data=proxy(128))
+    updates = contributions(templates)
+    strategy.distillation = DistillSettings(max_steps=40, eval_every=10)
+
+    result = strategy.aggregate(current, iter(updates), 1, context)
+
+    assert isinstance(result, Aggregated) and set(result.models) == {"mlp", "lenet5"}
+    mean_mlp = {
+        k: (10 * updates[0].weights[k] + 30 * updates[2].weights[k]) / 40
+        for k in updates[0].weights
+    }
+    for group, models in result.models.items():
+        shapes = {k: v.shape for k, v in state_arrays(templates[group]).items()}
+        assert {k: v.shape for k, v in models["aca"].items()} == shapes
+    moved = [not np.allclose(result.models["mlp"]["aca"][k], v) for k, v in mean_mlp.items()]
+    assert any(moved)  # distilled away from the group's average
+    assert isinstance(strategy.aggregate(current, iter(()), 2, context), NothingToAggregate)
