@@ -50,6 +50,7 @@ from coordinator.engine import (
 )
 from coordinator.errors import ConfigError
 from coordinator.groups import ArchitectureGroup
+from coordinator.proxy import proxy_tensor
 from coordinator.runtime import build_models
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
@@ -72,6 +73,7 @@ from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.cohort.trainer import BatchedTrainer, resolve_device
+from sim.datasets import load_proxy_images
 from sim.errors import SimError
 from sim.fleet import FleetDevice
 from sim.progress import Progress
@@ -329,6 +331,15 @@ class _Emulation:
             templates = build_models(coordinator)
             strategy: Strategy = build_strategy(coordinator, templates)
             self._server_device = resolve_server_device(coordinator.server_device)
+            self._proxy = None
+            if config.proxy_data is not None:
+                images = load_proxy_images(config.proxy_data)
+                self._proxy = proxy_tensor(images, coordinator.in_channels, coordinator.image_size)
+            if strategy.needs_proxy_data and self._proxy is None:
+                raise ConfigError(
+                    f"strategy {strategy.name!r} distils on the server's proxy data: "
+                    "give --proxy-data"
+                )
         except ConfigError as exc:
             raise SimError(str(exc)) from exc
         self.engine = RoundEngine(
@@ -440,7 +451,7 @@ class _Emulation:
             if isinstance(action, AggregateRequested):  # at once, on this thread
                 job = action.job
                 seed = self.engine.config.seed
-                context = ServerContext.for_round(self._server_device, seed, job.round)
+                context = ServerContext.for_round(self._server_device, seed, job.round, self._proxy)
                 done = AggregateDone(job.round, job.run(context), self._clock())
                 self._execute(self.engine.handle(done))
             elif isinstance(action, Finished):

@@ -64,8 +64,9 @@ def add_budget_parser(sub: Any) -> None:
     flags.add(
         parser.add_argument_group("data"),
         SimConfig,
-        include=("dataset", "data_dir", "alpha"),
+        include=("dataset", "data_dir", "alpha", "proxy_data"),
         choices=DATA_CHOICES,
+        metavars={"proxy_data": "DIR"},
     )
     add_engine_flags(parser, flags)
     budget = parser.add_argument_group("budget")

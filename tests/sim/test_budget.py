@@ -273,3 +273,8 @@ def test_infinite_alpha_is_json_safe(capsys: pytest.CaptureFixture[str]) -> None
 
     assert code == 0 and json.loads(out)["config"]["alpha"] == "inf"
     assert not math.isnan(json.loads(out)["ratio"]["up"])
+
+
+def test_feddf_needs_proxy_data_and_is_refused_in_one_line_without_it() -> None:
+    with pytest.raises(SimError, match="'feddf' distils on the server's proxy data"):
+        estimate(small(strategy="feddf"))
