@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from coordinator.config import TrainingSettings
 from models import build_classifier
 from sim.errors import SimError
 from sim.run import SimConfig, run_simulation
+from tests.protocol.brokers import Mosquitto
 from tests.sim.test_datasets import write_mnist_like
 
 QUICK = TrainingSettings(local_epochs=1, local_steps=2, batch_size=16)
@@ -45,13 +47,20 @@ def test_inproc_run_reports_every_round_with_bytes_and_both_models() -> None:
     assert data["final"]["peak_gpu_bytes"] == 0  # trained on the CPU
 
 
-@pytest.mark.parametrize("transport", ["inproc", "mqtt"])
+@pytest.mark.parametrize("broker", ["inproc", "embedded", "mosquitto"])
 def test_a_fleet_of_several_architectures_trains_and_reports_each_group(
-    transport: str, tmp_path: Path
+    broker: str, tmp_path: Path
 ) -> None:
-    config = quick(model="mlp,lenet5", participation=1.0, transport=transport)
+    config = quick(model="mlp,lenet5", participation=1.0, transport="inproc")
+    with contextlib.ExitStack() as stack:
+        if broker != "inproc":
+            config = config.model_copy(update={"transport": "mqtt"})
+        if broker == "mosquitto":
+            (tmp_path / "mosquitto").mkdir()
+            mosquitto = stack.enter_context(Mosquitto(tmp_path / "mosquitto"))
+            config = config.model_copy(update={"broker_url": mosquitto.url})
 
-    report = run_simulation(config, final_models_dir=tmp_path)
+        report = run_simulation(config, final_models_dir=tmp_path / "models")
 
     for record in report.rounds:
         assert record.active_devices == 6  # three devices of each architecture
@@ -59,7 +68,7 @@ def test_a_fleet_of_several_architectures_trains_and_reports_each_group(
         assert all(m.global_acc is not None for m in record.models.values())
     assert report.to_json_dict()["config"]["model"] == "mlp,lenet5"
     for name in ("mlp", "lenet5"):
-        saved = torch.load(tmp_path / name / "model.pt", weights_only=True)
+        saved = torch.load(tmp_path / "models" / name / "model.pt", weights_only=True)
         template = build_classifier(name, num_classes=report.final["num_classes"])
         assert {k: v.shape for k, v in saved.items()} == {
             k: v.shape for k, v in template.state_dict().items()
