@@ -12,6 +12,7 @@ import torch
 from coordinator.context import ServerContext
 from coordinator.engine import AggregateDone, AggregateRequested, RoundClosed, RoundEngine, Tick
 from coordinator.errors import AggregationError
+from coordinator.feddf import DistillSettings
 from coordinator.runtime import Coordinator
 from coordinator.store import FileStore, MemoryStore, Store
 from coordinator.strategies import NothingToAggregate, build_strategy
@@ -259,3 +260,47 @@ def test_a_crash_at_any_write_of_the_round_close_resumes_to_the_same_models(
         for key, value in expected["aca"].items():
             np.testing.assert_allclose(resumed.models()[GROUP]["aca"][key], value, rtol=1e-6)
     assert writes > 2  # every write of the close was crashed once
+
+
+def feddf_round(store: Store) -> tuple[RoundEngine, AggregateRequested]:
+    """feddf, round 1 of 2 with both updates in: the distillation is requested."""
+    cfg = config(strategy="feddf", rounds=2, min_devices=2)
+    strategy = build_strategy(cfg, templates(cfg))
+    strategy.distillation = DistillSettings(max_steps=20, eval_every=10)
+    engine = make_engine(cfg, store, inline=False, strategy=strategy)
+    engine.start(0.0)
+    actions: list = []
+    for i in range(2):
+        msg = hello(engine, f"dev-{i}", samples=100 * (i + 1), share_label_counts=True)
+        actions = engine.handle(received(msg, 1.0))
+    tasks, w = tasks_by_device(actions), weights(engine)
+    engine.handle(received(update("dev-0", 1, shifted(w, 0.1), 100, tasks["dev-0"]), 5.0))
+    last = engine.handle(received(update("dev-1", 1, shifted(w, -0.1), 200, tasks["dev-1"]), 6.0))
+    return engine, requested(last)
+
+
+def distilled(engine: RoundEngine, request: AggregateRequested) -> dict:
+    """Carry out a feddf request as the runtime does, on fixed proxy images."""
+    images = torch.rand((96, 1, 28, 28), generator=torch.Generator().manual_seed(0))
+    job = request.job
+    context = ServerContext.for_round(CPU, engine.config.seed, job.round, proxy_data=images)
+    return closed_models(engine, AggregateDone(job.round, job.run(context), 9.0))
+
+
+def test_a_crash_during_server_side_distillation_resumes_to_the_same_models(
+    tmp_path: Path,
+) -> None:
+    reference, request = feddf_round(MemoryStore())
+    expected = distilled(reference, request)
+
+    feddf_round(FileStore(tmp_path))  # the coordinator dies while it distils
+    cfg = config(strategy="feddf", rounds=2, min_devices=2)
+    strategy = build_strategy(cfg, templates(cfg))
+    strategy.distillation = DistillSettings(max_steps=20, eval_every=10)
+    resumed = make_engine(cfg, FileStore(tmp_path), inline=False, strategy=strategy)
+    again = requested(resumed.start(8.0))
+    models = distilled(resumed, again)
+
+    assert again.job.devices == request.job.devices  # the same updates, each once
+    for key, value in expected["aca"].items():
+        np.testing.assert_allclose(models["aca"][key], value, rtol=1e-6, atol=1e-7)
