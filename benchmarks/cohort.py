@@ -39,8 +39,8 @@ import torch
 from edge_client.train.data import DeviceData
 from edge_client.train.strategies import LocalTask, local_update
 from models import Classifier, build_classifier, state_arrays
+from models.devices import resolve_device
 from sim.cohort.engine import Member, train_cohort
-from sim.cohort.trainer import resolve_device
 
 FEDKF = {"generator_width": 16}
 

@@ -15,6 +15,8 @@ import torch
 
 from coordinator.config import ServerDevice
 from coordinator.errors import ConfigError
+from models.devices import resolve_device
+from models.errors import ModelConfigError
 
 __all__ = ["ServerContext", "aggregation_seed", "resolve_server_device"]
 
@@ -60,8 +62,7 @@ def resolve_server_device(name: ServerDevice) -> torch.device:
     Raises:
         ConfigError: ``cuda`` without a usable GPU.
     """
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--server-device cuda: this torch build sees no usable GPU")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        return resolve_device(name, "--server-device")
+    except ModelConfigError as exc:
+        raise ConfigError(str(exc)) from exc

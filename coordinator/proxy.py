@@ -10,7 +10,7 @@ them, are never read.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,11 @@ import torch
 
 from coordinator.errors import ConfigError
 
-__all__ = ["proxy_tensor", "read_proxy_file"]
+if TYPE_CHECKING:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.strategies import Strategy
+
+__all__ = ["proxy_tensor", "read_proxy_file", "server_proxy"]
 
 
 def read_proxy_file(path: Path) -> npt.NDArray[Any]:
@@ -34,6 +38,24 @@ def read_proxy_file(path: Path) -> npt.NDArray[Any]:
     if not isinstance(images, np.ndarray):
         raise ConfigError(f"--proxy-data {path}: holds several arrays; give one .npy array")
     return images
+
+
+def server_proxy(
+    images: npt.NDArray[Any] | None, strategy: Strategy, config: CoordinatorConfig
+) -> torch.Tensor | None:
+    """The proxy data every aggregation of a run gets (:func:`proxy_tensor` of
+    ``images``), or None without images.
+
+    Raises:
+        ConfigError: images that do not fit the models, or none for a strategy that
+            distils on them.
+    """
+    proxy = None if images is None else proxy_tensor(images, config.in_channels, config.image_size)
+    if strategy.needs_proxy_data and proxy is None:
+        raise ConfigError(
+            f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data"
+        )
+    return proxy
 
 
 def proxy_tensor(images: npt.NDArray[Any], channels: int, side: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ from coordinator.engine import (
 )
 from coordinator.errors import AggregationError, ConfigError
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
-from coordinator.proxy import proxy_tensor
+from coordinator.proxy import server_proxy
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays
@@ -174,18 +174,10 @@ class Coordinator:
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
-        self._proxy = (
-            None
-            if proxy_data is None
-            else proxy_tensor(proxy_data, config.in_channels, config.image_size)
-        )
         self._templates = build_models(config)
         """A classifier of each architecture group, by group."""
         strategy = build_strategy(config, self._templates)
-        if strategy.needs_proxy_data and self._proxy is None:
-            raise ConfigError(
-                f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data"
-            )
+        self._proxy = server_proxy(proxy_data, strategy, config)
         self.engine = RoundEngine(
             config,
             strategy,

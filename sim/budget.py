@@ -50,7 +50,7 @@ from coordinator.engine import (
 )
 from coordinator.errors import ConfigError
 from coordinator.groups import ArchitectureGroup
-from coordinator.proxy import proxy_tensor
+from coordinator.proxy import server_proxy
 from coordinator.runtime import build_models
 from coordinator.store import MemoryStore
 from coordinator.strategies import Strategy, build_strategy
@@ -59,6 +59,7 @@ from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import session as dev
 from edge_client.train.trainer import build_device_model
 from edge_client.train.transfer import TransferState
+from models.devices import resolve_device
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
 from protocol.codec import Codec
 from protocol.messages import (
@@ -72,7 +73,7 @@ from protocol.messages import (
 from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
-from sim.cohort.trainer import BatchedTrainer, resolve_device
+from sim.cohort.trainer import BatchedTrainer
 from sim.datasets import load_proxy_images
 from sim.errors import SimError
 from sim.fleet import FleetDevice
@@ -331,15 +332,8 @@ class _Emulation:
             templates = build_models(coordinator)
             strategy: Strategy = build_strategy(coordinator, templates)
             self._server_device = resolve_server_device(coordinator.server_device)
-            self._proxy = None
-            if config.proxy_data is not None:
-                images = load_proxy_images(config.proxy_data)
-                self._proxy = proxy_tensor(images, coordinator.in_channels, coordinator.image_size)
-            if strategy.needs_proxy_data and self._proxy is None:
-                raise ConfigError(
-                    f"strategy {strategy.name!r} distils on the server's proxy data: "
-                    "give --proxy-data"
-                )
+            images = None if config.proxy_data is None else load_proxy_images(config.proxy_data)
+            self._proxy = server_proxy(images, strategy, coordinator)
         except ConfigError as exc:
             raise SimError(str(exc)) from exc
         self.engine = RoundEngine(

@@ -43,12 +43,13 @@ from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
 from models import Classifier, build_classifier, state_arrays
 from models.classifiers import HEAD_PREFIX
+from models.devices import resolve_device
 from protocol.errors import BrokerError
 from protocol.messages import Ack, CoordinatorStatus, ReasonCode
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
-from sim.cohort.trainer import BatchedTrainer, Engine, resolve_device
+from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.datasets import load_dataset, load_proxy_images
 from sim.errors import SimError
 from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory

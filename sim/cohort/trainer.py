@@ -33,7 +33,6 @@ __all__ = [
     "BatchedTrainer",
     "Engine",
     "auto_max_cohort",
-    "resolve_device",
     "resolve_engine",
 ]
 
@@ -54,23 +53,6 @@ def resolve_engine(engine: Engine, device: torch.device) -> Literal["batched", "
 
 MEMORY_SHARE = 0.5
 """Share of the free memory (GPU, or host on the CPU) a batched cohort may plan to use."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` (CUDA when there is a GPU, else the CPU), ``"cpu"`` or ``"cuda"``.
-
-    Raises:
-        ValueError: an unknown name, or ``"cuda"`` without a usable GPU.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: this torch build sees no usable GPU")
-        return torch.device("cuda")
-    raise ValueError(f"unknown device {name!r}: give auto, cpu or cuda")
 
 
 def auto_max_cohort(model: Classifier, batch_size: int, device: torch.device) -> int:
