@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from coordinator.errors import ConfigError
+from coordinator.feddf import DistillSettings
 from models import classifier_names
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN
@@ -43,6 +44,7 @@ __all__ = [
 
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
 ServerDevice = Literal["auto", "cpu", "cuda"]
+_DISTILL = DistillSettings()
 
 
 class _Frozen(BaseModel):
@@ -201,6 +203,18 @@ class FleetSettings(_Frozen):
     """feddf: leave out of the ensemble the teachers no better than chance on the
     held-out proxy images (their predictions agree with the ensemble's on at most
     1 / classes of them); the log names them."""
+    distill_steps: int = Field(default=_DISTILL.max_steps, ge=1)
+    """feddf: most Adam steps of server-side distillation per group and round (it stops
+    earlier when the held-out KL stops improving)."""
+    distill_batch_size: int = Field(default=_DISTILL.batch_size, ge=1)
+    """feddf: proxy images per distillation step."""
+    distill_lr: float = Field(default=_DISTILL.lr, gt=0, allow_inf_nan=False)
+    """feddf: Adam learning rate of the distillation."""
+    distill_temperature: float = Field(default=_DISTILL.temperature, gt=0, allow_inf_nan=False)
+    """feddf: softmax temperature of teachers and student."""
+    distill_patience: int = Field(default=_DISTILL.patience, ge=1)
+    """feddf: held-out measurements (one every 25 steps) without improvement before the
+    distillation stops."""
     seed: int = Field(default=0, ge=0)
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()

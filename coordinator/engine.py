@@ -221,6 +221,8 @@ class RoundEngine:
         strategy: Strategy,
         store: Store,
         groups: Mapping[str, ArchitectureGroup],
+        *,
+        proxy_digest: str | None = None,
     ) -> None:
         if not groups:
             raise ConfigError("a fleet runs at least one architecture")
@@ -237,6 +239,9 @@ class RoundEngine:
             self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
         )
         self.registry = DeviceRegistry()
+        self._proxy_digest = proxy_digest
+        """Content fingerprint of the run's proxy data (None: the run has none); part of
+        the run's fingerprint, so a resume cannot swap the distillation data."""
         self._caches: dict[str, OcaCache] = {}
         """Each group's OCA cache; empty where the strategy keeps none."""
         self._run: RunMeta | None = None
@@ -281,6 +286,8 @@ class RoundEngine:
             StoreError: the store cannot be read or written.
         """
         fingerprint = self.config.fingerprint_fields()
+        if self._proxy_digest is not None:
+            fingerprint["proxy_data"] = self._proxy_digest
         run = self._state.load_run(fingerprint)
         if self.strategy.uses_oca:
             self._caches = {group: OcaCache(self._state, group) for group in self._groups}

@@ -9,6 +9,7 @@ them, are never read.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
     from coordinator.strategies import Strategy
 
-__all__ = ["proxy_tensor", "read_proxy_file", "server_proxy"]
+__all__ = ["proxy_digest", "proxy_tensor", "read_proxy_file", "server_proxy"]
 
 
 def read_proxy_file(path: Path) -> npt.NDArray[Any]:
@@ -84,3 +85,12 @@ def proxy_tensor(images: npt.NDArray[Any], channels: int, side: int) -> torch.Te
     if not torch.isfinite(out).all():
         raise ConfigError("proxy data holds values that are not finite")
     return out
+
+
+def proxy_digest(proxy: torch.Tensor) -> str:
+    """A content fingerprint of the proxy images (16 hex digits of the SHA-256 of their
+    shape and float32 pixels): a resumed run must distil on the images it started with,
+    wherever the file now lies."""
+    digest = hashlib.sha256(repr(tuple(proxy.shape)).encode())
+    digest.update(proxy.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]

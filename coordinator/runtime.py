@@ -46,7 +46,7 @@ from coordinator.engine import (
 )
 from coordinator.errors import AggregationError, ConfigError
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
-from coordinator.proxy import server_proxy
+from coordinator.proxy import proxy_digest, server_proxy
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays
@@ -183,6 +183,7 @@ class Coordinator:
             strategy,
             store if store is not None else MemoryStore(),
             {name: ArchitectureGroup.of(t) for name, t in self._templates.items()},
+            proxy_digest=None if self._proxy is None else proxy_digest(self._proxy),
         )
         self._events: queue.Queue[Event | _AggregationFailed] = queue.Queue()
         self._stop = threading.Event()

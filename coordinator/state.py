@@ -189,9 +189,15 @@ class RunState:
             return None
         run = RunMeta.from_meta(meta)
         if run.fingerprint != dict(fingerprint):
+            differ = sorted(set(run.fingerprint) | set(fingerprint))
+            changes = ", ".join(
+                f"{key} {run.fingerprint.get(key)!r} -> {fingerprint.get(key)!r}"
+                for key in differ
+                if run.fingerprint.get(key) != fingerprint.get(key)
+            )
             raise StateMismatchError(
-                f"the state directory holds another run ({run.fingerprint}); "
-                f"this one is {dict(fingerprint)}: use another --state-dir or the same settings"
+                f"the state directory holds another run ({changes}): use another "
+                "--state-dir or the same settings"
             )
         return run
 

@@ -419,11 +419,17 @@ class FedDF(Strategy):
 
     name = "feddf"
     needs_proxy_data = True
-    distillation = DistillSettings()
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         super().__init__(config, templates)
         self._templates = {name: copy.deepcopy(t) for name, t in templates.items()}
+        self.distillation = DistillSettings(
+            max_steps=config.distill_steps,
+            batch_size=config.distill_batch_size,
+            lr=config.distill_lr,
+            temperature=config.distill_temperature,
+            patience=config.distill_patience,
+        )
 
     def aggregate(
         self,

@@ -109,3 +109,20 @@ def test_feddf_distils_each_group_from_every_architecture_and_keeps_its_shapes()
     moved = [not np.allclose(result.models["mlp"]["aca"][k], v) for k, v in mean_mlp.items()]
     assert any(moved)  # distilled away from the group's average
     assert isinstance(strategy.aggregate(current, iter(()), 2, context), NothingToAggregate)
+
+
+def test_the_run_settings_drive_the_distillation() -> None:
+    cfg = config(
+        strategy="feddf",
+        distill_steps=7,
+        distill_batch_size=16,
+        distill_lr=0.01,
+        distill_temperature=2.0,
+        distill_patience=2,
+    )
+
+    strategy = build_strategy(cfg, build_models(cfg))
+
+    assert strategy.distillation == DistillSettings(
+        max_steps=7, batch_size=16, lr=0.01, temperature=2.0, patience=2
+    )

@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from coordinator.__main__ import build_parser, config_from_args, run
-from coordinator.errors import ConfigError
+from coordinator.errors import ConfigError, StateMismatchError
 from coordinator.proxy import proxy_tensor, read_proxy_file
+from coordinator.runtime import Coordinator
+from coordinator.store import FileStore
+from protocol.transport import MemoryBroker, MemoryTransport
+from tests.coordinator.helpers import config
 
 
 def test_uint8_images_are_scaled_and_get_their_channel() -> None:
@@ -63,3 +67,22 @@ def test_unreadable_proxy_data_is_a_usage_error(
     assert config.proxy_data == tmp_path / "missing.npy"
     assert run(config) == 2
     assert "--proxy-data" in capsys.readouterr().err
+
+
+def test_a_resume_distils_on_the_images_it_started_with(tmp_path: Path) -> None:
+    """The proxy images' content is part of the run's fingerprint: the same images
+    resume, wherever they were read from; other images are refused, naming the change."""
+    first = np.random.default_rng(0).integers(0, 256, (16, 28, 28), dtype=np.uint8)
+    other = first.copy()
+    other[0, 0, 0] ^= 1
+
+    def start(images: np.ndarray, resume: bool) -> None:
+        cfg = config(strategy="feddf", state_dir=tmp_path, resume=resume)
+        transport = MemoryTransport(MemoryBroker(), "coordinator")
+        coordinator = Coordinator(cfg, transport, FileStore(tmp_path), proxy_data=images)
+        coordinator.engine.start(0.0)
+
+    start(first, resume=False)
+    start(first.copy(), resume=True)
+    with pytest.raises(StateMismatchError, match=r"another run \(proxy_data '[0-9a-f]{16}' ->"):
+        start(other, resume=True)
