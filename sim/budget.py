@@ -74,7 +74,6 @@ from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.cohort.trainer import BatchedTrainer
-from sim.datasets import load_proxy_images
 from sim.errors import SimError
 from sim.fleet import FleetDevice
 from sim.progress import Progress
@@ -332,8 +331,7 @@ class _Emulation:
             templates = build_models(coordinator)
             strategy: Strategy = build_strategy(coordinator, templates)
             self._server_device = resolve_server_device(coordinator.server_device)
-            images = None if config.proxy_data is None else load_proxy_images(config.proxy_data)
-            self._proxy = server_proxy(images, strategy, coordinator)
+            self._proxy = server_proxy(config.proxy_images(), strategy, coordinator)
         except ConfigError as exc:
             raise SimError(str(exc)) from exc
         self.engine = RoundEngine(

@@ -64,9 +64,9 @@ def add_budget_parser(sub: Any) -> None:
     flags.add(
         parser.add_argument_group("data"),
         SimConfig,
-        include=("dataset", "data_dir", "alpha", "proxy_data"),
+        include=("dataset", "data_dir", "alpha", "proxy_data", "proxy_size"),
         choices=DATA_CHOICES,
-        metavars={"proxy_data": "DIR"},
+        metavars={"proxy_data": "DIR", "proxy_size": "N"},
     )
     add_engine_flags(parser, flags)
     budget = parser.add_argument_group("budget")

@@ -209,11 +209,14 @@ def dataset_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_proxy_images(folder: str | os.PathLike[str]) -> np.ndarray:
+def load_proxy_images(
+    folder: str | os.PathLike[str], *, size: int | None = None, seed: int = 0
+) -> np.ndarray:
     """The train images of the dataset whose official files sit in ``folder`` itself
     (any file dataset of :func:`dataset_names`; MNIST and Fashion-MNIST files read
     alike), as unlabeled proxy data: float32 ``(N, C, H, W)`` in [0, 1]. Their labels
-    are never used.
+    are never used. With ``size``: that many of them, drawn at random (seeded by
+    ``seed``) without replacement, in file order; all of them where the file has fewer.
 
     Raises:
         DatasetError: ``folder`` holds no known dataset, or its files are corrupt.
@@ -222,7 +225,12 @@ def load_proxy_images(folder: str | os.PathLike[str]) -> np.ndarray:
     for name, layout in _LAYOUTS.items():
         base = layout.train[0]
         if (data_dir / base).is_file() or (data_dir / f"{base}.gz").is_file():
-            return _read_split(name, dataclasses.replace(layout, subdirs=()), data_dir, "train").x
+            flat = dataclasses.replace(layout, subdirs=())
+            images = _read_split(name, flat, data_dir, "train").x
+            if size is None or size >= len(images):
+                return images
+            pick = np.random.default_rng(seed).choice(len(images), size, replace=False)
+            return images[np.sort(pick)]
     wanted = ", ".join(sorted({layout.train[0] for layout in _LAYOUTS.values()}))
     raise DatasetError(f"{data_dir}: no dataset's train images in it (looked for {wanted})")
 

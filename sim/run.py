@@ -90,6 +90,9 @@ class SimConfig(FleetSettings):
     proxy_data: Path | None = None
     """Folder with the files of a dataset the readers know: its train images, labels
     ignored, are the coordinator's unlabeled proxy data (feddf distils on them)."""
+    proxy_size: int | None = Field(default=None, ge=2)
+    """Proxy images to use, drawn at random (seeded by the run's seed) from the proxy
+    dataset's train images (unset: all of them)."""
     device_precisions: tuple[str, ...] = ()
     """Comma-separated precisions the devices ask for, round robin: int8 (both ways) or
     int8/int4 (down/up); empty: every device takes the fleet's."""
@@ -133,6 +136,16 @@ class SimConfig(FleetSettings):
                 "each connection carries at least one device"
             )
         return self
+
+    def proxy_images(self) -> np.ndarray | None:
+        """The coordinator's proxy images (``proxy_size`` of them where set), or None.
+
+        Raises:
+            DatasetError: ``proxy_data`` holds no known dataset, or its files are corrupt.
+        """
+        if self.proxy_data is None:
+            return None
+        return load_proxy_images(self.proxy_data, size=self.proxy_size, seed=self.seed)
 
     @field_validator("device_precisions")
     @classmethod
@@ -488,7 +501,7 @@ def run_simulation(
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
-    proxy = None if config.proxy_data is None else load_proxy_images(config.proxy_data)
+    proxy = config.proxy_images()
     scratch = {
         name: build_classifier(
             name, num_classes=federation.num_classes, in_channels=channels, image_size=side

@@ -43,6 +43,7 @@ DATA_FIELDS = (
     "min_samples",
     "test_fraction",
     "proxy_data",
+    "proxy_size",
 )
 DATA_CHOICES = {"dataset": dataset_names()}
 _LIST = {"device_precisions": "LIST"}
@@ -71,7 +72,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         SimConfig,
         include=DATA_FIELDS,
         choices=DATA_CHOICES,
-        metavars={"proxy_data": "DIR"},
+        metavars={"proxy_data": "DIR", "proxy_size": "N"},
     )
     flags.add(
         run.add_argument_group("transport"),

@@ -413,3 +413,17 @@ def test_proxy_images_are_the_train_images_of_the_dataset_in_the_folder(tmp_path
     np.testing.assert_allclose(letters[2, 0] * 255, images[2].T, atol=1e-4)  # as read for training
     with pytest.raises(DatasetError, match="no dataset's train images"):
         load_proxy_images(tmp_path)  # the files sit in subfolders, not in the folder itself
+
+
+def test_a_proxy_size_draws_that_many_distinct_images_by_seed(tmp_path: Path) -> None:
+    write_mnist_like(tmp_path / "mnist", n_train=12, n_test=3)
+    every = load_proxy_images(tmp_path / "mnist")
+
+    some = load_proxy_images(tmp_path / "mnist", size=5, seed=1)
+    again = load_proxy_images(tmp_path / "mnist", size=5, seed=1)
+    other = load_proxy_images(tmp_path / "mnist", size=5, seed=2)
+
+    rows = [next(i for i, img in enumerate(every) if np.array_equal(img, x)) for x in some]
+    assert len(set(rows)) == 5 and rows == sorted(rows)  # distinct, in file order
+    assert np.array_equal(some, again) and not np.array_equal(some, other)
+    assert load_proxy_images(tmp_path / "mnist", size=50).shape == every.shape
