@@ -1,0 +1,245 @@
+"""Heterogeneous fleets and one-shot learning with ``python -m sim``: the studies of
+docs/results.md ("Heterogeneous fleets").
+
+Three studies, each a set of ``python -m sim`` runs on real data (``--data-dir``, e.g.
+``../shared/data``: MNIST for training, EMNIST letters as the unlabeled proxy images of
+FedDF), in-process transport, one JSON report per run and seed:
+
+- ``oneshot``: the DENSE paper's one-shot MNIST setting (Table 1): 5 devices, Dirichlet
+  alpha 0.1 and 0.5, one round in which every device trains once and uploads once;
+  FedAvg, FedDF and DENSE on the same device updates (same seed: same partition, same
+  local training). Accuracy of the delivered model on the MNIST test set.
+- ``hetero``: a fleet of three architectures (a third each of resnet8, lenet5,
+  fedgen_cnn); FedAvg, which can only average within an architecture group, against
+  FedDF, which distils every group from the ensemble of all of them. Accuracy of each
+  group's model on the MNIST test set after the same rounds, and the bytes moved.
+- ``mixed``: one architecture (lenet5) at three precisions: a third of the devices
+  train fp32, a third int8 (quantization-aware), a third with binarized weights;
+  FedAvg against FedDF.
+
+``run`` executes the runs (skipping those whose report exists) and prints each command;
+``table`` prints the Markdown tables from the reports.
+
+    python -m benchmarks.hetero_studies run --study oneshot --data-dir ../shared/data \\
+        --seeds 0 1 2 --out studies
+    python -m benchmarks.hetero_studies table --out studies
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _proxy(size: int) -> list[str]:
+    """FedDF's unlabeled proxy images: ``size`` EMNIST letters (another domain than
+    MNIST)."""
+    return ["--proxy-data", "{data}/emnist-letters", "--proxy-size", str(size)]
+
+
+
+COMMON = ["--transport", "inproc", "--dataset", "mnist", "--batch-size", "64"]
+
+STUDIES: dict[str, dict[str, Any]] = {
+    "oneshot": {
+        "args": [
+            "--devices",
+            "5",
+            "--participation",
+            "1",
+            "--rounds",
+            "1",
+            "--model",
+            "lenet5",
+            "--local-epochs",
+            "5",
+        ],
+        "runs": {
+            f"oneshot-a{alpha}-{strategy}": [
+                "--alpha",
+                alpha,
+                "--strategy",
+                strategy,
+                *(_proxy(20000) if strategy == "feddf" else []),
+            ]
+            for alpha in ("0.1", "0.5")
+            for strategy in ("fedavg", "feddf", "dense")
+        },
+    },
+    "hetero": {
+        "args": [
+            "--devices",
+            "15",
+            "--participation",
+            "0.4",
+            "--alpha",
+            "0.5",
+            "--model",
+            "resnet8,lenet5,fedgen_cnn",
+            "--local-epochs",
+            "1",
+            "--rounds",
+            "5",
+        ],
+        "runs": {
+            "hetero-fedavg": ["--strategy", "fedavg"],
+            "hetero-feddf": ["--strategy", "feddf", *_proxy(5000)],
+        },
+    },
+    "mixed": {
+        "args": [
+            "--devices",
+            "15",
+            "--participation",
+            "0.4",
+            "--alpha",
+            "0.5",
+            "--model",
+            "lenet5",
+            "--device-precisions",
+            "fp32,int8,binary",
+            "--qat",
+            "--local-epochs",
+            "1",
+            "--rounds",
+            "5",
+        ],
+        "runs": {
+            "mixed-fedavg": ["--strategy", "fedavg"],
+            "mixed-feddf": ["--strategy", "feddf", *_proxy(5000)],
+        },
+    },
+}
+
+PAPER_ONESHOT = {  # DENSE paper, Table 1, MNIST, 5 clients
+    ("0.1", "fedavg"): 48.24,
+    ("0.1", "feddf"): 60.15,
+    ("0.1", "dense"): 66.61,
+    ("0.5", "fedavg"): 90.55,
+    ("0.5", "feddf"): 92.18,
+    ("0.5", "dense"): 95.82,
+}
+NAMES = {"fedavg": "FedAvg", "feddf": "FedDF", "dense": "DENSE"}
+
+
+def report_path(out: Path, run: str, seed: int) -> Path:
+    return out / f"{run}-s{seed}.json"
+
+
+def run_study(args: argparse.Namespace) -> None:
+    study = STUDIES[args.study]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        for run, extra in study["runs"].items():
+            if args.only and not any(run.endswith(f"-{name}") for name in args.only):
+                continue
+            path = report_path(args.out, run, seed)
+            if path.exists():
+                print(f"# {path} exists, skipped", file=sys.stderr)
+                continue
+            command = [
+                sys.executable,
+                "-m",
+                "sim",
+                *COMMON,
+                *study["args"],
+                *(a.format(data=args.data_dir) for a in extra),
+                "--data-dir",
+                str(args.data_dir),
+                "--seed",
+                str(seed),
+                "--json-out",
+                str(path),
+            ]
+            print(" ".join(command[1:]), file=sys.stderr, flush=True)
+            subprocess.run(command, check=True)
+
+
+def _load(out: Path, run: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"{run}-s*.json"))]
+
+
+def _spread(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    text = f"{statistics.fmean(values):.2f}"
+    return text + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else "")
+
+
+def _final_acc(report: dict[str, Any], model: str) -> float:
+    return float(report["rounds"][-1]["models"][model]["global_acc"])
+
+
+def _aca_models(report: dict[str, Any]) -> list[str]:
+    """The report's ACA model keys: ``aca`` for one group, ``GROUP/aca`` for several."""
+    return sorted(k for k in report["rounds"][-1]["models"] if k.split("/")[-1] == "aca")
+
+
+def _mb(report: dict[str, Any], key: str) -> float:
+    return float(report["final"][key]) / 1e6
+
+
+def oneshot_table(out: Path) -> None:
+    print("\noneshot: MNIST, 5 devices, one round; test accuracy of the delivered model, %\n")
+    print("| alpha | strategy | this runtime | seeds | DENSE paper, Table 1 |")
+    print("| --- | --- | --- | --- | --- |")
+    for alpha in ("0.1", "0.5"):
+        for strategy in ("fedavg", "feddf", "dense"):
+            reports = _load(out, f"oneshot-a{alpha}-{strategy}")
+            accs = [_final_acc(r, "aca") for r in reports]
+            paper = PAPER_ONESHOT[(alpha, strategy)]
+            print(f"| {alpha} | {NAMES[strategy]} | {_spread(accs)} | {len(accs)} | {paper} |")
+
+
+def fleet_table(out: Path, study: str, title: str) -> None:
+    runs = list(STUDIES[study]["runs"])
+    reports = {run: _load(out, run) for run in runs}
+    if not all(reports.values()):
+        print(f"{study}: missing reports in {out}, skipped", file=sys.stderr)
+        return
+    models = _aca_models(reports[runs[0]][0])
+    rounds = len(reports[runs[0]][0]["rounds"])
+    print(f"\n{study}: {title}; {rounds} rounds; test accuracy of each model, %\n")
+    print(f"| run | {' | '.join(models)} | MB up | MB down | wall s |")
+    print(f"| --- | {' | '.join('---' for _ in models)} | --- | --- | --- |")
+    for run in runs:
+        rs = reports[run]
+        accs = " | ".join(_spread([_final_acc(r, m) for r in rs]) for m in models)
+        up = statistics.fmean(_mb(r, "bytes_up") for r in rs)
+        down = statistics.fmean(_mb(r, "bytes_down") for r in rs)
+        wall = statistics.fmean(float(r["final"]["wall_s"]) for r in rs)
+        print(f"| {run} ({len(rs)} seeds) | {accs} | {up:.1f} | {down:.1f} | {wall:.0f} |")
+
+
+def table(args: argparse.Namespace) -> None:
+    oneshot_table(args.out)
+    fleet_table(args.out, "hetero", "resnet8 + lenet5 + fedgen_cnn, a third of 15 devices each")
+    fleet_table(args.out, "mixed", "lenet5 at fp32 + int8 (QAT) + binarized, 15 devices")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a study's emulations")
+    run.add_argument("--study", choices=list(STUDIES), required=True)
+    run.add_argument("--data-dir", type=Path, required=True)
+    run.add_argument("--seeds", type=int, nargs="+", default=[0])
+    run.add_argument("--out", type=Path, default=Path("studies"))
+    run.add_argument("--only", nargs="+", metavar="STRATEGY", help="only these strategies' runs")
+    show = sub.add_parser("table", help="print the tables from the reports")
+    show.add_argument("--out", type=Path, default=Path("studies"))
+    args = parser.parse_args()
+    if args.command == "run":
+        run_study(args)
+    else:
+        table(args)
+
+
+if __name__ == "__main__":
+    main()
