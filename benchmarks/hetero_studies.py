@@ -43,7 +43,6 @@ def _proxy(size: int) -> list[str]:
     return ["--proxy-data", "{data}/emnist-letters", "--proxy-size", str(size)]
 
 
-
 COMMON = ["--transport", "inproc", "--dataset", "mnist", "--batch-size", "64"]
 
 STUDIES: dict[str, dict[str, Any]] = {

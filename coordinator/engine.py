@@ -126,6 +126,8 @@ class AggregateDone:
     result: AggregateResult
     now: float
     """Unix time (s) it finished."""
+    seconds: float = 0.0
+    """How long the server step ran (the strategy's ``aggregate``), seconds."""
 
 
 Event = Received | Tick | Reconnected | AggregateDone
@@ -174,6 +176,9 @@ class RoundClosed:
     train_accuracy: float | None = None
     device_train_s: float | None = None
     """Mean local training time the on-time devices reported, seconds."""
+    aggregate_s: float = 0.0
+    """How long the round's server step ran (distillation, generator training ...),
+    seconds."""
 
 
 @dataclass(frozen=True)
@@ -645,6 +650,7 @@ class RoundEngine:
             train_loss=_weighted_metric(metrics, "loss"),
             train_accuracy=_weighted_metric(metrics, "accuracy"),
             device_train_s=_mean_metric(metrics, "train_s"),
+            aggregate_s=done.seconds,
         )
         actions: list[Action] = [closed]
         if self.config.broadcast_model:

@@ -288,13 +288,15 @@ class Coordinator:
         )
 
         def work() -> None:
+            start = time.perf_counter()
             try:
                 result = job.run(context)
             except Exception as exc:  # surfaces on the engine thread
                 log.exception("round %d: the aggregation failed", job.round)
                 self._events.put(_AggregationFailed(job.round, exc))
                 return
-            self._events.put(AggregateDone(job.round, result, self._clock()))
+            seconds = time.perf_counter() - start
+            self._events.put(AggregateDone(job.round, result, self._clock(), seconds))
 
         name = f"aggregate-round-{job.round}"
         threading.Thread(target=work, name=name, daemon=True).start()
@@ -312,7 +314,7 @@ class Coordinator:
         acc = "-" if closed.train_accuracy is None else f"{100 * closed.train_accuracy:.1f}%"
         log.info(
             "round %d/%d closed in %.1f s: %d/%d updates on time, %d late, %d rejected; "
-            "device train loss %s, accuracy %s",
+            "device train loss %s, accuracy %s; server step %.1f s",
             closed.round,
             self.config.rounds,
             closed.duration_s,
@@ -322,6 +324,7 @@ class Coordinator:
             closed.rejected,
             loss,
             acc,
+            closed.aggregate_s,
         )
 
     def _finish(self, finished: Finished) -> None:

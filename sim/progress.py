@@ -58,6 +58,8 @@ def round_line(record: RoundRecord, total_rounds: int, up: int, down: int, wall_
         amps = " ".join(f"{name} {m.amp:.1f}%" for name, m in record.models.items())
         parts.append(f"AMP {amps}")
     parts.append(f"up {human_bytes(up)} down {human_bytes(down)}")
+    if record.aggregate_s >= 0.1:  # a server step worth naming (distillation, generator)
+        parts.append(f"server step {record.aggregate_s:.1f} s")
     parts.append(f"{wall_s:.2f} s/round")
     return " | ".join(parts)
 

@@ -7,7 +7,7 @@ and a ``final`` summary. It is written as
 
       {"config": {...},
        "rounds": [{"round", "wall_s", "active_devices", "bytes_up", "bytes_down",
-                   "wire_bytes_up", "wire_bytes_down", "device_train_s",
+                   "wire_bytes_up", "wire_bytes_down", "device_train_s", "aggregate_s",
                    "models": {"<name>": {"amp", "fm", "wlp", "best", "global_acc"}}}],
        "final": {...}}
 
@@ -72,7 +72,10 @@ _ROUND_FIELDS = (
     "wire_bytes_up",
     "wire_bytes_down",
     "device_train_s",
+    "aggregate_s",
 )
+_OPTIONAL_FIELDS = {"device_train_s": None, "aggregate_s": 0.0}
+"""Round fields that reports of earlier versions lack, with the value they stand for."""
 _METRIC_FIELDS = ("amp", "fm", "wlp", "best", "global_acc")
 _MB = 1e6
 _INSTALL_HINT = 'plots need matplotlib: pip install "edgefl[report]"'
@@ -92,6 +95,8 @@ class RoundRecord:
             chunk headers), bytes.
         device_train_s: mean seconds the round's on-time devices spent in local
             training (as they reported it), or None.
+        aggregate_s: seconds the coordinator's server step took (FedDF's distillation,
+            FedGen's or DENSE's generator; a weighted sum for FedAvg).
         models: model name (``"aca"``, ``"oca"``) -> its metrics after the round.
     """
 
@@ -104,6 +109,7 @@ class RoundRecord:
     wire_bytes_down: int
     models: dict[str, ModelMetrics] = field(default_factory=dict)
     device_train_s: float | None = None
+    aggregate_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The round as the JSON object described in the module docstring."""
@@ -126,8 +132,13 @@ class RoundRecord:
                 )
                 for name, values in data["models"].items()
             }
-            fields = {name: data[name] for name in _ROUND_FIELDS if name != "device_train_s"}
-            return cls(**fields, device_train_s=data.get("device_train_s"), models=models)
+            fields: dict[str, Any] = {
+                name: data.get(name, _OPTIONAL_FIELDS[name])
+                if name in _OPTIONAL_FIELDS
+                else data[name]
+                for name in _ROUND_FIELDS
+            }
+            return cls(**fields, models=models)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ReportError(f"malformed round record: {exc!r}") from exc
 
@@ -221,7 +232,8 @@ def write_csv(report: RunReport, out_dir: str | os.PathLike[str]) -> Path:
     """Write ``rounds.csv`` into ``out_dir``, atomically; returns its path.
 
     Columns: the round fields (``round``, ``wall_s``, ``active_devices``, ``bytes_up``,
-    ``bytes_down``, ``wire_bytes_up``, ``wire_bytes_down``, ``device_train_s``), then
+    ``bytes_down``, ``wire_bytes_up``, ``wire_bytes_down``, ``device_train_s``,
+    ``aggregate_s``), then
     for each model (in order of first appearance) ``<name>_amp``, ``<name>_fm``,
     ``<name>_wlp``, ``<name>_best``, ``<name>_global_acc``. A metric that is absent
     (model missing in a round, no global test set) is an empty cell.

@@ -427,6 +427,7 @@ class _Recorder:
             wire_bytes_up=delta[2],
             wire_bytes_down=delta[3],
             device_train_s=action.device_train_s,
+            aggregate_s=action.aggregate_s,
             models=metrics,
         )
         self.records.append(record)

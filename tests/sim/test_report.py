@@ -32,6 +32,7 @@ ROUND_KEYS = {
     "wire_bytes_up",
     "wire_bytes_down",
     "device_train_s",
+    "aggregate_s",
     "models",
 }
 METRIC_KEYS = {"amp", "fm", "wlp", "best", "global_acc"}
@@ -151,6 +152,16 @@ def test_from_json_dict_rejects_malformed_data() -> None:
         RunReport.from_json_dict(data)
 
 
+def test_a_report_of_an_earlier_version_reads_without_the_newer_round_fields() -> None:
+    data = make_report().to_json_dict()
+    for record in data["rounds"]:
+        del record["device_train_s"], record["aggregate_s"]
+
+    rounds = RunReport.from_json_dict(data).rounds
+
+    assert [(r.device_train_s, r.aggregate_s) for r in rounds] == [(None, 0.0)] * 3
+
+
 # ---------------------------------------------------------------------------- CSV
 
 
@@ -172,6 +183,7 @@ def test_csv_columns_and_values(tmp_path: Path) -> None:
         "wire_bytes_up",
         "wire_bytes_down",
         "device_train_s",
+        "aggregate_s",
         "aca_amp",
         "aca_fm",
         "aca_wlp",
@@ -199,7 +211,7 @@ def test_csv_of_empty_report_has_only_round_columns(tmp_path: Path) -> None:
 
     assert path.read_text("utf-8") == (
         "round,wall_s,active_devices,bytes_up,bytes_down,wire_bytes_up,wire_bytes_down,"
-        "device_train_s\n"
+        "device_train_s,aggregate_s\n"
     )
 
 

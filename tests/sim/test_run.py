@@ -92,6 +92,7 @@ def test_feddf_fuses_a_fleet_of_several_architectures_on_proxy_data(tmp_path: Pa
     for record in report.rounds:
         assert record.active_devices == 6
         assert set(record.models) == {"mlp/aca", "lenet5/aca"}
+        assert 0 < record.aggregate_s < record.wall_s  # the distillation, timed
     with pytest.raises(SimError, match="proxy-data"):
         run_simulation(quick(strategy="feddf", transport="inproc"))
 
