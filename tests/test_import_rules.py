@@ -3,7 +3,8 @@
 - protocol never imports torch (nor any of our other packages);
 - edge_client never imports coordinator or sim;
 - coordinator never imports edge_client or sim;
-- models imports protocol only among our packages.
+- models imports protocol only among our packages;
+- deploy (the provisioning tool) imports protocol only among our packages, and no torch.
 
 Checked statically over every module's import statements (including imports inside
 functions) and dynamically for protocol, by importing all of it in a fresh interpreter.
@@ -19,12 +20,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"protocol", "models", "edge_client", "coordinator", "sim"}
+OURS = {"protocol", "models", "edge_client", "coordinator", "sim", "deploy"}
 FORBIDDEN = {
-    "protocol": {"torch", "torchvision", "models", "edge_client", "coordinator", "sim"},
+    "protocol": {"torch", "torchvision", "models", "edge_client", "coordinator", "sim", "deploy"},
     "models": {"edge_client", "coordinator", "sim"},
     "edge_client": {"coordinator", "sim"},
     "coordinator": {"edge_client", "sim"},
+    "deploy": {"torch", "torchvision", "models", "edge_client", "coordinator", "sim"},
 }
 
 

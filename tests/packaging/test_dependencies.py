@@ -21,7 +21,16 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "models", "edge_client", "coordinator", "sim", "benchmarks", "tests")
+PACKAGES = (
+    "protocol",
+    "models",
+    "edge_client",
+    "coordinator",
+    "sim",
+    "deploy",
+    "benchmarks",
+    "tests",
+)
 LOCAL = set(PACKAGES)
 EXTERNAL_VENV_SCRIPTS = ROOT / "benchmarks" / "external"
 """Not scanned: scripts that the benchmarks run with the python of a separate virtual
