@@ -104,7 +104,7 @@ def _key_usage(*, signing: bool, ca: bool) -> x509.KeyUsage:
 
 
 def make_ca(fleet: str, *, days: int = CA_DAYS, now: datetime.datetime | None = None) -> Issued:
-    """A self-signed CA for one fleet: ``CN=edgefl <fleet> lab CA``, valid ``days`` days.
+    """A self-signed CA for one fleet: ``CN=edgefl fleet <fleet> CA``, valid ``days`` days.
 
     It may sign leaf certificates only (path length 0).
     """
@@ -113,7 +113,7 @@ def make_ca(fleet: str, *, days: int = CA_DAYS, now: datetime.datetime | None = 
     name = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "edgefl"),
-            x509.NameAttribute(NameOID.COMMON_NAME, f"edgefl {fleet} lab CA"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"edgefl fleet {fleet} CA"),
         ]
     )
     certificate = (
