@@ -9,26 +9,22 @@ one connection's order); over MQTT 5 the broker's PUBACK says 0x87, not authoriz
 
 from __future__ import annotations
 
-import getpass
 import queue
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from deploy.__main__ import main
 from protocol.errors import TransportError
 from protocol.topics import Topics
 from protocol.transport.base import Inbound, MqttVersion
 from protocol.transport.config import MqttConfig, TlsConfig
 from protocol.transport.mqtt import MqttTransport
-from tests.protocol.brokers import LOOPBACK, accepts_connections, free_port, require_mosquitto
+from tests.deploy.kit_broker import KitBroker, deploy, kit_broker
+from tests.protocol.brokers import LOOPBACK
 
 pytestmark = pytest.mark.mosquitto
 
@@ -39,96 +35,13 @@ NOT_AUTHORIZED = 0x87
 REFUSAL_S = 1.5
 """How long a refused client waits for a CONNACK that never comes (the broker ends the
 TLS session; paho reports no refusal of its own)."""
-# Appended to the kit's configuration for the test only. Started as root, mosquitto would
-# drop to the `mosquitto` user, which cannot read the test's temp files: `user` keeps ours.
-TEST_ONLY = f"\nuser {getpass.getuser()}\npersistence false\nlog_dest stderr\nlog_type all\n"
-
-
-@dataclass(frozen=True)
-class KitBroker:
-    """The running broker and the kit it was configured from."""
-
-    kit: Path
-    certificate_port: int
-    password_port: int
-
-    def client(self, folder: str, **overrides: object) -> MqttConfig:
-        """Settings of the client whose certificate the kit wrote to ``folder``."""
-        who = self.kit / folder
-        tls = TlsConfig(
-            ca_file=who / "ca.pem", cert_file=who / "cert.pem", key_file=who / "key.pem"
-        )
-        return MqttConfig(
-            host=LOOPBACK, port=self.certificate_port, tls=tls, connect_timeout_s=5, **overrides
-        )
-
-    def password_client(
-        self, folder: str, username: str, password: str | None = None
-    ) -> MqttConfig:
-        """Settings of a password login; ``password`` None: the one the kit wrote."""
-        who = self.kit / folder
-        if password is None:
-            password = (who / "password").read_text().strip()
-        return MqttConfig(
-            host=LOOPBACK,
-            port=self.password_port,
-            tls=TlsConfig(ca_file=who / "ca.pem"),
-            username=username,
-            password=password,
-            connect_timeout_s=5,
-        )
-
-
-def deploy(*args: str | Path) -> None:
-    assert main([str(a) for a in args]) == 0
-
-
-def start(binary: str, kit: Path, ports: tuple[int, int]) -> subprocess.Popen[bytes] | None:
-    """Start mosquitto on the kit's configuration; None if it did not come up."""
-    config = kit / "broker" / "mosquitto.conf"
-    run = kit / "run.conf"
-    run.write_text(config.read_text() + TEST_ONLY)
-    log = (kit / "mosquitto.log").open("ab")
-    process = subprocess.Popen([binary, "-c", str(run)], stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and process.poll() is None:
-        if all(accepts_connections(port) for port in ports):
-            return process
-        time.sleep(0.02)
-    stop(process)
-    return None
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=5)
 
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KitBroker]:
-    binary = require_mosquitto()
     kit = tmp_path_factory.mktemp("deploy") / "lab"
-    for _ in range(3):  # a port picked free may be taken before mosquitto binds it
-        ports = (free_port(), free_port())
-        if ports[0] == ports[1]:
-            continue
-        deploy("init", "--fleet", FLEET, "--out", kit, "--auth", "both", "--bind", LOOPBACK,
-               "--port", ports[0], "--password-port", ports[1], "--force")  # fmt: skip
-        deploy("device", "dev-1", "dev-2", "--out", kit, "--force")
-        deploy("passwords", "dev-3", "--out", kit, "--force")
-        process = start(binary, kit, ports)
-        if process is not None:
-            try:
-                yield KitBroker(kit, *ports)
-            finally:
-                stop(process)
-            return
-    raise RuntimeError(f"mosquitto did not start:\n{(kit / 'mosquitto.log').read_text()}")
+    with kit_broker(kit, FLEET, certificates=["dev-1", "dev-2"], passwords=["dev-3"]) as running:
+        yield running
 
 
 class Inbox:
