@@ -9,6 +9,8 @@ loopback ports given to ``init``.
 from __future__ import annotations
 
 import getpass
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +39,11 @@ class KitBroker:
     kit: Path
     certificate_port: int
     password_port: int
+    pid: int
+
+    def reload(self) -> None:
+        """SIGHUP: Mosquitto reads its password file and ACL again."""
+        os.kill(self.pid, signal.SIGHUP)
 
     @property
     def log(self) -> str:
@@ -87,7 +94,7 @@ def kit_broker(
         process = _start(binary, kit, ports)
         if process is not None:
             try:
-                yield KitBroker(kit, *ports)
+                yield KitBroker(kit, *ports, process.pid)
             finally:
                 _stop(process)
             return

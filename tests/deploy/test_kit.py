@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -324,6 +325,31 @@ def test_a_wrong_password_is_refused(broker: KitBroker, username: str, password:
     with pytest.raises(TransportError):
         transport.connect(timeout=REFUSAL_S)
     assert not transport.is_connected
+
+
+def test_a_device_issued_later_connects_at_once_or_after_a_reload(
+    broker: KitBroker, coordinator: Inbox
+) -> None:
+    deploy("device", "dev-5", "--out", broker.kit)
+    deploy("passwords", "dev-6", "--out", broker.kit)
+    late = broker.password_client("devices/dev-6", "dev-6")
+    with pytest.raises(TransportError):  # the broker has not read the new password file yet
+        MqttTransport(late).connect(timeout=REFUSAL_S)
+
+    broker.reload()
+    publish(broker.client("devices/dev-5"), (LAB.device("dev-5", "hello"), b"certificate"))
+    deadline = time.monotonic() + 5  # the broker acts on SIGHUP in its next loop
+    while True:
+        try:
+            publish(late, (LAB.device("dev-6", "hello"), b"password"))
+            break
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+    assert coordinator.next() == (LAB.device("dev-5", "hello"), b"certificate")
+    assert coordinator.next() == (LAB.device("dev-6", "hello"), b"password")
 
 
 def test_an_anonymous_client_is_refused(broker: KitBroker) -> None:
