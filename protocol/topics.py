@@ -14,9 +14,10 @@ topic                                       publisher    payload kinds
 ==========================================  ===========  ===============================
 
 Every topic a device publishes to contains its device id, so a broker ACL such as
-Mosquitto's ``pattern write fl/+/devices/%u/#`` plus ``pattern read fl/+/to/%u/#``
-confines each device to its own topics. The coordinator checks that a message's
-``sender`` equals the device id in its topic.
+Mosquitto's ``pattern write fl/FLEET/devices/%u/#`` plus ``pattern read fl/FLEET/to/%u/#``
+confines each device to its own topics (the deployment kit writes one: deploy/mosquitto/acl,
+docs/deploy.md). The coordinator checks that a message's ``sender`` equals the device id in
+its topic.
 """
 
 from __future__ import annotations
