@@ -6,6 +6,7 @@ CN is the MQTT user name), or per-device passwords, and writes a Mosquitto confi
 and ACL that confine each device to its own topics of that one fleet (docs/deploy.md).
 
 Modules:
+    settings   what ``init`` is given (kit.json); the flags' defaults
     kit        the kit folder: what ``init``, ``device`` and ``passwords`` write
     pki        keys and certificates (the ``cryptography`` library; pure, no files)
     passwords  Mosquitto's password-file format (PBKDF2-SHA512, ``$7$``)

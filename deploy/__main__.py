@@ -28,18 +28,24 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from deploy.errors import KitError
+from deploy.settings import KitSettings, make_settings
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 DEFAULT_OUT = Path("edgefl-kit")
 
-logger = logging.getLogger("deploy")
+
+def _default(field: str) -> str:
+    """The default of a :class:`KitSettings` field, for a flag's help."""
+    value = KitSettings.model_fields[field].default
+    return " and ".join(value) if isinstance(value, tuple) else str(value)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,17 +78,21 @@ def _parser() -> argparse.ArgumentParser:
         dest="hosts",
         metavar="NAME|IP",
         help="a name or address clients reach the broker by, repeated for each "
-        "(default: localhost and 127.0.0.1)",
+        f"(default: {_default('hosts')})",
     )
     init.add_argument(
-        "--coordinator-id", help="the coordinator's account name (default coordinator)"
+        "--coordinator-id",
+        help=f"the coordinator's account name (default {_default('coordinator_id')})",
     )
     init.add_argument(
         "--auth",
-        choices=("certificate", "password", "both"),
-        help="client certificates (default), passwords, or both on two listeners",
+        choices=typing.get_args(KitSettings.model_fields["auth"].annotation),
+        help="client certificates, passwords, or both on two listeners "
+        f"(default {_default('auth')})",
     )
-    init.add_argument("--port", type=int, help="the first listener's port (default 8883)")
+    init.add_argument(
+        "--port", type=int, help=f"the first listener's port (default {_default('port')})"
+    )
     init.add_argument(
         "--password-port",
         type=int,
@@ -96,7 +106,11 @@ def _parser() -> argparse.ArgumentParser:
         help="absolute folder the broker host keeps the kit's broker/ files in, named in "
         "mosquitto.conf (default: the kit's broker/ folder here)",
     )
-    init.add_argument("--days", type=int, help="validity of the certificates issued (default 825)")
+    init.add_argument(
+        "--days",
+        type=int,
+        help=f"validity of the certificates issued (default {_default('days')})",
+    )
 
     for name, text in (
         ("device", "issue a key and client certificate (CN = device id) to each device"),
@@ -129,7 +143,7 @@ def _run(args: argparse.Namespace) -> list[Path]:
 
     layout = kit.KitLayout(args.out)
     if args.command == "init":
-        settings = kit.make_settings(**_init_settings(args))
+        settings = make_settings(**_init_settings(args))
         return kit.init_kit(layout, settings, force=args.force)
     if args.command == "device":
         return kit.issue_devices(layout, args.device_ids, force=args.force)

@@ -28,7 +28,6 @@ from deploy.errors import KitStateError, KitUsageError
 
 __all__ = [
     "CA_DAYS",
-    "LEAF_DAYS",
     "Issued",
     "issue_client",
     "issue_server",
@@ -39,8 +38,6 @@ __all__ = [
 
 CA_DAYS = 3650
 """Validity of the lab CA: ten years, so that it outlives the devices it vouches for."""
-LEAF_DAYS = 825
-"""Default validity of the broker's and the clients' certificates (never past the CA's)."""
 _BACKDATE = datetime.timedelta(minutes=5)
 """Certificates start a little in the past: a device whose clock lags still accepts them."""
 _HOST = re.compile(r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
@@ -171,7 +168,7 @@ def parse_host(host: str) -> x509.GeneralName:
 
 
 def issue_server(
-    ca: Issued, hosts: Sequence[str], *, days: int = LEAF_DAYS, now: datetime.datetime | None = None
+    ca: Issued, hosts: Sequence[str], *, days: int, now: datetime.datetime | None = None
 ) -> Issued:
     """The broker's certificate: CN = the first host, a SAN entry for each host.
 
@@ -189,7 +186,7 @@ def issue_server(
 
 
 def issue_client(
-    ca: Issued, identity: str, *, days: int = LEAF_DAYS, now: datetime.datetime | None = None
+    ca: Issued, identity: str, *, days: int, now: datetime.datetime | None = None
 ) -> Issued:
     """A client certificate whose CN is ``identity`` (a device id or the coordinator's id).
 

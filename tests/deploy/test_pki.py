@@ -47,7 +47,7 @@ def test_the_ca_is_a_ten_year_p256_ca_for_leaves_only(ca: pki.Issued) -> None:
 
 
 def test_the_server_certificate_names_every_host(ca: pki.Issued) -> None:
-    server = pki.issue_server(ca, ["broker.lan", "10.0.0.2", "::1"], now=NOW).certificate
+    server = pki.issue_server(ca, ["broker.lan", "10.0.0.2", "::1"], days=90, now=NOW).certificate
 
     san = extension(server, x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["broker.lan"]
@@ -86,7 +86,7 @@ def test_a_bad_host_is_refused(host: str) -> None:
 
 def test_no_host_and_no_days_are_refused(ca: pki.Issued) -> None:
     with pytest.raises(KitUsageError):
-        pki.issue_server(ca, [])
+        pki.issue_server(ca, [], days=90)
     with pytest.raises(KitUsageError):
         pki.issue_client(ca, "dev-1", days=0)
 
@@ -111,8 +111,8 @@ def write(path: Path, data: bytes) -> str:
 def test_strict_tls_accepts_the_certificates_both_ways(tmp_path: Path) -> None:
     # VERIFY_X509_STRICT is Python 3.13's default; OpenSSL 3 checks the same extensions
     ca = pki.make_ca("lab")
-    server = pki.issue_server(ca, ["localhost"])
-    client = pki.issue_client(ca, "dev-1")
+    server = pki.issue_server(ca, ["localhost"], days=1)
+    client = pki.issue_client(ca, "dev-1", days=1)
     ca_file = write(tmp_path / "ca.pem", ca.certificate_pem())
 
     def context(purpose: ssl.Purpose, issued: pki.Issued, name: str) -> ssl.SSLContext:
