@@ -11,7 +11,8 @@
                                 password (the files its listeners need)
       devices/ID/               one device's: ca.pem, cert.pem, key.pem or password
 
-Private keys, passwords and the password file are written with mode 0600, folders 0700.
+Private keys, passwords, the password file and the ACL are written with mode 0600, folders
+0700.
 Nothing that invalidates credentials is replaced without ``force``: a new CA orphans every
 certificate the old one signed, a new password locks the old one out.
 """
@@ -132,7 +133,9 @@ def init_kit(layout: KitLayout, settings: KitSettings, *, force: bool = False) -
         write_file(broker / "server.key", server.key_pem(), private=True, replace=force),
         write_file(broker / "server.pem", server.certificate_pem(), private=False, replace=force),
         write_file(broker / "mosquitto.conf", config.encode(), private=False, replace=force),
-        write_file(broker / "acl", acl.encode(), private=False, replace=force),
+        # later Mosquitto 2.0 releases warn about world-readable ACL and password files
+        # and announce refusing them; nothing in the ACL is secret, 0600 is for them
+        write_file(broker / "acl", acl.encode(), private=True, replace=force),
     ]
     client = layout.coordinator
     if settings.certificate_port is not None:

@@ -66,8 +66,8 @@ def test_init_writes_the_ca_broker_and_coordinator_files(
         "coordinator/password",
         "kit.json",
     ]
-    for secret in ("ca/ca.key", "broker/server.key", "broker/passwords", "coordinator/key.pem",
-                   "coordinator/password"):  # fmt: skip
+    for secret in ("ca/ca.key", "broker/server.key", "broker/passwords", "broker/acl",
+                   "coordinator/key.pem", "coordinator/password"):  # fmt: skip
         assert mode(kit / secret) == 0o600, secret
     assert mode(kit / "ca/ca.pem") == 0o644
     assert {mode(p) for p in kit.rglob("*") if p.is_dir()} == {0o700}
