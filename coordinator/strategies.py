@@ -70,8 +70,9 @@ from coordinator.groups import GroupModels
 from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
 from models import load_state_arrays as load_arrays
 from models.classifiers import HEAD_PREFIX
+from models.weight_formats import run_weights_
 from protocol.hyperparams import Hyperparameters
-from protocol.messages import Hello, UploadSpec
+from protocol.messages import Hello, UploadSpec, WeightFormat
 from protocol.sets import (
     GENERATOR_SET,
     GLOBAL_SET,
@@ -126,6 +127,9 @@ class Contribution:
     weights: dict[str, Array]
     num_samples: int
     label_counts: tuple[int, ...] | None = None
+    weight_format: WeightFormat = "float"
+    """The format the device runs ``weights`` at (:mod:`models.weight_formats`); the
+    weights themselves are the float (latent) ones it trained."""
 
 
 @dataclass(frozen=True)
@@ -415,6 +419,11 @@ class FedDF(Strategy):
     ensemble of every on-time update of the round (their averaged logits), across
     groups. With ``drop_worst`` the teachers no better than chance on the held-out
     proxy images are left out (logged). Devices train as with FedAvg.
+
+    A fleet may mix weight formats: each teacher's logits come from the weights its
+    device runs (:func:`~models.weight_formats.run_weights_` of the contribution's
+    ``weight_format``: int8 or binarized kernels), while the averages the students start
+    from are of the float (latent) weights, and the students stay float.
     """
 
     name = "feddf"
@@ -440,8 +449,7 @@ class FedDF(Strategy):
         names: list[str] = []
         for update in updates:
             sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
-            model = self._model(update.group, update.weights, context.device)
-            teachers.append(teacher_logits(model, images))
+            teachers.append(self.teacher(update, images, context.device))
             names.append(update.device_id)
         if not teachers:
             return NothingToAggregate(f"no on-time update in round {round_number}")
@@ -482,6 +490,14 @@ class FedDF(Strategy):
             )
             out[group] = {"aca": state_arrays(student)}
         return Aggregated(out)
+
+    def teacher(
+        self, update: Contribution, images: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """The logits (N, classes) of ``update``'s model on ``images`` (on ``device``), at
+        the weights its device runs (:func:`~models.weight_formats.run_weights_`)."""
+        model = self._model(update.group, update.weights, device)
+        return teacher_logits(run_weights_(model, update.weight_format), images)
 
     def _model(self, group: str, arrays: Arrays, device: torch.device) -> Classifier:
         """The group's architecture with ``arrays`` loaded, on ``device``."""
