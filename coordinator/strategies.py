@@ -46,6 +46,7 @@ from __future__ import annotations
 import abc
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -447,10 +448,12 @@ class FedDF(Strategy):
         sums: dict[str, WeightedSum] = {}
         teachers: list[torch.Tensor] = []
         names: list[str] = []
+        formats: list[str] = []
         for update in updates:
             sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
             teachers.append(self.teacher(update, images, context.device))
             names.append(update.device_id)
+            formats.append(update.weight_format)
         if not teachers:
             return NothingToAggregate(f"no on-time update in round {round_number}")
         settings = self.distillation
@@ -465,7 +468,9 @@ class FedDF(Strategy):
                     ", ".join(names[i] for i in dropped),
                 )
             teachers = [t for i, t in enumerate(teachers) if i not in dropped]
+            formats = [f for i, f in enumerate(formats) if i not in dropped]
         ensemble = torch.stack(teachers).mean(0)
+        teacher_formats = ", ".join(f"{n} {name}" for name, n in sorted(Counter(formats).items()))
         out: GroupModels = {}
         for group, models in current.items():
             start = sums[group].mean() if group in sums else models["aca"]
@@ -480,10 +485,12 @@ class FedDF(Strategy):
                 rng=context.rng,
             )
             log.info(
-                "round %d: %s distilled from %d teacher(s) in %d steps, held-out KL %.4f -> %.4f",
+                "round %d: %s distilled from %d teacher(s) (weights %s) in %d steps, held-out "
+                "KL %.4f -> %.4f",
                 round_number,
                 group,
                 len(teachers),
+                teacher_formats,
                 result.steps,
                 result.kl_before,
                 result.kl_after,

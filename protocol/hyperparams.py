@@ -74,7 +74,7 @@ class LocalTraining(BaseModel):
     qat: bool = False
     """int8 quantization-aware training: weights of rank >= 2 are fake-quantized per
     output channel in every forward pass (matches the int8 ONNX model); a run asks it of
-    the devices with an int8 link."""
+    the devices that run int8 weights (their hello says so, or they have an int8 link)."""
 
 
 class Hyperparameters(LocalTraining):
