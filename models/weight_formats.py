@@ -15,14 +15,12 @@ Pure: tensors in, tensors out; no I/O, no global state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from protocol.messages import WeightFormat
 
-__all__ = ["INT8_LEVELS", "binarize", "fake_quantize_int8", "format_function", "run_weights_"]
+__all__ = ["INT8_LEVELS", "binarize", "fake_quantize_int8", "run_weights_"]
 
 INT8_LEVELS = 127
 """Quantization levels on each side of zero: symmetric int8 uses [-127, 127]."""
@@ -93,26 +91,17 @@ def binarize(weight: torch.Tensor) -> torch.Tensor:
         return (sign * scale).to(weight.dtype)
 
 
-def format_function(weight_format: WeightFormat) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What ``weight_format`` does to a weight of rank >= 2 (None: ``float``, nothing)."""
-    functions: dict[WeightFormat, Callable[[torch.Tensor], torch.Tensor] | None] = {
-        "float": None,
-        "int8": fake_quantize_int8,
-        "binary": binarize,
-    }
-    return functions[weight_format]
-
-
 def run_weights_(model: nn.Module, weight_format: WeightFormat) -> nn.Module:
     """Put into ``model``, in place, the weights a device of ``weight_format`` runs.
 
-    Every trainable parameter of rank >= 2 is replaced by its format's value
-    (:func:`format_function`), exactly the parameters the device's training hooks
-    replace; the others stay. ``float`` changes nothing. Returns ``model``.
+    Every trainable parameter of rank >= 2 is replaced by :func:`fake_quantize_int8`
+    (``int8``) or :func:`binarize` (``binary``) of itself, exactly the parameters the
+    device's training hooks replace; the others stay. ``float`` changes nothing.
+    Returns ``model``.
     """
-    function = format_function(weight_format)
-    if function is None:
+    if weight_format == "float":
         return model
+    function = fake_quantize_int8 if weight_format == "int8" else binarize
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad and p.ndim >= 2:
