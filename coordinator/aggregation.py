@@ -45,7 +45,14 @@ class AggregationJob:
         for device_id in self.devices:
             stored, weights = self.state.read_update(device_id, self.round)
             counts = None if stored.label_counts is None else tuple(stored.label_counts)
-            yield Contribution(device_id, stored.group, weights, stored.num_samples, counts)
+            yield Contribution(
+                device_id,
+                stored.group,
+                weights,
+                stored.num_samples,
+                counts,
+                weight_format=stored.weight_format,
+            )
 
     def run(self, context: ServerContext) -> AggregateResult:
         """Aggregate; raises whatever the strategy's server step raises."""

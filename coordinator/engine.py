@@ -66,6 +66,7 @@ from protocol.messages import (
     ReasonCode,
     RoundTask,
     Update,
+    WeightFormat,
 )
 from protocol.sets import GLOBAL_SET, WEIGHTS_SET
 from protocol.tensors import Precision
@@ -415,6 +416,24 @@ class RoundEngine:
                 return f"{fleet}; the device speaks {speaks}"
         return None
 
+    def _weight_format(self, device_id: str) -> WeightFormat:
+        """The format ``device_id`` runs its model at, as this run trains it: its hello's
+        ``weight_format``, except that a float device with an int8 link counts as int8
+        where the run asks for quantization-aware training (it then trains, and runs,
+        the int8 model). The task asks ``binarize`` of binary devices always (a float
+        model binarized after training loses most of its accuracy) and ``qat`` of int8
+        ones only where the run asks for it (post-training int8 costs little)."""
+        entry = self.registry.get(device_id) or {}
+        announced: WeightFormat = entry.get("weight_format", "float")
+        link = self._link(device_id)
+        if (
+            announced == "float"
+            and self.strategy.training.qat
+            and Precision.INT8 in (link.downlink, link.uplink)
+        ):
+            return "int8"
+        return announced
+
     def _link(self, device_id: str) -> Link:
         """The precisions ``device_id`` transfers in: its own request, else the fleet's."""
         entry = self.registry.get(device_id) or {}
@@ -451,6 +470,7 @@ class RoundEngine:
             metrics=dict(update.metrics),
             label_counts=None if update.label_counts is None else list(update.label_counts),
             timings=dict(update.timings),
+            weight_format=self._weight_format(device_id),
         )
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
         if base is not None:
@@ -577,7 +597,10 @@ class RoundEngine:
             models.append(Publish(self.topics.to_device(device_id, "model"), model))
         hyper = self.strategy.hyperparameters(run.round)
         hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
-        if self.strategy.training.qat and Precision.INT8 in (link.downlink, link.uplink):
+        weight_format = self._weight_format(device_id)
+        if weight_format == "binary":
+            hyper["binarize"] = True
+        elif weight_format == "int8" and self.strategy.training.qat:
             hyper["qat"] = True
         task = RoundTask(
             strategy=self.strategy.name,

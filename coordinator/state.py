@@ -51,7 +51,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +60,7 @@ from coordinator.aggregate import WeightedSum
 from coordinator.errors import StateMismatchError, StoreError
 from coordinator.groups import GroupModels
 from coordinator.store import Store
+from protocol.messages import WeightFormat
 
 __all__ = ["Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
 
@@ -68,6 +69,18 @@ log = logging.getLogger(__name__)
 Array = npt.NDArray[Any]
 Phase = Literal["waiting", "training", "aggregating", "finished"]
 _ROUND_KEY = re.compile(r"^r(\d{6,})$")
+
+
+def _weight_format(value: object) -> WeightFormat:
+    """``value`` of a stored record as a weight format (records before the field:
+    ``float``).
+
+    Raises:
+        ValueError: not a weight format (the caller reports a corrupt record).
+    """
+    if value not in get_args(WeightFormat):
+        raise ValueError(f"unknown weight format {value!r}")
+    return cast(WeightFormat, value)
 
 
 def _round_key(number: int) -> str:
@@ -131,6 +144,10 @@ class StoredUpdate:
     """Per-class training samples, where the strategy asked for them (FedGen)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase, as the device reported them (``train_s``, ...)."""
+    weight_format: WeightFormat = "float"
+    """The format the device ran the model at when it trained it (kept with the update:
+    FedDF takes its teacher at it, and a resumed aggregation must see what the first
+    one saw, whatever the device says in later hellos)."""
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,6 +165,7 @@ class StoredUpdate:
                 received_at=float(meta["received_at"]),
                 metrics={str(k): float(v) for k, v in meta.get("metrics", {}).items()},
                 timings={str(k): float(v) for k, v in meta.get("timings", {}).items()},
+                weight_format=_weight_format(meta.get("weight_format", "float")),
                 label_counts=(
                     None
                     if meta.get("label_counts") is None

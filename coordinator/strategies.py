@@ -46,6 +46,7 @@ from __future__ import annotations
 import abc
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -70,8 +71,9 @@ from coordinator.groups import GroupModels
 from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
 from models import load_state_arrays as load_arrays
 from models.classifiers import HEAD_PREFIX
+from models.weight_formats import run_weights_
 from protocol.hyperparams import Hyperparameters
-from protocol.messages import Hello, UploadSpec
+from protocol.messages import Hello, UploadSpec, WeightFormat
 from protocol.sets import (
     GENERATOR_SET,
     GLOBAL_SET,
@@ -126,6 +128,9 @@ class Contribution:
     weights: dict[str, Array]
     num_samples: int
     label_counts: tuple[int, ...] | None = None
+    weight_format: WeightFormat = "float"
+    """The format the device runs ``weights`` at (:mod:`models.weight_formats`); the
+    weights themselves are the float (latent) ones it trained."""
 
 
 @dataclass(frozen=True)
@@ -415,6 +420,11 @@ class FedDF(Strategy):
     ensemble of every on-time update of the round (their averaged logits), across
     groups. With ``drop_worst`` the teachers no better than chance on the held-out
     proxy images are left out (logged). Devices train as with FedAvg.
+
+    A fleet may mix weight formats: each teacher's logits come from the weights its
+    device runs (:func:`~models.weight_formats.run_weights_` of the contribution's
+    ``weight_format``: int8 or binarized kernels), while the averages the students start
+    from are of the float (latent) weights, and the students stay float.
     """
 
     name = "feddf"
@@ -444,11 +454,12 @@ class FedDF(Strategy):
         sums: dict[str, WeightedSum] = {}
         teachers: list[torch.Tensor] = []
         names: list[str] = []
+        formats: list[str] = []
         for update in updates:
             sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
-            model = self._model(update.group, update.weights, context.device)
-            teachers.append(teacher_logits(model, images))
+            teachers.append(self.teacher(update, images, context.device))
             names.append(update.device_id)
+            formats.append(update.weight_format)
         if not teachers:
             return NothingToAggregate(f"no on-time update in round {round_number}")
         settings = self.distillation
@@ -463,7 +474,9 @@ class FedDF(Strategy):
                     ", ".join(names[i] for i in dropped),
                 )
             teachers = [t for i, t in enumerate(teachers) if i not in dropped]
+            formats = [f for i, f in enumerate(formats) if i not in dropped]
         ensemble = torch.stack(teachers).mean(0)
+        teacher_formats = ", ".join(f"{n} {name}" for name, n in sorted(Counter(formats).items()))
         out: GroupModels = {}
         for group, models in current.items():
             start = sums[group].mean() if group in sums else models["aca"]
@@ -478,16 +491,26 @@ class FedDF(Strategy):
                 rng=context.rng,
             )
             log.info(
-                "round %d: %s distilled from %d teacher(s) in %d steps, held-out KL %.4f -> %.4f",
+                "round %d: %s distilled from %d teacher(s) (weights %s) in %d steps, held-out "
+                "KL %.4f -> %.4f",
                 round_number,
                 group,
                 len(teachers),
+                teacher_formats,
                 result.steps,
                 result.kl_before,
                 result.kl_after,
             )
             out[group] = {"aca": state_arrays(student)}
         return Aggregated(out)
+
+    def teacher(
+        self, update: Contribution, images: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """The logits (N, classes) of ``update``'s model on ``images`` (on ``device``), at
+        the weights its device runs (:func:`~models.weight_formats.run_weights_`)."""
+        model = self._model(update.group, update.weights, device)
+        return teacher_logits(run_weights_(model, update.weight_format), images)
 
     def _model(self, group: str, arrays: Arrays, device: torch.device) -> Classifier:
         """The group's architecture with ``arrays`` loaded, on ``device``."""

@@ -44,11 +44,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 import numpy as np
 
 from edge_client.errors import EdgeClientError
+from protocol.messages import WeightFormat
 from protocol.tensors import Precision
 from protocol.transport.config import PASSWORD_ENV
 
@@ -193,6 +194,15 @@ def _add_run_parser(commands: Any) -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--uplink-precision", choices=_PRECISIONS, help="updates in this precision (--precision)"
+    )
+    run.add_argument(
+        "--weight-format",
+        choices=get_args(WeightFormat),
+        default="float",
+        help="the number format this device runs its model's weights at, announced to the "
+        "coordinator, which trains the device through it: float, int8 (the int8 ONNX "
+        "model; quantization-aware where the run has --qat) or binary (binarized kernels, "
+        "sign(w) * mean|w| per output channel, always trained binarized) (default float)",
     )
     run.add_argument(
         "--share-label-counts",
@@ -412,6 +422,7 @@ def _run_device(args: argparse.Namespace) -> int:
         threads=args.threads,
         init_seed=args.init_seed,
         share_label_counts=args.share_label_counts,
+        weight_format=args.weight_format,
         downlink_precision=args.downlink_precision or args.precision,
         uplink_precision=args.uplink_precision or args.precision,
         exit_when_finished=args.exit_when_finished,

@@ -24,7 +24,7 @@ from pydantic import (
 from edge_client.errors import ConfigError
 from protocol.chunking import DEFAULT_MAX_PAYLOAD
 from protocol.errors import TransportError
-from protocol.messages import ID_PATTERN
+from protocol.messages import ID_PATTERN, WeightFormat
 from protocol.tensors import Precision
 from protocol.transport.base import MqttVersion
 from protocol.transport.config import MqttConfig, TlsConfig
@@ -66,6 +66,10 @@ class ClientConfig(BaseModel):
     uplink_precision: Precision | None = None
     # Precision to upload updates in; lossy ones travel as deltas with error feedback.
     # None: the fleet's.
+    weight_format: WeightFormat = "float"
+    # The number format the device runs its model's weights at (announced in the hello):
+    # float, int8 (the int8 ONNX model) or binary (binarized kernels, sign(w) * mean|w|
+    # per output channel); the coordinator trains the device through it.
     share_label_counts: bool = False
     # Consent to send per-class label counts when a task asks for them (FedGen needs
     # them). Off by default; announced in the hello.

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edge_client.errors import ConfigError
+from protocol.messages import WeightFormat
 from protocol.tensors import Precision
 
 if sys.version_info >= (3, 11):
@@ -82,6 +83,7 @@ class DeviceFile(BaseModel):
     precision: Precision | None = None
     downlink_precision: Precision | None = None
     uplink_precision: Precision | None = None
+    weight_format: WeightFormat | None = None
     share_label_counts: bool | None = None
     exit_when_finished: bool | None = None
     memory_budget_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)

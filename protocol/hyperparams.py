@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["MAX_SEED", "Hyperparameters", "LocalTraining", "WireScalar"]
 
@@ -74,7 +74,7 @@ class LocalTraining(BaseModel):
     qat: bool = False
     """int8 quantization-aware training: weights of rank >= 2 are fake-quantized per
     output channel in every forward pass (matches the int8 ONNX model); a run asks it of
-    the devices with an int8 link."""
+    the devices that run int8 weights (their hello says so, or they have an int8 link)."""
 
 
 class Hyperparameters(LocalTraining):
@@ -95,6 +95,20 @@ class Hyperparameters(LocalTraining):
     applies the decay schedule; 0: plain cross-entropy)."""
     generator_batch_size: int = Field(default=0, ge=0)
     """FedGen: generated latents per step; 0: ``batch_size``."""
+    binarize: bool = False
+    """Binarized-weights training (BinaryConnect): weights of rank >= 2 are binarized per
+    output channel, ``sign(w) * mean|w|``, in every forward pass and the float latent
+    weights are clipped to [-1, 1] after every step; asked of the devices whose hello
+    says they run binary weights. Excludes ``qat``."""
+
+    @model_validator(mode="after")
+    def _one_weight_format(self) -> Hyperparameters:
+        if self.qat and self.binarize:
+            raise ValueError(
+                "qat and binarize exclude each other: a device runs its weights in int8 "
+                "or binarized, not both"
+            )
+        return self
 
     def to_wire(self) -> dict[str, WireScalar]:
         """The task's map: the keys set on construction (absent ones take the defaults

@@ -24,9 +24,17 @@ from __future__ import annotations
 import time
 import uuid
 from enum import Enum
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    model_serializer,
+    model_validator,
+)
 
 from protocol.tensors import Precision
 from protocol.tensorset import TensorSet
@@ -44,6 +52,7 @@ __all__ = [
     "RoundTask",
     "UploadSpec",
     "Update",
+    "WeightFormat",
 ]
 
 PROTOCOL_VERSION = 3
@@ -62,6 +71,9 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Scalar = bool | int | FiniteFloat | Text
 Metrics = Annotated[dict[ShortText, FiniteFloat], Field(max_length=64)]
 Sets = Annotated[dict[ShortText, TensorSet], Field(max_length=16)]
+WeightFormat = Literal["float", "int8", "binary"]
+"""The number format a device runs its classifier's weights at (``models.weight_formats``):
+as trained, int8 per output channel (the int8 ONNX model) or binarized per output channel."""
 
 
 class _Body(BaseModel):
@@ -96,6 +108,11 @@ class Hello(_Body):
     held_base: Fingerprint | None = None
     """Content fingerprint of the model the device holds from its last task (the base a
     downlink delta may be taken against), or None when it holds none."""
+    weight_format: WeightFormat = "float"
+    """The format the device runs its model's weights at; the coordinator trains the
+    device through it (``binary``: the ``binarize`` hyperparameter) and FedDF takes the
+    device's teacher at it. Absent (older devices): ``float``; left out of the
+    encoding when ``float``."""
 
     @model_validator(mode="after")
     def _asks_what_it_speaks(self) -> Hello:
@@ -103,6 +120,17 @@ class Hello(_Body):
             if asked is not None and asked not in self.precisions:
                 raise ValueError(f"precision {asked.value} asked for but not in precisions")
         return self
+
+    @model_serializer(mode="wrap")
+    def _float_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Leave ``weight_format`` out when it is ``float``: a float device's hello is then
+        the bytes it was before the field existed (version 3 coordinators accept it),
+        while a coordinator that does not know the field refuses the hello of a device
+        that needs it (docs/protocol.md, section 4)."""
+        data: dict[str, Any] = handler(self)
+        if self.weight_format == "float":
+            data.pop("weight_format", None)
+        return data
 
 
 class UploadSpec(_Body):

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ from models import Classifier, build_classifier, state_arrays
 from models.classifiers import HEAD_PREFIX
 from models.devices import resolve_device
 from protocol.errors import BrokerError
-from protocol.messages import Ack, CoordinatorStatus, ReasonCode
+from protocol.messages import Ack, CoordinatorStatus, ReasonCode, WeightFormat
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
@@ -95,7 +95,10 @@ class SimConfig(FleetSettings):
     dataset's train images (unset: all of them)."""
     device_precisions: tuple[str, ...] = ()
     """Comma-separated precisions the devices ask for, round robin: int8 (both ways) or
-    int8/int4 (down/up); empty: every device takes the fleet's."""
+    int8/int4 (down/up); binary: a device that runs binarized weights (trained
+    binarized, BinaryConnect) and transfers its float latent weights at fp32, or at the
+    given precisions with binary:int8 or binary:int8/fp32; empty: every device takes the
+    fleet's."""
     transport: Literal["mqtt", "inproc"] = "mqtt"
     """An MQTT broker (embedded amqtt unless broker_url) or the in-memory twin."""
     broker_url: str | None = None
@@ -151,7 +154,7 @@ class SimConfig(FleetSettings):
     @classmethod
     def _known_precisions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for token in value:
-            parse_link(token)
+            parse_device(token)
         return value
 
     def coordinator_config(self, num_classes: int, channels: int, side: int) -> CoordinatorConfig:
@@ -172,11 +175,11 @@ class SimConfig(FleetSettings):
         """The architecture of device ``index``: the fleet's architectures in turn."""
         return self.architectures[index % len(self.architectures)]
 
-    def device_link(self, index: int) -> tuple[Precision | None, Precision | None]:
-        """What device ``index`` asks for (downlink, uplink); None: the fleet's."""
+    def device_link(self, index: int) -> DeviceLink:
+        """What device ``index`` asks for and runs at (precisions None: the fleet's)."""
         if not self.device_precisions:
-            return None, None
-        return parse_link(self.device_precisions[index % len(self.device_precisions)])
+            return DeviceLink(None, None, "float")
+        return parse_device(self.device_precisions[index % len(self.device_precisions)])
 
     def device_config(self, index: int, device_id: str) -> ClientConfig:
         """The configuration of emulated device ``index``: it runs the fleet's
@@ -184,7 +187,7 @@ class SimConfig(FleetSettings):
         label counts (FedGen needs them), stops when the run finishes and keeps its state
         in ``state_dir/devices/ID`` (without fsync: the writes stay atomic) when the run
         has a state dir."""
-        down, up = self.device_link(index)
+        down, up, weight_format = self.device_link(index)
         state = None if self.state_dir is None else self.state_dir / "devices" / device_id
         return ClientConfig(
             device_id=device_id,
@@ -197,6 +200,7 @@ class SimConfig(FleetSettings):
             fsync_state=False,
             downlink_precision=down,
             uplink_precision=up,
+            weight_format=weight_format,
         )
 
     def trainer_factory(self) -> TrainerFactory:
@@ -224,17 +228,41 @@ class SimConfig(FleetSettings):
         )
 
 
-def parse_link(token: str) -> tuple[Precision, Precision]:
-    """``"int8"`` -> (int8, int8); ``"int8/int4"`` -> (int8, int4) (downlink/uplink).
+class DeviceLink(NamedTuple):
+    """What an emulated device asks for and runs at (a ``device_precisions`` token)."""
+
+    downlink: Precision | None
+    """Precision of the models it receives (None: the fleet's)."""
+    uplink: Precision | None
+    """Precision of its updates (None: the fleet's)."""
+    weight_format: WeightFormat
+    """The format it runs its weights at (announced in its hello)."""
+
+
+BINARY_TOKEN = "binary"
+"""The ``device_precisions`` token of a device that runs binarized weights."""
+
+
+def parse_device(token: str) -> DeviceLink:
+    """``"int8"`` (both ways) or ``"int8/int4"`` (down/up): a float device with that
+    link; ``"binary"``: a binary device that transfers at fp32 (its latent weights travel
+    exactly); ``"binary:LINK"``: a binary device with that link.
 
     Raises:
-        ValueError: not one or two precision names.
+        ValueError: none of these.
     """
-    parts = token.split("/")
+    if token == BINARY_TOKEN:
+        return DeviceLink(Precision.FP32, Precision.FP32, "binary")
+    prefix = BINARY_TOKEN + ":"
+    weight_format: WeightFormat = "binary" if token.startswith(prefix) else "float"
+    parts = token.removeprefix(prefix).split("/")
     names = ", ".join(p.value for p in Precision)
     if len(parts) not in (1, 2) or any(p not in {x.value for x in Precision} for p in parts):
-        raise ValueError(f"{token!r}: give PRECISION or DOWN/UP, each one of {names}")
-    return Precision(parts[0]), Precision(parts[-1])
+        raise ValueError(
+            f"{token!r}: give PRECISION or DOWN/UP (each one of {names}), binary, or "
+            "binary:PRECISION or binary:DOWN/UP"
+        )
+    return DeviceLink(Precision(parts[0]), Precision(parts[-1]), weight_format)
 
 
 def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:

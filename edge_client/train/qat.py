@@ -5,9 +5,9 @@ do not run the float weights they were trained with: onnxruntime's static quanti
 stores the weight of every Conv and Gemm (torch's ``Conv2d`` and ``Linear``) as int8,
 *symmetric* (zero point 0, range [-127, 127]) and *per output channel*, with
 ``scale = max|w| / 127`` for each channel, and computes with ``round(w / scale) * scale``.
-:func:`fake_quantize_int8` computes exactly that in torch (round half to even, like
-numpy's ``round``; the scale rounded from float64, as onnxruntime does), so training
-can see the weights the device will run.
+:func:`~models.weight_formats.fake_quantize_int8` computes exactly that in torch
+(round half to even, like numpy's ``round``; the scale rounded from float64, as
+onnxruntime does), so training can see the weights the device will run.
 
 :class:`FakeQuantHook` (``TrainConfig.qat``) implements the straight-through estimator
 (STE) inside :func:`edge_client.train.training.train_local`, one batch at a time:
@@ -36,41 +36,9 @@ import torch
 from torch import nn
 
 from edge_client.train.training import TrainHook
+from models.weight_formats import INT8_LEVELS, fake_quantize_int8
 
 __all__ = ["INT8_LEVELS", "FakeQuantHook", "fake_quantize_int8"]
-
-INT8_LEVELS = 127
-"""Quantization levels on each side of zero: symmetric int8 uses [-127, 127]."""
-
-
-def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` rounded to symmetric int8 per output channel (axis 0), in float.
-
-    For each channel ``c`` (``weight[c]``): ``scale = max|weight[c]| / 127`` and the result
-    is ``clamp(round(weight[c] / scale), -127, 127) * scale``, so every value moves by at
-    most ``scale / 2``. An all-zero channel stays zero (no division by zero, no NaN).
-
-    Args:
-        weight: a floating-point tensor of rank >= 1, (out_channels, ...).
-
-    Returns:
-        A new tensor of the same shape, dtype and device, without autograd history.
-
-    Raises:
-        ValueError: ``weight`` is a scalar or not floating point.
-    """
-    if weight.ndim < 1 or not weight.is_floating_point():
-        shape = tuple(weight.shape)
-        raise ValueError(
-            f"expected a floating-point tensor of rank >= 1, got {weight.dtype} {shape}"
-        )
-    with torch.no_grad():
-        w = weight.detach().to(torch.float32)
-        absmax = w.abs().amax(dim=tuple(range(1, w.ndim)), keepdim=True)  # (C, 1, ...)
-        scale = (absmax.double() / INT8_LEVELS).to(torch.float32)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero channel: q = 0
-        q = torch.clamp(torch.round(w / scale), -INT8_LEVELS, INT8_LEVELS)
-        return (q * scale).to(weight.dtype)
 
 
 class FakeQuantHook(TrainHook):
@@ -80,7 +48,9 @@ class FakeQuantHook(TrainHook):
     by :func:`fake_quantize_int8` of itself in :meth:`before_batch` and restored in
     :meth:`before_step`, so the forward and backward passes see the int8 weights and the
     optimizer updates the float ones. Place it after hooks whose ``before_batch`` should
-    see the float model (FedKF's generator training).
+    see the float model (FedKF's generator training). Subclasses train through another
+    format by overriding :meth:`run_value`
+    (:class:`~edge_client.train.binary.BinarizeHook`).
     """
 
     def __init__(self) -> None:
@@ -91,7 +61,11 @@ class FakeQuantHook(TrainHook):
             for p in model.parameters():
                 if p.requires_grad and p.ndim >= 2:
                     self._saved.append((p, p.detach().clone()))
-                    p.copy_(fake_quantize_int8(p))
+                    p.copy_(self.run_value(p))
+
+    def run_value(self, weight: torch.Tensor) -> torch.Tensor:
+        """The value the device runs ``weight`` at: :func:`fake_quantize_int8`."""
+        return fake_quantize_int8(weight)
 
     def before_step(self, model: nn.Module) -> None:
         self._restore()

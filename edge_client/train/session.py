@@ -321,6 +321,7 @@ def device_hello(
         downlink_precision=config.downlink_precision,
         uplink_precision=config.uplink_precision,
         held_base=held_base,
+        weight_format=config.weight_format,
     )
 
 

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from edge_client.errors import TaskError
+from edge_client.train.binary import BinarizeHook
 from edge_client.train.data import DeviceData
 from edge_client.train.fedgen import (
     FedGenHook,
@@ -330,8 +331,8 @@ class DeviceStrategy(ABC):
         device: torch.device,
         extra_hooks: Sequence[TrainHook] = (),
     ) -> LocalResult:
-        """:meth:`prepare`, train with its hooks, then (when ``config.qat``) a
-        :class:`~edge_client.train.qat.FakeQuantHook`, then ``extra_hooks``, and return the new
+        """:meth:`prepare`, train with its hooks, then the weight format's hook
+        (:func:`_format_hooks`), then ``extra_hooks``, and return the new
         state (full or the head, as ``task.upload`` asks) as the ``"weights"`` set.
 
         Raises:
@@ -357,9 +358,9 @@ def train_prepared(
     extra_hooks: Sequence[TrainHook] = (),
 ) -> LocalResult:
     """Train a prepared model (see :meth:`DeviceStrategy.prepare`) with the strategy's
-    hooks ``own``, then (when ``config.qat``) a :class:`~edge_client.train.qat.FakeQuantHook`,
-    then ``extra_hooks``; the per-device reference path."""
-    quant: tuple[TrainHook, ...] = (FakeQuantHook(),) if config.qat else ()
+    hooks ``own``, then the weight format's hook (:func:`_format_hooks`), then
+    ``extra_hooks``; the per-device reference path."""
+    quant = _format_hooks(config)
     result = train_local(model, data.x, data.y, config, (*own, *quant, *extra_hooks), device=device)
     metrics: dict[str, float] = {}
     for hook in own:
@@ -374,6 +375,18 @@ def train_prepared(
         timings=timings,
         steps=result.steps,
     )
+
+
+def _format_hooks(config: TrainConfig) -> tuple[TrainHook, ...]:
+    """The hook that trains through the weights the device runs: a
+    :class:`~edge_client.train.qat.FakeQuantHook` when ``config.qat``, a
+    :class:`~edge_client.train.binary.BinarizeHook` when ``config.binarize`` (the two
+    exclude each other), else none."""
+    if config.qat:
+        return (FakeQuantHook(),)
+    if config.binarize:
+        return (BinarizeHook(),)
+    return ()
 
 
 def local_result(

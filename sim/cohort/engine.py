@@ -26,9 +26,11 @@ It computes what the per-device reference,
   :func:`~models.losses.fedkf_generator_objective` (FedKF's T2, each device's image
   generator trained with its own Adam state, which is written back for the next round),
   FedGen's :meth:`~edge_client.train.fedgen.FedGenHook.sample_latents` drawn from each
-  device's own noise source, and int8 QAT as the straight-through estimator (the
-  gradient is taken at :func:`~edge_client.train.qat.fake_quantize_int8` of the weights
-  and applied to the float weights);
+  device's own noise source, and int8 QAT and binarized weights as the straight-through
+  estimator (the gradient is taken at :func:`~models.weight_formats.fake_quantize_int8`
+  or :func:`~models.weight_formats.binarize` of the weights and applied to the float
+  weights; binarized ones are then clipped by
+  :func:`~edge_client.train.binary.clip_latent_`);
 * head-only sharing and uploads, and the uplink's error feedback (in each device's
   transfer state, after training), are per device as in the loop.
 
@@ -54,10 +56,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from edge_client.errors import TaskError
+from edge_client.train.binary import clip_latent_
 from edge_client.train.data import DeviceData
 from edge_client.train.fedgen import FedGenHook
 from edge_client.train.fedkf import FedKFHook, LocalImageGenerator
-from edge_client.train.qat import fake_quantize_int8
 from edge_client.train.strategies import (
     LocalResult,
     LocalTask,
@@ -73,6 +75,7 @@ from models import Classifier
 from models.classifiers import FEATURES_PREFIX, HEAD_PREFIX
 from models.losses import distillation_kl, fedkf_generator_objective
 from models.optim import adam_update_, sgd_update_
+from models.weight_formats import binarize, fake_quantize_int8
 
 __all__ = ["CohortOutcome", "Member", "train_cohort"]
 
@@ -451,10 +454,9 @@ class _BatchedRound:
         if self.prepared[0].fedgen is not None and self.config.generative_alpha != 0:
             extra |= self._latents(rows)
         point = params
-        if self.config.qat:  # the straight-through estimator: grads at Q(w), applied to w
-            point = {
-                k: vmap(fake_quantize_int8)(v) if v.ndim >= 3 else v for k, v in params.items()
-            }
+        run_value = fake_quantize_int8 if self.config.qat else binarize
+        if self.config.qat or self.config.binarize:  # the STE: grads at Q(w), applied to w
+            point = {k: vmap(run_value)(v) if v.ndim >= 3 else v for k, v in params.items()}
         grads, (data_loss, correct, kd, ce_g) = loss_and_grad(point, constants, extra)
         self._sgd(params, grads, index)
         batch = torch.tensor(sizes, dtype=torch.float64, device=self.device)
@@ -497,6 +499,8 @@ class _BatchedRound:
                     momentum=cfg.momentum,
                     weight_decay=cfg.weight_decay,
                 )
+                if cfg.binarize and p.ndim >= 3:  # a weight of rank >= 2, stacked
+                    clip_latent_(p)
                 if index is not None:
                     self.params[name][index] = p
                     if buf is not None:

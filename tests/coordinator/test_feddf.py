@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from coordinator.context import ServerContext
@@ -16,7 +17,8 @@ from coordinator.feddf import (
 )
 from coordinator.runtime import build_models
 from coordinator.strategies import Aggregated, Contribution, NothingToAggregate, build_strategy
-from models import build_classifier, state_arrays
+from models import build_classifier, load_state_arrays, state_arrays
+from models.weight_formats import binarize, fake_quantize_int8
 from tests.coordinator.helpers import config
 
 CPU = torch.device("cpu")
@@ -126,3 +128,53 @@ def test_the_run_settings_drive_the_distillation() -> None:
     assert strategy.distillation == DistillSettings(
         max_steps=7, batch_size=16, lr=0.01, temperature=2.0, patience=2
     )
+
+
+@pytest.mark.parametrize(
+    ("weight_format", "run"), [("binary", binarize), ("int8", fake_quantize_int8)]
+)
+def test_a_feddf_teacher_runs_the_weights_its_device_runs(weight_format, run) -> None:
+    cfg = config(strategy="feddf", model="lenet5", seed=5)
+    strategy = build_strategy(cfg, build_models(cfg))
+    images = proxy(32)
+    trained = seeded("lenet5", 2)
+    latent = state_arrays(trained)
+    deployed = {  # what the device runs: its kernels in its format, the rest float
+        k: run(torch.from_numpy(v)).numpy() if v.ndim >= 2 else v for k, v in latent.items()
+    }
+    reference = seeded("lenet5", 0)
+    load_state_arrays(reference, deployed)
+
+    teacher = strategy.teacher(
+        Contribution("dev-0", "lenet5", latent, 10, weight_format=weight_format), images, CPU
+    )
+    float_teacher = strategy.teacher(Contribution("dev-0", "lenet5", latent, 10), images, CPU)
+
+    torch.testing.assert_close(teacher, teacher_logits(reference, images))
+    torch.testing.assert_close(float_teacher, teacher_logits(trained, images))
+    assert (teacher - float_teacher).abs().max() > 1e-5  # int8 moves logits little
+
+
+def test_feddf_distils_from_the_binarized_teacher_into_a_float_student() -> None:
+    cfg = config(strategy="feddf", model="mlp", seed=5)
+    templates = build_models(cfg)
+    strategy = build_strategy(cfg, templates)
+    strategy.distillation = DistillSettings(max_steps=40, eval_every=10)
+    latent = state_arrays(seeded("mlp", 1))
+    current = {"mlp": {"aca": state_arrays(templates["mlp"])}}
+
+    def fused(weight_format: str) -> dict[str, np.ndarray]:
+        context = ServerContext.for_round(CPU, cfg.seed, 1, proxy_data=proxy(128))
+        update = Contribution("dev-0", "mlp", latent, 10, weight_format=weight_format)
+        result = strategy.aggregate(current, iter([update]), 1, context)
+        assert isinstance(result, Aggregated)
+        return result.models["mlp"]["aca"]
+
+    as_float, as_binary = fused("float"), fused("binary")
+
+    # a float teacher is its own average: nothing to distil, the student stays the average
+    assert all(np.array_equal(as_float[k], v) for k, v in latent.items())
+    # a binary teacher differs from the latent average the student starts from: it moves
+    assert any(not np.allclose(as_binary[k], v) for k, v in latent.items())
+    kernel = torch.from_numpy(as_binary["features.fc1.weight"])
+    assert not torch.equal(binarize(kernel), kernel)  # the student stays float

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from coordinator.engine import AggregateRequested
 from coordinator.store import MemoryStore
 from edge_client.train.transfer import TransferState
 from protocol.arrays import content_fingerprint
@@ -206,3 +207,50 @@ def test_fedkf_dual_downlink_costs_at_most_1_3x_a_single_one(precision: str) -> 
     _, single = start(devices, strategy="fedavg", **common)
     single_bytes = [len(codec.encode(a.message)) for a in published(single, "model")]
     assert max(dual) <= 1.3 * min(single_bytes)
+
+
+@pytest.mark.parametrize("qat", [True, False])
+def test_each_device_trains_and_is_aggregated_in_the_weight_format_it_runs(qat: bool) -> None:
+    int8_link = {"precisions": ALL, "downlink_precision": "int8", "uplink_precision": "int8"}
+    devices = {
+        "d0": {"weight_format": "binary"},
+        "d1": {"weight_format": "binary", **int8_link},
+        "d2": {"weight_format": "int8"},
+        "d3": int8_link,
+        "d4": {},
+    }
+    engine = make_engine(
+        config(min_devices=len(devices), training={"qat": qat}), MemoryStore(), inline=False
+    )
+    engine.start(0.0)
+    actions: list = []
+    for device_id, fields in devices.items():
+        actions = engine.handle(received(hello(engine, device_id, **fields), 1.0))
+    tasks = tasks_by_device(actions)
+
+    asked = {
+        d: {k for k in ("qat", "binarize") if m.body.hyperparameters.get(k)}
+        for d, m in tasks.items()
+    }
+    int8 = {"qat"} if qat else set()
+    assert asked == {
+        "d0": {"binarize"},
+        "d1": {"binarize"},  # binary wins over an int8 link: the two exclude each other
+        "d2": int8,
+        "d3": int8,  # the rule before hellos had a format: int8 links train int8 with qat
+        "d4": set(),
+    }
+    for device_id in devices:
+        device = Device(device_id)
+        device.take(actions)
+        message, _ = device.answer(tasks[device_id].round, 0.01)
+        last = engine.handle(received(message, 2.0))
+    (request,) = [a for a in last if isinstance(a, AggregateRequested)]
+    formats = {c.device_id: c.weight_format for c in request.job.contributions()}
+    assert formats == {
+        "d0": "binary",
+        "d1": "binary",
+        "d2": "int8",
+        "d3": "int8" if qat else "float",  # as trained: qat made it an int8 model
+        "d4": "float",
+    }

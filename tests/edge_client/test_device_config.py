@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from edge_client.__main__ import CONFIGURABLE, _build_parser, _with_config_file, main
+from edge_client.config import ClientConfig
 from edge_client.device_config import DeviceFile, load_device_file
 from edge_client.errors import ConfigError
+from edge_client.train.session import device_hello
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +78,23 @@ def test_one_file_serves_both_commands(tmp_path: Path) -> None:
     assert args.serve_onnx == tmp_path / "m.onnx" and args.onnx_template == tmp_path / "t.onnx"
 
 
+def test_a_binary_device_says_so_in_its_hello(tmp_path: Path) -> None:
+    config = write(tmp_path, 'device_id = "pi-07"\nweight_format = "binary"\n')
+    args = parse(["run", "--config", str(config)])
+    assert args.weight_format == "binary"
+    assert parse(["run", "--device-id", "pi-07"]).weight_format == "float"
+
+    hello = device_hello(
+        ClientConfig(device_id="pi-07", weight_format=args.weight_format),
+        fingerprint="0123456789abcdef",
+        num_samples=10,
+        held_base=None,
+        memory_bytes=0,
+    )
+
+    assert hello.weight_format == "binary"
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -83,6 +102,7 @@ def test_one_file_serves_both_commands(tmp_path: Path) -> None:
         ('devcie_id = "x"\n', "devcie_id"),
         ("threads = 0\n", "threads"),
         ('precision = "int3"\n', "precision"),
+        ('weight_format = "ternary"\n', "weight_format"),
         ('mqtt_version = "4"\n', "mqtt_version"),
         ('password_env = "NOT A NAME"\n', "password_env"),
         ("[broker]\nurl = 'x'\n", "flat table"),

@@ -334,3 +334,19 @@ def fingerprint_bytes(tensors: list[Tensor]) -> bytes:
 def content_fingerprint(tensors: list[Tensor]) -> str:
     """The first 16 lowercase hex digits of SHA-256 over :func:`fingerprint_bytes`."""
     return hashlib.sha256(fingerprint_bytes(tensors)).hexdigest()[:16]
+
+
+# -- hello (section 4) ---------------------------------------------------------------------
+
+WEIGHT_FORMATS = {"float", "int8", "binary"}  # section 4, hello's weight_format
+
+
+def weight_format(env: dict[str, Any]) -> str:
+    """The number format a hello's device runs its weights at: the optional key
+    ``weight_format`` (section 4), ``float`` when absent."""
+    if env["kind"] != "hello":
+        raise RejectedError("not a hello")
+    value = env["body"].get("weight_format", "float")
+    if value not in WEIGHT_FORMATS:
+        raise RejectedError("weight_format")
+    return str(value)

@@ -117,6 +117,11 @@ CASES = {
     "fedkf": Case("fedkf", hyper=FEDKF, sets=_fedkf_sets),
     "fedkf-minus": Case("fedkf", hyper=FEDKF, sets=lambda m: {"student": state_arrays(m)}),
     "fedkf-qat": Case("fedkf", hyper={**FEDKF, "qat": True}, sets=_fedkf_sets),
+    "binarize": Case("fedavg", hyper={"binarize": True}),
+    "fedprox-binarize": Case("fedprox", hyper={"mu": 0.5, "binarize": True}),
+    # a learning rate large enough that the latent weights reach the clip
+    "binarize-clipped-mlp": Case("fedavg", "mlp", {"binarize": True, "lr": 2.0}),
+    "fedkf-binarize": Case("fedkf", hyper={**FEDKF, "binarize": True}, sets=_fedkf_sets),
 }
 
 
