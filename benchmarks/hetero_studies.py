@@ -176,8 +176,10 @@ def _final_acc(report: dict[str, Any], model: str) -> float:
 
 
 def _aca_models(report: dict[str, Any]) -> list[str]:
-    """The report's ACA model keys: ``aca`` for one group, ``GROUP/aca`` for several."""
-    return sorted(k for k in report["rounds"][-1]["models"] if k.split("/")[-1] == "aca")
+    """The report's ACA model keys: ``aca`` for one group, ``GROUP/aca`` for several,
+    and ``aca@FORMAT`` for the ACA as devices of another weight format run it."""
+    models = report["rounds"][-1]["models"]
+    return sorted(k for k in models if k.split("/")[-1].split("@")[0] == "aca")
 
 
 def _mb(report: dict[str, Any], key: str) -> float:

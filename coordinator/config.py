@@ -28,7 +28,7 @@ from coordinator.errors import ConfigError
 from coordinator.feddf import DistillSettings
 from models import classifier_names
 from protocol.hyperparams import LocalTraining
-from protocol.messages import ID_PATTERN
+from protocol.messages import ID_PATTERN, WeightFormat
 from protocol.tensors import Precision
 from protocol.transport import MqttConfig, MqttVersion, TlsConfig, read_password
 
@@ -40,6 +40,7 @@ __all__ = [
     "TrainingSettings",
     "load_config",
     "participants",
+    "run_weight_format",
 ]
 
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
@@ -298,6 +299,18 @@ class CoordinatorConfig(FleetSettings):
                 "seed",
             },
         )
+
+
+def run_weight_format(
+    announced: WeightFormat, *, qat: bool, downlink: Precision, uplink: Precision
+) -> WeightFormat:
+    """The format a device runs its model at, as a run trains it: the format its hello
+    ``announced``, except that a float device with an int8 link counts as int8 where the
+    run asks for quantization-aware training (``qat``: it then trains, and runs, the int8
+    model)."""
+    if announced == "float" and qat and Precision.INT8 in (downlink, uplink):
+        return "int8"
+    return announced
 
 
 def participants(participation: float, registered: int, online: int) -> int:

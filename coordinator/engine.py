@@ -46,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.aggregation import AggregationJob
-from coordinator.config import CoordinatorConfig, participants
+from coordinator.config import CoordinatorConfig, participants, run_weight_format
 from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
 from coordinator.groups import ArchitectureGroup, GroupModels
 from coordinator.registry import DeviceRegistry
@@ -426,13 +426,8 @@ class RoundEngine:
         entry = self.registry.get(device_id) or {}
         announced: WeightFormat = entry.get("weight_format", "float")
         link = self._link(device_id)
-        if (
-            announced == "float"
-            and self.strategy.training.qat
-            and Precision.INT8 in (link.downlink, link.uplink)
-        ):
-            return "int8"
-        return announced
+        qat = self.strategy.training.qat
+        return run_weight_format(announced, qat=qat, downlink=link.downlink, uplink=link.uplink)
 
     def _link(self, device_id: str) -> Link:
         """The precisions ``device_id`` transfers in: its own request, else the fleet's."""

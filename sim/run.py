@@ -24,7 +24,7 @@ import math
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from pydantic import Field, field_serializer, field_validator, model_validator
 
-from coordinator.config import CoordinatorConfig, FleetSettings
+from coordinator.config import CoordinatorConfig, FleetSettings, run_weight_format
 from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
 from coordinator.errors import ConfigError
 from coordinator.groups import Models
@@ -41,9 +41,10 @@ from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
-from models import Classifier, build_classifier, state_arrays
+from models import Classifier, build_classifier, load_state_arrays, state_arrays
 from models.classifiers import HEAD_PREFIX
 from models.devices import resolve_device
+from models.weight_formats import run_weights_
 from protocol.errors import BrokerError
 from protocol.messages import Ack, CoordinatorStatus, ReasonCode, WeightFormat
 from protocol.tensors import Precision
@@ -180,6 +181,17 @@ class SimConfig(FleetSettings):
         if not self.device_precisions:
             return DeviceLink(None, None, "float")
         return parse_device(self.device_precisions[index % len(self.device_precisions)])
+
+    def device_weight_format(self, index: int) -> WeightFormat:
+        """The format device ``index`` runs its model at, as the coordinator trains it
+        (:func:`coordinator.config.run_weight_format`)."""
+        down, up, announced = self.device_link(index)
+        return run_weight_format(
+            announced,
+            qat=self.training.qat,
+            downlink=down or self.downlink_precision,
+            uplink=up or self.uplink_precision,
+        )
 
     def device_config(self, index: int, device_id: str) -> ClientConfig:
         """The configuration of emulated device ``index``: it runs the fleet's
@@ -396,6 +408,12 @@ class _Recorder:
         self._fleet = fleet
         self._device_ids = [d.device_id for d in federation.devices]
         self._groups = [config.device_architecture(i) for i in range(len(self._device_ids))]
+        formats = [config.device_weight_format(i) for i in range(len(self._device_ids))]
+        self._formats = {
+            group: sorted({f for g, f in zip(self._groups, formats, strict=True) if g == group})
+            for group in set(self._groups)
+        }
+        """The formats each group's devices run their models at."""
         self._personal = config.sharing == "head"
         self._progress = progress
         self._total_rounds = config.rounds
@@ -468,7 +486,9 @@ class _Recorder:
         feature extractor."""
         scratch = self._scratch[group]
         if not self._personal:
-            return evaluate_models(models, scratch, self._device_tests, self._global_test)
+            return evaluate_models(
+                self._as_run(group, models), scratch, self._device_tests, self._global_test
+            )
         head = {k: v for k, v in models["aca"].items() if k.startswith(HEAD_PREFIX)}
         members = [i for i, g in enumerate(self._groups) if g == group]
         states = [
@@ -477,6 +497,20 @@ class _Recorder:
         ]
         tests = [self._device_tests[i] for i in members]
         return {"aca": evaluate_personal(states, scratch, tests)}
+
+    def _as_run(self, group: str, models: Models) -> dict[str, Mapping[str, np.ndarray]]:
+        """``models`` by role, and where some of the group's devices run int8 or binarized
+        weights, each role also as those devices run it, named ``ROLE@FORMAT``
+        (``aca@binary``): the model a binary device gets is not the float one."""
+        out: dict[str, Mapping[str, np.ndarray]] = dict(models)
+        scratch = self._scratch[group]
+        for weight_format in self._formats[group]:
+            if weight_format == "float":
+                continue
+            for role, arrays in models.items():
+                load_state_arrays(scratch, arrays)
+                out[f"{role}@{weight_format}"] = state_arrays(run_weights_(scratch, weight_format))
+        return out
 
     @property
     def round_started(self) -> bool:

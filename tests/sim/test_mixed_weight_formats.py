@@ -47,7 +47,9 @@ def test_feddf_fuses_float_int8_and_binary_devices(
     assert [r.round for r in report.rounds] == [1, 2]
     for record in report.rounds:
         assert record.active_devices == 6
-        assert math.isfinite(record.models["aca"].amp)
+        # the global model as float, int8 and binary devices run it, each scored
+        assert set(record.models) == {"aca", "aca@int8", "aca@binary"}
+        assert all(math.isfinite(m.amp) for m in record.models.values())
     registry = RunState(FileStore(tmp_path / "state" / "coordinator")).load_registry()
     formats = sorted(entry.get("weight_format", "float") for entry in registry.values())
     assert formats == ["binary", "binary", "float", "float", "float", "float"]
@@ -57,3 +59,15 @@ def test_feddf_fuses_float_int8_and_binary_devices(
     fused = [r.getMessage() for r in caplog.records if "distilled from" in r.getMessage()]
     assert len(fused) == 2
     assert all("6 teacher(s) (weights 2 binary, 2 float, 2 int8)" in m for m in fused)
+
+
+def test_a_fleet_scores_its_model_at_each_weight_format_its_devices_run() -> None:
+    """Binarizing the global model is what a binary device runs: it scores otherwise."""
+    config = quick(transport="inproc", device_precisions=("fp32", "binary"))
+
+    report = run_simulation(config)
+
+    final = report.rounds[-1].models
+    assert set(final) == {"aca", "aca@binary"}
+    assert final["aca"].amp != final["aca@binary"].amp
+    assert set(run_simulation(quick(transport="inproc")).rounds[-1].models) == {"aca"}
