@@ -15,6 +15,12 @@ averaged logits), whatever their architectures. Here:
   distillation part, measures the same KL on the held-out part every ``eval_every``
   steps, and stops after ``patience`` measurements without improvement, keeping the
   student of the best one (early stopping);
+* a group whose devices run int8 or binarized weights (``formats``) gets one student
+  for all of them: each step's loss is the mean of the KL at every format (the student
+  run as a device of that format runs it, :func:`models.weight_formats.weights_at`,
+  gradients straight through to the float weights), and so is the held-out KL; a
+  float student distilled alone would lose most of what it learned when a binary device
+  binarizes it;
 * drop-worst (:func:`chance_teachers`): with no labels, a teacher whose predictions on the
   held-out part agree with the ensemble's no more often than chance (1 / classes) is
   left out of the ensemble.
@@ -32,8 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.func import functional_call
 
 from models.optim import Adam
+from models.weight_formats import weights_at
+from protocol.messages import WeightFormat
 
 __all__ = [
     "DistillResult",
@@ -136,6 +145,13 @@ def chance_teachers(logits: Sequence[torch.Tensor], held_out: torch.Tensor) -> l
     return [] if len(worst) == len(logits) else worst
 
 
+def _logits_at(model: nn.Module, weight_format: WeightFormat, images: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits on ``images`` as a device of ``weight_format`` runs it."""
+    if weight_format == "float":
+        return model(images)
+    return functional_call(model, weights_at(model, weight_format), (images,))
+
+
 def distill(
     student: nn.Module,
     images: torch.Tensor,
@@ -145,21 +161,42 @@ def distill(
     held_out: torch.Tensor,
     settings: DistillSettings,
     rng: torch.Generator,
+    formats: Sequence[WeightFormat] = ("float",),
 ) -> DistillResult:
     """Distil ``ensemble`` (logits ``(N, classes)`` over ``images`` ``(N, C, H, W)``) into
     ``student``, in place: Adam on batches of the ``train`` indices, early stopping on
     the KL over the ``held_out`` indices; ``student`` ends with the best weights
     measured (the starting ones if no step improved on them) and in eval mode.
 
+    The KL, of a step and held out, is the mean over ``formats``: the student as a
+    device of each format runs it (the float weights stay what is trained).
     ``student``, ``images`` and ``ensemble`` live on one device; ``rng`` is a CPU
     generator (batches are drawn on the CPU).
+
+    Raises:
+        ValueError: no format.
     """
+    if not formats:
+        raise ValueError("distill: give at least one weight format")
     t = settings.temperature
+
+    def mean_kl(pick: torch.Tensor) -> torch.Tensor:
+        """The KL on the images ``pick``, the mean over the formats."""
+        batch, target = images[pick], ensemble[pick]
+        losses = [kl_to_ensemble(_logits_at(student, f, batch), target, t) for f in formats]
+        return torch.stack(losses).mean()
 
     @torch.no_grad()
     def held_out_kl() -> float:
-        logits = teacher_logits(student, images[held_out])
-        return float(kl_to_ensemble(logits, ensemble[held_out], t))
+        modes = [(m, m.training) for m in student.modules()]
+        student.eval()
+        try:
+            parts = held_out.to(images.device).split(256)
+            total = sum(float(mean_kl(part)) * len(part) for part in parts)
+        finally:
+            for module, mode in modes:
+                module.train(mode)
+        return total / len(held_out)
 
     best_kl = first_kl = held_out_kl()
     best = copy.deepcopy(student.state_dict())
@@ -170,7 +207,7 @@ def distill(
         pick = train[torch.randint(len(train), (settings.batch_size,), generator=rng)]
         pick = pick.to(images.device)
         optimizer.zero_grad()
-        loss = kl_to_ensemble(student(images[pick]), ensemble[pick], t)
+        loss = mean_kl(pick)
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         steps += 1

@@ -424,7 +424,10 @@ class FedDF(Strategy):
     A fleet may mix weight formats: each teacher's logits come from the weights its
     device runs (:func:`~models.weight_formats.run_weights_` of the contribution's
     ``weight_format``: int8 or binarized kernels), while the averages the students start
-    from are of the float (latent) weights, and the students stay float.
+    from are of the float (latent) weights. A group's student stays float and is
+    distilled at float and at every format its group's updates of the round ran at (the
+    mean KL; :func:`~coordinator.feddf.distill`), since the group's devices of each
+    format run it at theirs.
     """
 
     name = "feddf"
@@ -455,8 +458,10 @@ class FedDF(Strategy):
         teachers: list[torch.Tensor] = []
         names: list[str] = []
         formats: list[str] = []
+        run_formats: dict[str, set[WeightFormat]] = {}
         for update in updates:
             sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
+            run_formats.setdefault(update.group, {"float"}).add(update.weight_format)
             teachers.append(self.teacher(update, images, context.device))
             names.append(update.device_id)
             formats.append(update.weight_format)
@@ -489,6 +494,7 @@ class FedDF(Strategy):
                 held_out=held_out,
                 settings=settings,
                 rng=context.rng,
+                formats=sorted(run_formats.get(group, {"float"})),
             )
             log.info(
                 "round %d: %s distilled from %d teacher(s) (weights %s) in %d steps, held-out "

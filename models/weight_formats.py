@@ -15,12 +15,14 @@ Pure: tensors in, tensors out; no I/O, no global state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from protocol.messages import WeightFormat
 
-__all__ = ["INT8_LEVELS", "binarize", "fake_quantize_int8", "run_weights_"]
+__all__ = ["INT8_LEVELS", "binarize", "fake_quantize_int8", "run_weights_", "weights_at"]
 
 INT8_LEVELS = 127
 """Quantization levels on each side of zero: symmetric int8 uses [-127, 127]."""
@@ -91,6 +93,13 @@ def binarize(weight: torch.Tensor) -> torch.Tensor:
         return (sign * scale).to(weight.dtype)
 
 
+def _function(weight_format: WeightFormat) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The kernel arithmetic of ``weight_format`` (None for ``float``: none)."""
+    if weight_format == "float":
+        return None
+    return fake_quantize_int8 if weight_format == "int8" else binarize
+
+
 def run_weights_(model: nn.Module, weight_format: WeightFormat) -> nn.Module:
     """Put into ``model``, in place, the weights a device of ``weight_format`` runs.
 
@@ -99,11 +108,26 @@ def run_weights_(model: nn.Module, weight_format: WeightFormat) -> nn.Module:
     device's training hooks replace; the others stay. ``float`` changes nothing.
     Returns ``model``.
     """
-    if weight_format == "float":
+    function = _function(weight_format)
+    if function is None:
         return model
-    function = fake_quantize_int8 if weight_format == "int8" else binarize
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad and p.ndim >= 2:
                 p.copy_(function(p))
     return model
+
+
+def weights_at(model: nn.Module, weight_format: WeightFormat) -> dict[str, torch.Tensor]:
+    """``model``'s parameters by name as a device of ``weight_format`` runs them, for
+    :func:`torch.func.functional_call`, with straight-through gradients: each kernel's
+    value is its ``weight_format`` value, and its gradient flows to the float parameter
+    unchanged (``w + (Q(w) - w).detach()``); the model itself is left as it is."""
+    function = _function(weight_format)
+    params = dict(model.named_parameters())
+    if function is None:
+        return params
+    return {
+        name: p + (function(p) - p).detach() if p.requires_grad and p.ndim >= 2 else p
+        for name, p in params.items()
+    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from coordinator.feddf import (
 from coordinator.runtime import build_models
 from coordinator.strategies import Aggregated, Contribution, NothingToAggregate, build_strategy
 from models import build_classifier, load_state_arrays, state_arrays
-from models.weight_formats import binarize, fake_quantize_int8
+from models.weight_formats import binarize, fake_quantize_int8, run_weights_
 from tests.coordinator.helpers import config
 
 CPU = torch.device("cpu")
@@ -50,6 +52,39 @@ def test_distillation_lowers_the_kl_to_the_ensemble_on_held_out_proxy_data() -> 
     assert after == result.kl_after < 0.5 * result.kl_before
     assert 0 < result.steps <= 150
     assert set(train.tolist()).isdisjoint(held_out.tolist()) and len(held_out) == 64
+
+
+def test_a_student_distilled_at_the_binary_format_too_binarizes_closer_to_the_ensemble() -> None:
+    images = proxy()
+    teachers = [seeded("lenet5", 1), seeded("lenet5", 3)]
+    ensemble = torch.stack([teacher_logits(t, images) for t in teachers]).mean(0)
+    settings = DistillSettings(max_steps=120, eval_every=10, lr=3e-3)
+
+    def binarized_kl(formats: tuple[str, ...]) -> tuple[float, float]:
+        rng = torch.Generator().manual_seed(0)
+        train, held_out = holdout_split(len(images), 0.25, rng)
+        student = seeded("lenet5", 4)
+        result = distill(
+            student,
+            images,
+            ensemble,
+            train=train,
+            held_out=held_out,
+            settings=settings,
+            rng=rng,
+            formats=formats,
+        )
+        as_run = run_weights_(copy.deepcopy(student), "binary")
+        logits = teacher_logits(as_run, images[held_out])
+        return float(kl_to_ensemble(logits, ensemble[held_out])), result.kl_after
+
+    float_only, _ = binarized_kl(("float",))
+    both, mean_kl = binarized_kl(("binary", "float"))
+
+    assert both < 0.8 * float_only  # the binary devices' model is distilled too
+    assert both < 2 * mean_kl  # the held-out KL measured the binary student among others
+    with pytest.raises(ValueError, match="at least one weight format"):
+        binarized_kl(())
 
 
 def test_early_stopping_keeps_the_best_student_measured() -> None:
