@@ -147,9 +147,9 @@ def chance_teachers(logits: Sequence[torch.Tensor], held_out: torch.Tensor) -> l
 
 def _logits_at(model: nn.Module, weight_format: WeightFormat, images: torch.Tensor) -> torch.Tensor:
     """``model``'s logits on ``images`` as a device of ``weight_format`` runs it."""
-    if weight_format == "float":
-        return model(images)
-    return functional_call(model, weights_at(model, weight_format), (images,))
+    params = weights_at(model, weight_format)
+    logits: torch.Tensor = functional_call(model, params, (images,))
+    return logits
 
 
 def distill(
@@ -191,7 +191,7 @@ def distill(
         modes = [(m, m.training) for m in student.modules()]
         student.eval()
         try:
-            parts = held_out.to(images.device).split(256)
+            parts = torch.split(held_out.to(images.device), 256)
             total = sum(float(mean_kl(part)) * len(part) for part in parts)
         finally:
             for module, mode in modes:

@@ -124,7 +124,7 @@ def weights_at(model: nn.Module, weight_format: WeightFormat) -> dict[str, torch
     value is its ``weight_format`` value, and its gradient flows to the float parameter
     unchanged (``w + (Q(w) - w).detach()``); the model itself is left as it is."""
     function = _function(weight_format)
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     if function is None:
         return params
     return {
