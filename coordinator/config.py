@@ -192,9 +192,11 @@ class FleetSettings(_Frozen):
     fleet that mixes architectures: one architecture group each (the sim assigns them
     to its devices in turn; a real device names its own in its hello)."""
     rounds: int = Field(default=10, ge=1)
-    """Federated rounds to run."""
+    """Federated rounds to run (left out: the strategy's own default where it has one,
+    such as the one-shot dense's 1)."""
     participation: float = Field(default=0.2, gt=0, le=1)
-    """Fraction C of the registered devices selected per round."""
+    """Fraction C of the registered devices selected per round (left out: the
+    strategy's own default where it has one, such as dense's 1.0)."""
     round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     """Seconds devices have per round to deliver their update."""
     drop_worst: bool = False
@@ -205,6 +207,21 @@ class FleetSettings(_Frozen):
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()
     """What each selected device is asked to do per round (sent in the task)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_defaults(cls, data: Any) -> Any:
+        """Settings left out take the strategy's own defaults where it has some
+        (:attr:`coordinator.strategies.Strategy.fleet_defaults`: dense is one-shot, so
+        a run of it is one round of every device unless told otherwise). Given settings
+        win, so an explicit ``rounds`` reaches the strategy, which may refuse it."""
+        if not isinstance(data, Mapping):
+            return data
+        # imported here: the strategies import this module
+        from coordinator.strategies import fleet_defaults
+
+        strategy = data.get("strategy", cls.model_fields["strategy"].default)
+        return {**fleet_defaults(str(strategy)), **data}
 
     @field_validator("model")
     @classmethod

@@ -45,9 +45,19 @@ HP = {"local_epochs": 2, "batch_size": 16, "lr": 0.1, "seed": 1}
 
 
 def test_registry_names_and_unknown_strategy() -> None:
-    assert strategy_names() == ("fedavg", "fedavg_oca", "feddf", "fedgen", "fedkf", "fedprox")
+    assert strategy_names() == (
+        "dense",
+        "fedavg",
+        "fedavg_oca",
+        "feddf",
+        "fedgen",
+        "fedkf",
+        "fedprox",
+    )
     assert isinstance(device_strategy("fedprox"), FedProx)
-    with pytest.raises(TaskError, match="unknown strategy 'fedsgd'; known: fedavg, fedavg_oca"):
+    with pytest.raises(
+        TaskError, match="unknown strategy 'fedsgd'; known: dense, fedavg, fedavg_oca"
+    ):
         device_strategy("fedsgd")
 
 
