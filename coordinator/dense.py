@@ -264,6 +264,8 @@ class GeneratorPhase:
 
     best: torch.Tensor
     """The generated images ``(B, C, H, W)`` of the step with the lowest total loss."""
+    labels: torch.Tensor
+    """The labels ``(B,)`` the phase's images were generated for."""
     ce: float
     bn: float
     adv: float
@@ -305,7 +307,7 @@ def generator_phase(
                 best, best_loss = images.detach(), loss.item()
     assert best is not None, "generator_steps must be positive"
     ce, bn, adv = (sums / settings.generator_steps).tolist()
-    return GeneratorPhase(best=best, ce=ce, bn=bn, adv=adv)
+    return GeneratorPhase(best=best, labels=y, ce=ce, bn=bn, adv=adv)
 
 
 class GeneratedMemory:
