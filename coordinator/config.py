@@ -171,7 +171,8 @@ class FleetSettings(_Frozen):
     the lab emulator (``sim.run.SimConfig``) share, with their one set of defaults."""
 
     strategy: str = "fedavg"
-    """Federated algorithm (a strategy registry name)."""
+    """Federated algorithm (a strategy registry name; the README's table says what each
+    does; dense is one-shot: one round in which every device uploads once)."""
     downlink: Literal["dual", "single"] = "dual"
     """fedkf: send ACA (student) + OCA (teacher), or the ACA alone (FedKF-)."""
     final_model: Literal["aca", "oca"] | None = None
@@ -266,8 +267,8 @@ class CoordinatorConfig(FleetSettings):
     """File (.npy) of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
     [0, 1], for server-side distillation (feddf); no device data reaches the server."""
     server_device: ServerDevice = "auto"
-    """Where server-side training (FedGen's generator) runs: auto (a GPU where torch
-    sees one, else the CPU), cpu or cuda."""
+    """Where server-side training (FedGen's generator, FedDF's and DENSE's distillation)
+    runs: auto (a GPU where torch sees one, else the CPU), cpu or cuda."""
     broadcast_model: bool = False
     """After each round publish the final model on fl/FLEET/broadcast/model for devices
     that serve it (python -m edge_client follow / --serve-onnx)."""

@@ -196,6 +196,7 @@ def test_every_strategy_declares_its_sets() -> None:
         "fedavg": {"global": (False, True), "head": (False, False)},
         "fedavg_oca": {"global": (True, True)},
         "feddf": {"global": (True, True)},
+        "dense": {"global": (True, True)},
         "fedprox": {"global": (True, True)},
         "fedkf": {"student": (True, True), "teacher": (False, True)},
         "fedgen": {
@@ -209,6 +210,7 @@ def test_every_strategy_declares_its_sets() -> None:
         "fedavg": ("all", "head"),
         "fedavg_oca": ("all",),
         "feddf": ("all",),
+        "dense": ("all",),
         "fedprox": ("all",),
         "fedkf": ("all",),
         "fedgen": ("all", "head"),
