@@ -6,7 +6,8 @@ against the ensemble of the received models and distils the ensemble into a fres
 global model on the generated images. Epochs alternate two phases:
 
 * **generator phase** (:func:`generator_phase`): Adam steps on the generator's loss
-  (:func:`generator_loss`) over fresh noise ``z`` and sampled labels ``y``:
+  (:func:`generator_loss`) of the generator and of one batch of noise ``z``, learnt
+  with it, for labels ``y`` sampled at the start of the phase:
 
   - ``ce``: cross entropy of the ensemble's logits (the mean of the teachers') on
     ``G(z)`` to ``y``, so that the ensemble confidently recognises each class;
@@ -29,9 +30,10 @@ global model on the generated images. Epochs alternate two phases:
 a held-out generated batch, before (the student as given) and after. Several students
 (one per architecture group of a mixed fleet) share one generator and memory; the
 adversarial term is their mean. Differences from the authors' code, for a small CPU
-server: the generator keeps training across epochs (theirs is re-initialised each epoch
-with learnt noise), the noise is fresh every step, no augmentation of the generated
-images, and the memory is bounded. The adversarial mask follows the paper (samples
+server: the generator keeps training across epochs (theirs is re-initialised each
+epoch), a 10x larger generator learning rate for the few steps, no augmentation of the
+generated images, Adam for the student (theirs: SGD with momentum), and a bounded
+memory (theirs keeps every batch). The adversarial mask follows the paper (samples
 where ensemble and student agree; the authors' code masks the opposite ones).
 
 Tensors and modules in, tensors and modules out; no I/O, no global state, the device a
