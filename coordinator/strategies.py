@@ -530,6 +530,8 @@ class Dense(Strategy):
     fleet_defaults: ClassVar[Mapping[str, Scalar]] = {"rounds": 1, "participation": 1.0}
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 32}
     settings = DenseSettings()
+    """The server step's generator and distillation settings (not flags: sized once for
+    the server, like FedDF's ``distillation``)."""
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         super().__init__(config, templates)

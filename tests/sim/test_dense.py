@@ -3,6 +3,8 @@ global model per architecture group distilled on the coordinator."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -49,3 +51,30 @@ def test_a_dense_run_is_one_round_of_one_upload_per_device_and_a_model_per_group
             k: v.shape for k, v in template.items()
         }
         assert any(not np.array_equal(saved[k].numpy(), template[k]) for k in template)
+
+
+def test_the_cli_refuses_a_dense_run_of_more_than_one_round_with_a_clear_error() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim",
+            "--devices",
+            "2",
+            "--rounds",
+            "2",
+            "--transport",
+            "inproc",
+            "--strategy",
+            "dense",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        "python -m sim run: error: dense is one-shot: run it with --rounds 1 "
+        "(the default for dense), not 2"
+    )
