@@ -82,9 +82,9 @@ STUDIES: dict[str, dict[str, Any]] = {
             "--model",
             "resnet8,lenet5,fedgen_cnn",
             "--local-epochs",
-            "1",
+            "3",
             "--rounds",
-            "5",
+            "10",
         ],
         "runs": {
             "hetero-fedavg": ["--strategy", "fedavg"],
@@ -105,9 +105,9 @@ STUDIES: dict[str, dict[str, Any]] = {
             "fp32,int8,binary",
             "--qat",
             "--local-epochs",
-            "1",
+            "3",
             "--rounds",
-            "5",
+            "10",
         ],
         "runs": {
             "mixed-fedavg": ["--strategy", "fedavg"],

@@ -174,7 +174,8 @@ class FleetSettings(_Frozen):
     the lab emulator (``sim.run.SimConfig``) share, with their one set of defaults."""
 
     strategy: str = "fedavg"
-    """Federated algorithm (a strategy registry name)."""
+    """Federated algorithm (a strategy registry name; the README's table says what each
+    does; dense is one-shot: one round in which every device uploads once)."""
     downlink: Literal["dual", "single"] = "dual"
     """fedkf: send ACA (student) + OCA (teacher), or the ACA alone (FedKF-)."""
     final_model: Literal["aca", "oca"] | None = None
@@ -195,9 +196,11 @@ class FleetSettings(_Frozen):
     fleet that mixes architectures: one architecture group each (the sim assigns them
     to its devices in turn; a real device names its own in its hello)."""
     rounds: int = Field(default=10, ge=1)
-    """Federated rounds to run."""
+    """Federated rounds to run (left out: the strategy's own default where it has one,
+    such as the one-shot dense's 1)."""
     participation: float = Field(default=0.2, gt=0, le=1)
-    """Fraction C of the registered devices selected per round."""
+    """Fraction C of the registered devices selected per round (left out: the
+    strategy's own default where it has one, such as dense's 1.0)."""
     round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     """Seconds devices have per round to deliver their update."""
     drop_worst: bool = False
@@ -220,6 +223,21 @@ class FleetSettings(_Frozen):
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()
     """What each selected device is asked to do per round (sent in the task)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_defaults(cls, data: Any) -> Any:
+        """Settings left out take the strategy's own defaults where it has some
+        (:attr:`coordinator.strategies.Strategy.fleet_defaults`: dense is one-shot, so
+        a run of it is one round of every device unless told otherwise). Given settings
+        win, so an explicit ``rounds`` reaches the strategy, which may refuse it."""
+        if not isinstance(data, Mapping):
+            return data
+        # imported here: the strategies import this module
+        from coordinator.strategies import fleet_defaults
+
+        strategy = data.get("strategy", cls.model_fields["strategy"].default)
+        return {**fleet_defaults(str(strategy)), **data}
 
     @field_validator("model")
     @classmethod
@@ -264,8 +282,8 @@ class CoordinatorConfig(FleetSettings):
     """File (.npy) of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
     [0, 1], for server-side distillation (feddf); no device data reaches the server."""
     server_device: ServerDevice = "auto"
-    """Where server-side training (FedGen's generator) runs: auto (a GPU where torch
-    sees one, else the CPU), cpu or cuda."""
+    """Where server-side training (FedGen's generator, FedDF's and DENSE's distillation)
+    runs: auto (a GPU where torch sees one, else the CPU), cpu or cuda."""
     broadcast_model: bool = False
     """After each round publish the final model on fl/FLEET/broadcast/model for devices
     that serve it (python -m edge_client follow / --serve-onnx)."""

@@ -24,6 +24,9 @@ fedgen         FedGen: averages what devices share (``full`` model or ``head`` o
 feddf          FedDF: each group's model starts from the average of its group's
                updates and is distilled from the ensemble of every update, whatever
                its architecture, on the server's unlabeled proxy data
+dense          DENSE, one-shot: one round, one upload per device; the server trains
+               an image generator against the ensemble of every update and distils
+               the ensemble into a fresh model per group on its images (no data)
 =============  ===================================================================
 
 Server models are kept per architecture group (:mod:`coordinator.groups`): a fleet may
@@ -32,7 +35,11 @@ mix architectures, and the engine asks a strategy for each group's downlink. Bes
 ``prior``); the engine persists every model :meth:`Strategy.aggregate` returns, by group
 and role, and hands them back to :meth:`Strategy.downlink` and the next aggregation. The
 strategies here average within a group (FedAvg of a mixed fleet is FedAvg per group);
-FedDF fuses across groups by distillation; FedGen runs with one group only.
+FedDF and DENSE fuse across groups by distillation; FedGen runs with one group only.
+
+A strategy may also have its own defaults for the fleet settings a run leaves out
+(:attr:`Strategy.fleet_defaults`, read by :class:`~coordinator.config.FleetSettings`
+through :func:`fleet_defaults`): DENSE runs one round with every device.
 
 :meth:`Strategy.aggregate` runs in the aggregation phase, off the engine thread, with a
 :class:`~coordinator.context.ServerContext` (torch device, proxy data, seeded RNG). It
@@ -47,7 +54,7 @@ import abc
 import copy
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -58,6 +65,7 @@ import torch
 from coordinator.aggregate import WeightedSum
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.context import ServerContext
+from coordinator.dense import DenseSettings, dense_distill
 from coordinator.errors import ConfigError
 from coordinator.feddf import (
     DistillSettings,
@@ -68,7 +76,15 @@ from coordinator.feddf import (
 )
 from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_generator
 from coordinator.groups import GroupModels
-from models import Classifier, LatentGenerator, LatentGeneratorConfig, state_arrays
+from models import (
+    Classifier,
+    ImageGenerator,
+    ImageGeneratorConfig,
+    LatentGenerator,
+    LatentGeneratorConfig,
+    seeded,
+    state_arrays,
+)
 from models import load_state_arrays as load_arrays
 from models.classifiers import HEAD_PREFIX
 from models.weight_formats import run_weights_
@@ -91,6 +107,7 @@ __all__ = [
     "AggregateResult",
     "Aggregated",
     "Contribution",
+    "Dense",
     "FedAvg",
     "FedAvgOca",
     "FedDF",
@@ -100,6 +117,7 @@ __all__ = [
     "NothingToAggregate",
     "Strategy",
     "build_strategy",
+    "fleet_defaults",
     "strategy_names",
 ]
 
@@ -158,6 +176,10 @@ class Strategy(abc.ABC):
     """Keep an OCA cache (every device's latest update) and an ``oca`` global model."""
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 5, "batch_size": 32}
     """Training settings a run gets where the configuration leaves them unset."""
+    fleet_defaults: ClassVar[Mapping[str, Scalar]] = {}
+    """Fleet settings (:class:`~coordinator.config.FleetSettings` fields) a run with this
+    strategy gets where the configuration leaves them out, instead of the fields' own
+    defaults (DENSE: one round, every device)."""
     delta_sets: ClassVar[Mapping[str, str]] = {}
     """Downlink sets sent as a delta against another set of the same message, fitted into
     ``teacher_budget`` of that set's bytes (FedKF: the teacher against the student)."""
@@ -525,14 +547,115 @@ class FedDF(Strategy):
         return model.to(device)
 
 
-_REGISTRY: dict[str, Callable[[CoordinatorConfig, Mapping[str, Classifier]], Strategy]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen, FedDF)
+class Dense(Strategy):
+    """DENSE (data-free one-shot federated learning): see :mod:`coordinator.dense`.
+
+    Exactly one round: every device trains once, as with FedAvg but for more local
+    epochs (its one chance), and uploads once. The server then builds a fresh model per
+    architecture group (the run seed's initial weights, untrained), trains an image
+    generator against the ensemble of every upload, whatever its group, and distils
+    the ensemble into each group's model on the generated images: no proxy data, no
+    data of the devices. Left out of the configuration, ``rounds`` is 1 and
+    ``participation`` 1.0; a run configured with more rounds is refused. The server
+    keeps every upload as a model at once (the ensemble needs them all): memory is
+    O(devices x model).
+    """
+
+    name = "dense"
+    fleet_defaults: ClassVar[Mapping[str, Scalar]] = {"rounds": 1, "participation": 1.0}
+    training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 32}
+    settings = DenseSettings()
+    """The server step's generator and distillation settings (not flags: sized once for
+    the server, like FedDF's ``distillation``)."""
+
+    def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
+        super().__init__(config, templates)
+        if config.rounds != 1:
+            raise ConfigError(
+                f"dense is one-shot: run it with --rounds 1 (the default for dense), "
+                f"not {config.rounds}"
+            )
+        try:
+            self._generator_config = ImageGeneratorConfig(
+                noise_dim=self.settings.noise_dim,
+                image_size=config.image_size,
+                channels=config.in_channels,
+                base_channels=self.settings.generator_width,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"dense cannot generate the models' images: {exc}") from exc
+        self._templates = {name: copy.deepcopy(t) for name, t in templates.items()}
+
+    def aggregate(
+        self,
+        current: GroupModels,
+        updates: Iterable[Contribution],
+        round_number: int,
+        context: ServerContext,
+    ) -> AggregateResult:
+        teachers: list[Classifier] = []
+        for update in updates:
+            teacher = copy.deepcopy(self._templates[update.group])
+            load_arrays(teacher, update.weights)
+            teachers.append(teacher)
+        if not teachers:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
+        students = {group: self._fresh(group) for group in current}
+        with seeded(int(torch.randint(2**62, (), generator=context.rng))):
+            generator = ImageGenerator(self._generator_config)
+        log.info(
+            "round %d: DENSE distils %d teacher(s) into %s over %d epochs",
+            round_number,
+            len(teachers),
+            ", ".join(students),
+            self.settings.epochs,
+        )
+        result = dense_distill(
+            students,
+            teachers,
+            generator,
+            classes=self.config.num_classes,
+            settings=self.settings,
+            rng=context.rng,
+            device=context.device,
+        )
+        for group in students:
+            log.info(
+                "round %d: %s distilled in %d generator and %d student steps, KL to the "
+                "ensemble on held-out generated images %.4f -> %.4f",
+                round_number,
+                group,
+                result.generator_steps,
+                result.student_steps,
+                result.kl_before[group],
+                result.kl_after[group],
+            )
+        return Aggregated({group: {"aca": state_arrays(s)} for group, s in students.items()})
+
+    def _fresh(self, group: str) -> Classifier:
+        """An untrained model of ``group``'s architecture, built from the run's seed: the
+        initial weights every device of the group started from (as DENSE, the global
+        model owes nothing to averaging the uploads)."""
+        template = self._templates[group]
+        with seeded(self.config.seed):
+            return type(template)(template.config)
+
+
+_REGISTRY: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen, FedDF, Dense)
 }
 
 
 def strategy_names() -> tuple[str, ...]:
     """Names accepted by :func:`build_strategy`."""
     return tuple(_REGISTRY)
+
+
+def fleet_defaults(name: str) -> Mapping[str, Scalar]:
+    """The fleet settings strategy ``name`` has its own defaults for (empty for an
+    unknown name: :func:`build_strategy` refuses it)."""
+    cls = _REGISTRY.get(name)
+    return cls.fleet_defaults if cls is not None else {}
 
 
 def build_strategy(config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> Strategy:
@@ -542,7 +665,8 @@ def build_strategy(config: CoordinatorConfig, templates: Mapping[str, Classifier
     Raises:
         ConfigError: unknown name (the message lists the known ones), or options the
             strategy cannot honour (``final_model oca`` without an OCA model, ``sharing
-            head`` where heads alone cannot be averaged, several groups for FedGen).
+            head`` where heads alone cannot be averaged, several groups for FedGen,
+            more than one round for DENSE).
     """
     try:
         factory = _REGISTRY[config.strategy]

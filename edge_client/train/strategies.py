@@ -14,6 +14,8 @@ name              device side
                   parameters (``w_global``: the weights received this round)
 ``fedavg_oca``    as ``fedavg`` (the "FedAvg (OCA)" variant differs on the server only)
 ``feddf``         as ``fedavg`` (FedDF fuses the models by distillation on the server)
+``dense``         as ``fedavg``, once (DENSE is one-shot: the server distils the
+                  uploads into a fresh model on generated images)
 ``fedkf``         the student learns CE plus ``gamma * KL(teacher || student)`` on
                   samples of a local image generator (:mod:`edge_client.train.fedkf`)
 ``fedgen``        CE plus ``alpha * CE(head(G(eps, y)), y)`` with the coordinator's
@@ -27,8 +29,9 @@ Received tensor sets, by name (each strategy declares those it understands with
 set                contents                                    used by
 =================  ==========================================  =========================
 ``"global"``       the classifier's full state                 fedprox, fedavg_oca,
-                                                               feddf (required); fedavg and
-                                                               fedgen (full sharing)
+                                                               feddf, dense (required);
+                                                               fedavg and fedgen (full
+                                                               sharing)
 ``"student"``      the classifier's full state (ACA model)     fedkf (required)
 ``"teacher"``      the classifier's full state (OCA model)     fedkf (absent: FedKF-)
 ``"head"``         the classifier's ``head.*`` tensors         fedavg, fedgen (head-only
@@ -466,6 +469,13 @@ class FedDF(DeviceStrategy):
     name = "feddf"
 
 
+class Dense(DeviceStrategy):
+    """DENSE: devices train once as in FedAvg and upload once; the server distils the
+    ensemble of the uploads into a fresh model on images of its own generator."""
+
+    name = "dense"
+
+
 class FedProx(DeviceStrategy):
     """FedProx: local SGD with a proximal term of weight ``mu`` to the global weights."""
 
@@ -560,7 +570,7 @@ class FedGen(_Shared):
 
 
 _STRATEGIES: Mapping[str, DeviceStrategy] = MappingProxyType(
-    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedDF, FedProx, FedKF, FedGen)}
+    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedDF, Dense, FedProx, FedKF, FedGen)}
 )
 
 

@@ -45,9 +45,19 @@ HP = {"local_epochs": 2, "batch_size": 16, "lr": 0.1, "seed": 1}
 
 
 def test_registry_names_and_unknown_strategy() -> None:
-    assert strategy_names() == ("fedavg", "fedavg_oca", "feddf", "fedgen", "fedkf", "fedprox")
+    assert strategy_names() == (
+        "dense",
+        "fedavg",
+        "fedavg_oca",
+        "feddf",
+        "fedgen",
+        "fedkf",
+        "fedprox",
+    )
     assert isinstance(device_strategy("fedprox"), FedProx)
-    with pytest.raises(TaskError, match="unknown strategy 'fedsgd'; known: fedavg, fedavg_oca"):
+    with pytest.raises(
+        TaskError, match="unknown strategy 'fedsgd'; known: dense, fedavg, fedavg_oca"
+    ):
         device_strategy("fedsgd")
 
 
@@ -186,6 +196,7 @@ def test_every_strategy_declares_its_sets() -> None:
         "fedavg": {"global": (False, True), "head": (False, False)},
         "fedavg_oca": {"global": (True, True)},
         "feddf": {"global": (True, True)},
+        "dense": {"global": (True, True)},
         "fedprox": {"global": (True, True)},
         "fedkf": {"student": (True, True), "teacher": (False, True)},
         "fedgen": {
@@ -199,6 +210,7 @@ def test_every_strategy_declares_its_sets() -> None:
         "fedavg": ("all", "head"),
         "fedavg_oca": ("all",),
         "feddf": ("all",),
+        "dense": ("all",),
         "fedprox": ("all",),
         "fedkf": ("all",),
         "fedgen": ("all", "head"),

@@ -1,0 +1,281 @@
+"""DENSE: the generator's loss terms, its phases and the one-shot strategy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from coordinator.config import CoordinatorConfig
+from coordinator.context import ServerContext
+from coordinator.dense import (
+    BatchNormMatching,
+    DenseSettings,
+    adversarial_loss,
+    batch_norm_loss,
+    dense_distill,
+    ensemble_logits,
+    generator_phase,
+)
+from coordinator.errors import ConfigError
+from coordinator.runtime import build_models
+from coordinator.strategies import (
+    Aggregated,
+    Contribution,
+    Dense,
+    NothingToAggregate,
+    build_strategy,
+)
+from models import ImageGenerator, ImageGeneratorConfig, build_classifier, seeded, state_arrays
+from models.optim import Adam
+from sim.synthetic import make_synthetic
+from tests.coordinator.helpers import config
+
+CPU = torch.device("cpu")
+TINY = DenseSettings(
+    epochs=3,
+    generator_steps=3,
+    student_steps=10,
+    batch_size=32,
+    noise_dim=16,
+    generator_width=4,
+    memory_batches=2,
+    eval_size=64,
+)
+
+
+def model(name: str, seed: int) -> nn.Module:
+    with seeded(seed):
+        return build_classifier(name, num_classes=10)
+
+
+class BatchNormNet(nn.Module):
+    """A small classifier with BatchNorm, whose running statistics come from the
+    brighter images it was "trained" on (LeNet-5, MLP and the rest have none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with seeded(7):
+            self.conv = nn.Conv2d(1, 4, 3, padding=1)
+            self.norm = nn.BatchNorm2d(4)
+            self.head = nn.Linear(4, 10)
+        self.train()
+        with torch.no_grad():
+            for _ in range(20):
+                self(0.5 + 0.5 * torch.rand((16, 1, 28, 28), generator=torch.Generator()))
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x)))  # (B, 4, 28, 28)
+        return self.head(h.mean((2, 3)))  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[nn.Module]:
+    """Two teachers (LeNet-5, MLP) trained a little on the synthetic dataset: untrained
+    ones are nearly indifferent to their input, so no image could move their logits."""
+    data = make_synthetic(train_samples=1000, test_samples=10)
+    x, y = torch.from_numpy(data.train.x), torch.from_numpy(data.train.y)
+    rng = torch.Generator().manual_seed(0)
+    teachers = []
+    for seed, name in enumerate(["lenet5", "mlp"]):
+        net = model(name, seed)
+        optimizer = Adam(net.parameters(), lr=3e-3)
+        for _ in range(60):
+            pick = torch.randint(len(x), (64,), generator=rng)
+            loss = F.cross_entropy(net(x[pick]), y[pick])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        teachers.append(net.eval())
+    return teachers
+
+
+def generator(seed: int = 0, settings: DenseSettings = TINY) -> ImageGenerator:
+    with seeded(seed):
+        return ImageGenerator(
+            ImageGeneratorConfig(
+                noise_dim=settings.noise_dim, base_channels=settings.generator_width
+            )
+        )
+
+
+def test_batch_norm_term_is_zero_at_the_running_statistics_and_positive_elsewhere() -> None:
+    x = torch.rand((8, 3, 5, 5), generator=torch.Generator().manual_seed(0))
+    layer = nn.BatchNorm2d(3).eval()
+    layer.running_mean.copy_(x.mean((0, 2, 3)))
+    layer.running_var.copy_(x.var((0, 2, 3), correction=0))
+    net = nn.Sequential(nn.Identity(), layer)
+
+    with BatchNormMatching([net, model("lenet5", 0)]) as matching:
+        net(x)
+        same = matching.take(CPU)
+        net(2 * x + 1)
+        other = matching.take(CPU)
+        nothing = matching.take(CPU)
+
+    assert matching.layers == [layer]  # LeNet-5 has no BatchNorm: it adds nothing
+    assert float(same) == pytest.approx(0.0, abs=1e-6)
+    assert float(other) > 1.0
+    assert float(nothing) == 0.0
+    assert float(other) == pytest.approx(float(batch_norm_loss(2 * x + 1, layer)))
+
+
+def test_adversarial_term_counts_only_samples_where_student_and_ensemble_agree() -> None:
+    ensemble = torch.tensor([[3.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    disagree = torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 2.0]])
+    agree = torch.tensor([[1.0, 0.5, 0.0], [0.0, 3.0, 0.0]])
+
+    assert float(adversarial_loss(disagree, ensemble)) == 0.0
+    loss = adversarial_loss(agree, ensemble)
+    kl_first = F.kl_div(
+        F.log_softmax(agree[:1], 1),
+        F.log_softmax(ensemble[:1], 1),
+        log_target=True,
+        reduction="sum",
+    )
+    assert float(loss) == pytest.approx(-float(kl_first) / 2)  # the second sample: KL 0
+    assert float(loss) < 0
+
+
+def test_a_generator_phase_lowers_the_ensembles_cross_entropy_to_the_sampled_labels(
+    trained: list[nn.Module],
+) -> None:
+    teachers = [t.requires_grad_(False) for t in trained]
+    student = model("mlp", 3).eval().requires_grad_(False)
+
+    def best_ce(steps: int) -> float:
+        settings = DenseSettings(**{**TINY.__dict__, "generator_steps": steps})
+        phase = generator_phase(
+            generator(),
+            teachers,
+            [student],
+            classes=10,
+            settings=settings,
+            rng=torch.Generator().manual_seed(5),
+        )
+        with torch.no_grad():
+            return float(F.cross_entropy(ensemble_logits(teachers, phase.best), phase.labels))
+
+    before, after = best_ce(1), best_ce(30)  # one step: the untrained generator's images
+
+    assert after < before - 0.5
+
+
+def test_distillation_lowers_the_students_kl_to_the_ensemble_on_held_out_images() -> None:
+    teachers = [model("lenet5", 1), model("lenet5", 2), model("mlp", 3)]
+    student = model("lenet5", 4)
+
+    result = dense_distill(
+        {"lenet5": student},
+        teachers,
+        generator(),
+        classes=10,
+        settings=TINY,
+        rng=torch.Generator().manual_seed(0),
+        device=CPU,
+    )
+
+    assert result.kl_after["lenet5"] < 0.5 * result.kl_before["lenet5"]
+    assert result.generator_steps == 9 and result.student_steps == 30
+    assert result.bn == 0.0  # no teacher has BatchNorm
+    assert not student.training
+
+
+def test_the_same_seed_gives_the_same_students() -> None:
+    def run() -> tuple[dict[str, np.ndarray], float]:
+        student = model("mlp", 4)
+        result = dense_distill(
+            {"mlp": student},
+            [model("lenet5", 1), model("mlp", 2)],
+            generator(),
+            classes=10,
+            settings=TINY,
+            rng=torch.Generator().manual_seed(3),
+            device=CPU,
+        )
+        return state_arrays(student), result.kl_after["mlp"]
+
+    (first, kl_first), (second, kl_second) = run(), run()
+
+    assert kl_first == kl_second
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def test_teachers_with_and_without_batch_norm_teach_students_of_two_architectures() -> None:
+    students = {"lenet5": model("lenet5", 4), "mlp": model("mlp", 5)}
+    shapes = {
+        name: {k: v.shape for k, v in state_arrays(s).items()} for name, s in students.items()
+    }
+
+    result = dense_distill(
+        students,
+        [BatchNormNet(), model("lenet5", 1)],
+        generator(),
+        classes=10,
+        settings=TINY,
+        rng=torch.Generator().manual_seed(0),
+        device=CPU,
+    )
+
+    assert result.bn > 0  # the BatchNorm teacher's statistics are matched
+    for name, student in students.items():
+        assert result.kl_after[name] < result.kl_before[name]
+        assert {k: v.shape for k, v in state_arrays(student).items()} == shapes[name]
+
+
+def dense_config(**overrides: object) -> CoordinatorConfig:
+    return CoordinatorConfig.model_validate(
+        {"fleet": "test", "model": "lenet5,mlp", "seed": 1, "strategy": "dense", **overrides}
+    )
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Dense, "settings", TINY)
+
+
+def updates(cfg: CoordinatorConfig) -> list[Contribution]:
+    out = []
+    for i, group in enumerate(["lenet5", "mlp", "lenet5"]):
+        weights = state_arrays(model(group, 10 + i))
+        out.append(Contribution(f"dev-{i}", group, weights, num_samples=20))
+    return out
+
+
+@pytest.mark.usefixtures("tiny")
+def test_the_strategy_distils_a_fresh_model_per_group_and_again_the_same() -> None:
+    cfg = dense_config()
+    templates = build_models(cfg)
+    strategy = build_strategy(cfg, templates)
+    current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
+
+    first = strategy.aggregate(current, updates(cfg), 1, ServerContext.for_round(CPU, 1, 1))
+    again = strategy.aggregate(current, updates(cfg), 1, ServerContext.for_round(CPU, 1, 1))
+    nothing = strategy.aggregate(current, [], 1, ServerContext.for_round(CPU, 1, 1))
+
+    assert isinstance(first, Aggregated) and isinstance(again, Aggregated)
+    assert set(first.models) == {"lenet5", "mlp"}
+    for group, template in templates.items():
+        aca, repeat = first.models[group]["aca"], again.models[group]["aca"]
+        assert {k: v.shape for k, v in aca.items()} == {
+            k: tuple(v.shape) for k, v in template.state_dict().items()
+        }
+        assert all(np.array_equal(aca[k], repeat[k]) for k in aca)
+        assert any(not np.array_equal(aca[k], current[group]["aca"][k]) for k in aca)
+    assert isinstance(nothing, NothingToAggregate)
+
+
+def test_dense_is_one_shot_by_default_and_refuses_more_rounds() -> None:
+    cfg = dense_config()
+    assert (cfg.rounds, cfg.participation) == (1, 1.0)
+    assert dense_config(participation=0.5).participation == 0.5
+    assert config(strategy="fedavg").rounds == 3 and CoordinatorConfig().rounds == 10
+    strategy = build_strategy(cfg, build_models(cfg))
+    assert strategy.task_settings(1)["local_epochs"] == 10
+    assert not strategy.needs_proxy_data
+
+    with pytest.raises(ConfigError, match="dense is one-shot: run it with --rounds 1"):
+        build_strategy(dense_config(rounds=2), build_models(cfg))
