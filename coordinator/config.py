@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.dense import DenseSettings
 from coordinator.errors import ConfigError
 from coordinator.feddf import DistillSettings
 from models import classifier_names
@@ -46,6 +47,7 @@ __all__ = [
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
 ServerDevice = Literal["auto", "cpu", "cuda"]
 _DISTILL = DistillSettings()
+_DENSE = DenseSettings()
 
 
 class _Frozen(BaseModel):
@@ -219,6 +221,13 @@ class FleetSettings(_Frozen):
     distill_patience: int = Field(default=_DISTILL.patience, ge=1)
     """feddf: held-out measurements (one every 25 steps) without improvement before the
     distillation stops."""
+    dense_epochs: int = Field(default=_DENSE.epochs, ge=1)
+    """dense: alternations of a generator phase and a student phase on the server (more:
+    closer students, proportionally more server time)."""
+    dense_generator_steps: int = Field(default=_DENSE.generator_steps, ge=1)
+    """dense: generator Adam steps per epoch."""
+    dense_student_steps: int = Field(default=_DENSE.student_steps, ge=1)
+    """dense: student Adam steps per epoch."""
     seed: int = Field(default=0, ge=0)
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()

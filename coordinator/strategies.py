@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -564,12 +565,19 @@ class Dense(Strategy):
     name = "dense"
     fleet_defaults: ClassVar[Mapping[str, Scalar]] = {"rounds": 1, "participation": 1.0}
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 32}
-    settings = DenseSettings()
-    """The server step's generator and distillation settings (not flags: sized once for
-    the server, like FedDF's ``distillation``)."""
+    defaults: ClassVar[DenseSettings] = DenseSettings()
+    """The server step's settings that are no flags (batch, generator width, learning
+    rates, loss weights)."""
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         super().__init__(config, templates)
+        self.settings = dataclasses.replace(
+            self.defaults,
+            epochs=config.dense_epochs,
+            generator_steps=config.dense_generator_steps,
+            student_steps=config.dense_student_steps,
+        )
+        """The server step's generator and distillation settings (``--dense-*``)."""
         if config.rounds != 1:
             raise ConfigError(
                 f"dense is one-shot: run it with --rounds 1 (the default for dense), "
@@ -597,7 +605,7 @@ class Dense(Strategy):
         for update in updates:
             teacher = copy.deepcopy(self._templates[update.group])
             load_arrays(teacher, update.weights)
-            teachers.append(teacher)
+            teachers.append(run_weights_(teacher, update.weight_format))  # as its device runs it
         if not teachers:
             return NothingToAggregate(f"no on-time update in round {round_number}")
         students = {group: self._fresh(group) for group in current}

@@ -16,6 +16,7 @@ Pure: tensors in, tensors out; no I/O, no global state.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +24,8 @@ from torch import nn
 from protocol.messages import WeightFormat
 
 __all__ = ["INT8_LEVELS", "binarize", "fake_quantize_int8", "run_weights_", "weights_at"]
+
+_M = TypeVar("_M", bound=nn.Module)
 
 INT8_LEVELS = 127
 """Quantization levels on each side of zero: symmetric int8 uses [-127, 127]."""
@@ -100,7 +103,7 @@ def _function(weight_format: WeightFormat) -> Callable[[torch.Tensor], torch.Ten
     return fake_quantize_int8 if weight_format == "int8" else binarize
 
 
-def run_weights_(model: nn.Module, weight_format: WeightFormat) -> nn.Module:
+def run_weights_(model: _M, weight_format: WeightFormat) -> _M:
     """Put into ``model``, in place, the weights a device of ``weight_format`` runs.
 
     Every trainable parameter of rank >= 2 is replaced by :func:`fake_quantize_int8`

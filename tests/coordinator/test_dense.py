@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -44,6 +46,9 @@ TINY = DenseSettings(
     memory_batches=2,
     eval_size=64,
 )
+
+TINY_FLAGS = {"dense_epochs": 3, "dense_generator_steps": 3, "dense_student_steps": 10}
+"""TINY's settings that are flags (the rest are ``Dense.defaults``)."""
 
 
 def model(name: str, seed: int) -> nn.Module:
@@ -228,13 +233,20 @@ def test_teachers_with_and_without_batch_norm_teach_students_of_two_architecture
 
 def dense_config(**overrides: object) -> CoordinatorConfig:
     return CoordinatorConfig.model_validate(
-        {"fleet": "test", "model": "lenet5,mlp", "seed": 1, "strategy": "dense", **overrides}
+        {
+            "fleet": "test",
+            "model": "lenet5,mlp",
+            "seed": 1,
+            "strategy": "dense",
+            **TINY_FLAGS,
+            **overrides,
+        }
     )
 
 
 @pytest.fixture
 def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Dense, "settings", TINY)
+    monkeypatch.setattr(Dense, "defaults", TINY)
 
 
 def updates(cfg: CoordinatorConfig) -> list[Contribution]:
@@ -266,6 +278,27 @@ def test_the_strategy_distils_a_fresh_model_per_group_and_again_the_same() -> No
         assert all(np.array_equal(aca[k], repeat[k]) for k in aca)
         assert any(not np.array_equal(aca[k], current[group]["aca"][k]) for k in aca)
     assert isinstance(nothing, NothingToAggregate)
+
+
+@pytest.mark.usefixtures("tiny")
+def test_each_teacher_is_the_model_its_device_runs() -> None:
+    """A binary device's upload teaches as the binarized model it runs, not as its
+    latent float weights."""
+    cfg = dense_config()
+    templates = build_models(cfg)
+    strategy = build_strategy(cfg, templates)
+    current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
+    as_float = updates(cfg)
+    as_binary = [dataclasses.replace(u, weight_format="binary") for u in as_float]
+
+    def fused(contributions: list[Contribution]) -> dict[str, np.ndarray]:
+        result = strategy.aggregate(current, contributions, 1, ServerContext.for_round(CPU, 1, 1))
+        assert isinstance(result, Aggregated)
+        return result.models["lenet5"]["aca"]
+
+    floats, binaries = fused(as_float), fused(as_binary)
+
+    assert any(not np.array_equal(floats[k], binaries[k]) for k in floats)
 
 
 def test_dense_is_one_shot_by_default_and_refuses_more_rounds() -> None:

@@ -15,19 +15,20 @@ from coordinator.config import TrainingSettings
 from coordinator.strategies import Dense
 from models import build_classifier, seeded, state_arrays
 from sim.run import SimConfig, run_simulation
-from tests.coordinator.test_dense import TINY
+from tests.coordinator.test_dense import TINY, TINY_FLAGS
 
 
 def test_a_dense_run_is_one_round_of_one_upload_per_device_and_a_model_per_group(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(Dense, "settings", TINY)
+    monkeypatch.setattr(Dense, "defaults", TINY)
     config = SimConfig(
         strategy="dense",
         devices=4,
         model="lenet5,mlp",
         transport="inproc",
         training=TrainingSettings(local_steps=2, batch_size=16),
+        **TINY_FLAGS,
     )
 
     report = run_simulation(config, final_models_dir=tmp_path / "models")
