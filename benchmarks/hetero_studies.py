@@ -28,13 +28,13 @@ FedDF), in-process transport, one JSON report per run and seed:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.paper_studies import load_reports, report_path, spread
 
 
 def _proxy(size: int) -> list[str]:
@@ -44,6 +44,11 @@ def _proxy(size: int) -> list[str]:
 
 
 COMMON = ["--transport", "inproc", "--dataset", "mnist", "--batch-size", "64"]
+FLEET = [
+    *("--devices", "15", "--participation", "0.4", "--alpha", "0.5"),
+    *("--local-epochs", "3", "--rounds", "10"),
+]
+"""The heterogeneous and mixed-precision fleets: 15 devices, 6 a round, 10 rounds."""
 
 STUDIES: dict[str, dict[str, Any]] = {
     "oneshot": {
@@ -72,43 +77,14 @@ STUDIES: dict[str, dict[str, Any]] = {
         },
     },
     "hetero": {
-        "args": [
-            "--devices",
-            "15",
-            "--participation",
-            "0.4",
-            "--alpha",
-            "0.5",
-            "--model",
-            "resnet8,lenet5,fedgen_cnn",
-            "--local-epochs",
-            "3",
-            "--rounds",
-            "10",
-        ],
+        "args": [*FLEET, "--model", "resnet8,lenet5,fedgen_cnn"],
         "runs": {
             "hetero-fedavg": ["--strategy", "fedavg"],
             "hetero-feddf": ["--strategy", "feddf", *_proxy(5000)],
         },
     },
     "mixed": {
-        "args": [
-            "--devices",
-            "15",
-            "--participation",
-            "0.4",
-            "--alpha",
-            "0.5",
-            "--model",
-            "lenet5",
-            "--device-precisions",
-            "fp32,int8,binary",
-            "--qat",
-            "--local-epochs",
-            "3",
-            "--rounds",
-            "10",
-        ],
+        "args": [*FLEET, "--model", "lenet5", "--device-precisions", "fp32,int8,binary", "--qat"],
         "runs": {
             "mixed-fedavg": ["--strategy", "fedavg"],
             "mixed-feddf": ["--strategy", "feddf", *_proxy(5000)],
@@ -125,10 +101,6 @@ PAPER_ONESHOT = {  # DENSE paper, Table 1, MNIST, 5 clients
     ("0.5", "dense"): 95.82,
 }
 NAMES = {"fedavg": "FedAvg", "feddf": "FedDF", "dense": "DENSE"}
-
-
-def report_path(out: Path, run: str, seed: int) -> Path:
-    return out / f"{run}-s{seed}.json"
 
 
 def run_study(args: argparse.Namespace) -> None:
@@ -160,17 +132,6 @@ def run_study(args: argparse.Namespace) -> None:
             subprocess.run(command, check=True)
 
 
-def _load(out: Path, run: str) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob(f"{run}-s*.json"))]
-
-
-def _spread(values: Sequence[float]) -> str:
-    if not values:
-        return "-"
-    text = f"{statistics.fmean(values):.2f}"
-    return text + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else "")
-
-
 def _final_acc(report: dict[str, Any], model: str) -> float:
     return float(report["rounds"][-1]["models"][model]["global_acc"])
 
@@ -192,15 +153,16 @@ def oneshot_table(out: Path) -> None:
     print("| --- | --- | --- | --- | --- |")
     for alpha in ("0.1", "0.5"):
         for strategy in ("fedavg", "feddf", "dense"):
-            reports = _load(out, f"oneshot-a{alpha}-{strategy}")
+            reports = load_reports(out, f"oneshot-a{alpha}-{strategy}")
             accs = [_final_acc(r, "aca") for r in reports]
             paper = PAPER_ONESHOT[(alpha, strategy)]
-            print(f"| {alpha} | {NAMES[strategy]} | {_spread(accs)} | {len(accs)} | {paper} |")
+            shown = spread(accs) if accs else "-"
+            print(f"| {alpha} | {NAMES[strategy]} | {shown} | {len(accs)} | {paper} |")
 
 
 def fleet_table(out: Path, study: str, title: str) -> None:
     runs = list(STUDIES[study]["runs"])
-    reports = {run: _load(out, run) for run in runs}
+    reports = {run: load_reports(out, run) for run in runs}
     if not all(reports.values()):
         print(f"{study}: missing reports in {out}, skipped", file=sys.stderr)
         return
@@ -211,7 +173,7 @@ def fleet_table(out: Path, study: str, title: str) -> None:
     print(f"| --- | {' | '.join('---' for _ in models)} | --- | --- | --- |")
     for run in runs:
         rs = reports[run]
-        accs = " | ".join(_spread([_final_acc(r, m) for r in rs]) for m in models)
+        accs = " | ".join(spread([_final_acc(r, m) for r in rs]) for m in models)
         up = statistics.fmean(_mb(r, "bytes_up") for r in rs)
         down = statistics.fmean(_mb(r, "bytes_down") for r in rs)
         wall = statistics.fmean(float(r["final"]["wall_s"]) for r in rs)

@@ -136,7 +136,7 @@ def run_study(args: argparse.Namespace) -> None:
             subprocess.run(command, check=True)
 
 
-def _load(out: Path, run: str) -> list[dict[str, Any]]:
+def load_reports(out: Path, run: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"{run}-s*.json"))]
 
 
@@ -148,7 +148,7 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def _spread(values: Sequence[float]) -> str:
+def spread(values: Sequence[float]) -> str:
     text = f"{_mean(values):.2f}"
     return text + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else "")
 
@@ -160,7 +160,7 @@ def _first_reach(curve: Sequence[float], target: float) -> int | None:
 def table(args: argparse.Namespace) -> None:
     for name, study in STUDIES.items():
         rows = study["rows"]
-        reports = {run: _load(args.out, run) for run, _ in rows.values()}
+        reports = {run: load_reports(args.out, run) for run, _ in rows.values()}
         if not all(reports.values()):
             print(f"{name}: missing reports in {args.out}, skipped", file=sys.stderr)
             continue
@@ -181,9 +181,9 @@ def table(args: argparse.Namespace) -> None:
             reach = [_first_reach(c, t) for c, t in zip(curves, targets, strict=False)]
             reached = "/".join("-" if x is None else str(x) for x in reach)
             print(
-                f"| {label} | {_spread([f['amp'] for f in finals])} | "
-                f"{_spread([_mean(c[-LAST:]) for c in curves])} | "
-                f"{_spread([f['fm'] for f in finals])} | {_spread([f['wlp'] for f in finals])} | "
+                f"| {label} | {spread([f['amp'] for f in finals])} | "
+                f"{spread([_mean(c[-LAST:]) for c in curves])} | "
+                f"{spread([f['fm'] for f in finals])} | {spread([f['wlp'] for f in finals])} | "
                 f"{reached} | {study['paper'].get(label, '-')} |"
             )
         bytes_rows = {run for run, _ in rows.values()}
