@@ -43,6 +43,7 @@ from coordinator.engine import (
     RoundEngine,
     RoundStarted,
     Tick,
+    Undecodable,
 )
 from coordinator.errors import AggregationError, ConfigError
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
@@ -53,8 +54,8 @@ from models import Classifier, build_classifier, load_state_arrays
 from models.errors import ModelError
 from protocol.channel import Channel
 from protocol.codec import Codec
-from protocol.errors import DecodeError, EncodeError, TransportError
-from protocol.messages import CoordinatorStatus, Message
+from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
+from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
 
@@ -170,7 +171,7 @@ class Coordinator:
     ) -> None:
         self.config = config
         self.transport = transport
-        self.channel = Channel(transport, codec)
+        self.channel = Channel(transport, codec, admit=self._admit)
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
@@ -253,8 +254,42 @@ class Coordinator:
             return
         self._events.put(Received(info.device_id, message, self._clock()))
 
+    def _admit(self, topic: str) -> bool:
+        """Whether chunks on ``topic`` may be buffered: only the updates of registered
+        devices are large enough to need chunks (a dict lookup, safe off the engine
+        thread)."""
+        try:
+            info = parse_topic(topic)
+        except DecodeError:
+            return False
+        return (
+            info.role == "device"
+            and info.leaf == "update"
+            and info.device_id is not None
+            and info.device_id in self.engine.registry
+        )
+
     def _bad_input(self, topic: str, error: DecodeError) -> None:
-        log.warning("dropped undecodable payload on %s: %s", topic, error)
+        """Bad input goes to the engine, which nacks registered devices (and logs it)."""
+        try:
+            info = parse_topic(topic)
+        except DecodeError:
+            log.debug("dropped bad input on unexpected topic %s: %s", topic, error)
+            return
+        if info.role != "device" or info.device_id is None:
+            log.debug("dropped bad input on %s: %s", topic, error)
+            return
+        reason = ReasonCode.OVERSIZE if isinstance(error, QuotaError) else ReasonCode.MALFORMED
+        self._events.put(
+            Undecodable(
+                info.device_id,
+                reason,
+                str(error),
+                self._clock(),
+                ref=error.message_id,
+                round=error.round,
+            )
+        )
 
     def _on_reconnect(self) -> None:
         self._events.put(Reconnected(self._clock()))

@@ -271,9 +271,19 @@ class Codec:
         """Decode a decompressed msgpack envelope (what :meth:`decompress` returns).
 
         Raises:
-            DecodeError: as :meth:`decode`.
+            DecodeError: as :meth:`decode`. Where the envelope itself was sound, the
+                error's ``message_id`` and ``round`` name the message.
         """
         env = self.unpack(raw)
+        try:
+            return self._validate(env)
+        except DecodeError as exc:  # name the message, so a receiver can reject it by id
+            exc.message_id = env["id"].hex()
+            if isinstance(env["round"], int) and not isinstance(env["round"], bool):
+                exc.round = env["round"]
+            raise
+
+    def _validate(self, env: dict[str, Any]) -> Message:
         self._precheck_counts(env["body"])
         kind = env["kind"]
         candidate = {
