@@ -286,14 +286,15 @@ class Coordinator:
         )
 
     def _bad_input(self, topic: str, error: DecodeError) -> None:
-        """Bad input goes to the engine, which nacks registered devices (and logs it)."""
+        """A bad update goes to the engine, which nacks registered devices (and logs it);
+        other bad input is logged here."""
         try:
             info = parse_topic(topic)
         except DecodeError:
             log.debug("dropped bad input on unexpected topic %s: %s", topic, error)
             return
-        if info.role != "device" or info.device_id is None:
-            log.debug("dropped bad input on %s: %s", topic, error)
+        if info.role != "device" or info.device_id is None or info.leaf != "update":
+            log.warning("dropped undecodable payload on %s: %s", topic, error)
             return
         reason = ReasonCode.OVERSIZE if isinstance(error, QuotaError) else ReasonCode.MALFORMED
         self._events.put(

@@ -279,8 +279,9 @@ class Codec:
             return self._validate(env)
         except DecodeError as exc:  # name the message, so a receiver can reject it by id
             exc.message_id = env["id"].hex()
-            if isinstance(env["round"], int) and not isinstance(env["round"], bool):
-                exc.round = env["round"]
+            number = env["round"]
+            if isinstance(number, int) and not isinstance(number, bool) and -1 <= number < 2**31:
+                exc.round = number
             raise
 
     def _validate(self, env: dict[str, Any]) -> Message:

@@ -49,6 +49,7 @@ class Run:
         self.coordinator.add_observer(self._observe)
         self.thread = threading.Thread(target=self.coordinator.run, daemon=True)
         self.thread.start()
+        assert wait_for(lambda: self.store.read_meta("run") is not None)  # it listens now
         self.transport = MemoryTransport(self.broker, "attacker")
         self.transport.connect()
         self.channel = Channel(self.transport)
@@ -115,6 +116,7 @@ def shorten(tensor: Any) -> list[Any]:
     "damage",
     [
         pytest.param(lambda b: b.update(num_samples=-5), id="negative-sample-count"),
+        pytest.param(lambda b: b.update(num_samples=2**40), id="huge-sample-count"),
         pytest.param(
             lambda b: b["sets"]["weights"].update(tensors=[*b["sets"]["weights"]["tensors"]] * 2),
             id="duplicate-tensor-names",
@@ -160,3 +162,15 @@ def test_bad_input_from_an_unknown_device_gets_no_answer(run: Run) -> None:
     run.transport.publish(TOPICS.device("dev-0", "update"), b"FL\x03\x01junk")
     run.acks_of("dev-0", 2)  # the known device's nack arrived, so the ghost's input was seen
     assert not any(device == "ghost" for device, _ in run.acks)
+
+
+def test_a_bad_update_with_an_out_of_range_round_is_nacked_in_the_current_round(
+    run: Run,
+) -> None:
+    message = run.update("dev-0")
+    envelope = Codec().envelope(message)
+    envelope["round"] = 2**40
+    run.transport.publish(TOPICS.device("dev-0", "update"), frame(envelope))
+    (_, nack) = run.acks_of("dev-0", 2)
+    assert nack.reason is ReasonCode.MALFORMED and nack.ref == message.message_id
+    assert run.thread.is_alive()

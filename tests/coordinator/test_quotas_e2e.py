@@ -106,7 +106,8 @@ def test_a_flood_does_not_block_honest_uploads_and_a_damaged_upload_is_resent(
     # (then says it is offline, so it is not selected) and floods from it and a stranger
     cfg = config(min_devices=2, rounds=1, participation=1.0, round_timeout_s=120.0)
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"local_steps": 2})})
-    coordinator = Coordinator(cfg, mqtt(broker, "coordinator"), MemoryStore(), tick_s=0.05)
+    store = MemoryStore()
+    coordinator = Coordinator(cfg, mqtt(broker, "coordinator"), store, tick_s=0.05)
     acks: list[tuple[str, Ack]] = []
     closed: list[RoundClosed] = []
 
@@ -119,6 +120,7 @@ def test_a_flood_does_not_block_honest_uploads_and_a_damaged_upload_is_resent(
     coordinator.add_observer(observe)
     thread = threading.Thread(target=coordinator.run, daemon=True)
     thread.start()
+    assert wait_for(lambda: store.read_meta("run") is not None, 10)  # it listens now
     attacker = mqtt(broker, "attacker")
     attacker.connect()
     channel = Channel(attacker, Codec())
