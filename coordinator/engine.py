@@ -85,6 +85,7 @@ __all__ = [
     "RoundEngine",
     "RoundStarted",
     "Tick",
+    "Undecodable",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,24 @@ class AggregateDone:
     """How long the server step ran (the strategy's ``aggregate``), seconds."""
 
 
-Event = Received | Tick | Reconnected | AggregateDone
+@dataclass(frozen=True)
+class Undecodable:
+    """Input on a device's topic that never became a message: it failed decoding or
+    reassembly (the runtime maps the error to a reason code)."""
+
+    topic_device: str
+    reason: ReasonCode
+    """``malformed`` (failed a check of the codec or the reassembler) or ``oversize``
+    (no room for it within the device's quota)."""
+    detail: str
+    now: float
+    ref: str | None = None
+    """Id of the message, where its envelope could be read."""
+    round: int | None = None
+    """Round of the message, where its envelope could be read."""
+
+
+Event = Received | Tick | Reconnected | AggregateDone | Undecodable
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -254,6 +272,9 @@ class RoundEngine:
         self._models: GroupModels = {}
         self._counters = _RoundCounters()
         self._status_sent = ""
+        self._warned: set[str] = set()
+        """Senders unknown to the registry whose bad input was logged as a warning this
+        round (later ones at debug level: a flood is logged once)."""
 
     # -- properties --------------------------------------------------------------------
 
@@ -332,6 +353,8 @@ class RoundEngine:
             return self._status(self._status_sent or "starting", force=True)
         if isinstance(event, AggregateDone):
             return self._on_aggregate_done(event)
+        if isinstance(event, Undecodable):
+            return self._on_undecodable(event)
         message = event.message
         if message.fleet != self.config.fleet or message.sender != event.topic_device:
             log.warning(
@@ -515,6 +538,36 @@ class RoundEngine:
             raise UpdateRejectedError(ReasonCode.LATE, "older than the device's cached update")
         return False
 
+    def _on_undecodable(self, event: Undecodable) -> list[Action]:
+        """A registered device gets a nack, so it can send its message again; anyone else
+        gets nothing (logged once a round)."""
+        device_id, run = event.topic_device, self._require_run()
+        if device_id not in self.registry:
+            level = logging.DEBUG if device_id in self._warned else logging.WARNING
+            if len(self._warned) < 1024:
+                self._warned.add(device_id)
+            log.log(
+                level, "dropped bad input on unknown device %s's topic: %s", device_id, event.detail
+            )
+            return []
+        round_number = run.round if event.round is None else event.round
+        self._counters.rejected += round_number == run.round
+        log.warning(
+            "rejected input of %s (round %d, %s): %s",
+            device_id,
+            round_number,
+            event.reason.value,
+            event.detail,
+        )
+        body = Ack(accepted=False, reason=event.reason, ref=event.ref, detail=event.detail[:512])
+        message = Message(
+            fleet=self.config.fleet,
+            sender=self.config.coordinator_id,
+            round=round_number,
+            body=body,
+        )
+        return [Publish(self.topics.to_device(device_id, "ack"), message)]
+
     # -- rounds ------------------------------------------------------------------------
 
     def _on_tick(self, now: float) -> list[Action]:
@@ -546,6 +599,7 @@ class RoundEngine:
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
+        self._warned.clear()
         self._transfers.new_round()
         sets = self._server_sets()
         actions: list[Action] = self._status("running")

@@ -10,11 +10,14 @@ models there) and to the log. A round's aggregation runs on a thread of its own,
 (while it runs the engine goes on answering devices); if it fails, :meth:`Coordinator.run`
 raises :class:`~coordinator.errors.AggregationError` and the run can be resumed. At the
 end the final models are saved as ``.pt`` and ``.onnx`` under ``state_dir/final`` (in a
-folder per architecture group where the fleet runs several).
+folder per architecture group where the fleet runs several); if that fails (a full disk),
+:meth:`Coordinator.run` raises :class:`~coordinator.errors.StoreError` and resuming the
+finished run saves them again.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import queue
 import threading
@@ -43,8 +46,9 @@ from coordinator.engine import (
     RoundEngine,
     RoundStarted,
     Tick,
+    Undecodable,
 )
-from coordinator.errors import AggregationError, ConfigError
+from coordinator.errors import AggregationError, ConfigError, CoordinatorError, StoreError
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.proxy import proxy_digest, server_proxy
 from coordinator.store import MemoryStore, Store
@@ -53,8 +57,8 @@ from models import Classifier, build_classifier, load_state_arrays
 from models.errors import ModelError
 from protocol.channel import Channel
 from protocol.codec import Codec
-from protocol.errors import DecodeError, EncodeError, TransportError
-from protocol.messages import CoordinatorStatus, Message
+from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
+from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
 
@@ -112,27 +116,38 @@ def save_final_models(
     named ``final`` (the one the run delivers) also as ``model.pt`` / ``model.onnx``.
 
     Files are written to a temporary name, then renamed. Returns the paths written.
+
+    Raises:
+        StoreError: a file cannot be written (a full disk, a read-only directory). Its
+            temporary file is removed.
+        ModelError: a model cannot be exported.
     """
     from models.onnx_export import export_onnx
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create {out_dir}: {exc}") from exc
     written = []
     named = dict(models)
     if final is not None:
         named["model"] = models[final]
     for name, arrays in named.items():
         load_state_arrays(template, arrays)
-        outputs: dict[str, bytes | None] = {f"{name}.pt": None}
+        buffer = io.BytesIO()
+        torch.save(template.state_dict(), buffer)  # in memory: I/O errors come as OSError
+        outputs = {f"{name}.pt": buffer.getvalue()}
         if onnx:
             outputs[f"{name}.onnx"] = export_onnx(template, template.input_shape)
         for filename, data in outputs.items():
             path = out_dir / filename
             tmp = out_dir / f".tmp-{filename}"
-            if data is None:
-                torch.save(template.state_dict(), tmp)
-            else:
+            try:
                 tmp.write_bytes(data)
-            tmp.replace(path)
+                tmp.replace(path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise StoreError(f"cannot write {path}: {exc}") from exc
             written.append(path)
     return written
 
@@ -170,7 +185,7 @@ class Coordinator:
     ) -> None:
         self.config = config
         self.transport = transport
-        self.channel = Channel(transport, codec)
+        self.channel = Channel(transport, codec, admit=self._admit)
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
@@ -210,7 +225,9 @@ class Coordinator:
 
         Raises:
             TransportError: the broker cannot be reached at start.
-            StoreError: the state store failed (fatal: the run cannot go on safely).
+            StoreError: the state store failed (fatal: the run cannot go on safely), or
+                the final models could not be saved (resume to save them).
+            CoordinatorError: the final models could not be exported.
             AggregationError: a round's aggregation failed (resume to run it again).
         """
         fleet, me = self.config.fleet, self.config.coordinator_id
@@ -253,8 +270,43 @@ class Coordinator:
             return
         self._events.put(Received(info.device_id, message, self._clock()))
 
+    def _admit(self, topic: str) -> bool:
+        """Whether chunks on ``topic`` may be buffered: only the updates of registered
+        devices are large enough to need chunks (a dict lookup, safe off the engine
+        thread)."""
+        try:
+            info = parse_topic(topic)
+        except DecodeError:
+            return False
+        return (
+            info.role == "device"
+            and info.leaf == "update"
+            and info.device_id is not None
+            and info.device_id in self.engine.registry
+        )
+
     def _bad_input(self, topic: str, error: DecodeError) -> None:
-        log.warning("dropped undecodable payload on %s: %s", topic, error)
+        """A bad update goes to the engine, which nacks registered devices (and logs it);
+        other bad input is logged here."""
+        try:
+            info = parse_topic(topic)
+        except DecodeError:
+            log.debug("dropped bad input on unexpected topic %s: %s", topic, error)
+            return
+        if info.role != "device" or info.device_id is None or info.leaf != "update":
+            log.warning("dropped undecodable payload on %s: %s", topic, error)
+            return
+        reason = ReasonCode.OVERSIZE if isinstance(error, QuotaError) else ReasonCode.MALFORMED
+        self._events.put(
+            Undecodable(
+                info.device_id,
+                reason,
+                str(error),
+                self._clock(),
+                ref=error.message_id,
+                round=error.round,
+            )
+        )
 
     def _on_reconnect(self) -> None:
         self._events.put(Reconnected(self._clock()))
@@ -328,24 +380,34 @@ class Coordinator:
         )
 
     def _finish(self, finished: Finished) -> None:
+        """Save the final models (under ``state_dir/final``), then mark the run done.
+
+        Raises:
+            StoreError: a model could not be written (the run is finished in the state
+                store: resuming it saves the models again).
+            CoordinatorError: a model could not be exported.
+        """
+        if self.config.state_dir is not None:
+            final_dir = self.config.state_dir / "final"
+            for group, models in finished.models.items():
+                out_dir = final_dir if len(finished.models) == 1 else final_dir / group
+                try:
+                    paths = save_final_models(
+                        models,
+                        self._templates[group],
+                        out_dir,
+                        onnx=self.config.export_onnx,
+                        final=finished.final,
+                    )
+                except StoreError as exc:
+                    raise StoreError(
+                        f"could not save the final models ({exc}); free space and resume "
+                        "with --resume to save them"
+                    ) from exc
+                except ModelError as exc:
+                    raise CoordinatorError(f"could not export the final models: {exc}") from exc
+                log.info("final models saved: %s", ", ".join(str(p) for p in paths))
         self.final_models = finished.models
-        if self.config.state_dir is None:
-            return
-        final_dir = self.config.state_dir / "final"
-        for group, models in finished.models.items():
-            out_dir = final_dir if len(finished.models) == 1 else final_dir / group
-            try:
-                paths = save_final_models(
-                    models,
-                    self._templates[group],
-                    out_dir,
-                    onnx=self.config.export_onnx,
-                    final=finished.final,
-                )
-            except (OSError, ModelError) as exc:
-                log.error("could not save the final models to %s: %s", out_dir, exc)
-                continue
-            log.info("final models saved: %s", ", ".join(str(p) for p in paths))
 
     def _publish_final_status(self, state: str) -> None:
         body = CoordinatorStatus(state=state, strategy=self.config.strategy)

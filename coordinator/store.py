@@ -187,8 +187,11 @@ class FileStore(Store):
         return self.root.joinpath(*folders, name + _SUFFIX)
 
     def _remove_temporaries(self) -> None:
-        for tmp in self.root.rglob(".tmp-*"):
-            tmp.unlink(missing_ok=True)
+        try:
+            for tmp in self.root.rglob(".tmp-*"):
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot clean the state directory {self.root}: {exc}") from exc
 
     def read(self, key: str) -> Record | None:
         path = self._path(key)
@@ -215,25 +218,35 @@ class FileStore(Store):
         payload.update({name: np.ascontiguousarray(a) for name, a in arrays.items()})
         tmp = path.with_name(f".tmp-{path.name}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with self._lock, open(tmp, "wb") as handle:
-                np.savez(handle, **payload)  # type: ignore[arg-type]
-                if self._fsync:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            os.replace(tmp, path)
+            with self._lock:  # a delete may remove an emptied folder: not this one now
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(tmp, "wb") as handle:
+                    np.savez(handle, **payload)  # type: ignore[arg-type]
+                    if self._fsync:
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                os.replace(tmp, path)
             self._sync_dir(path.parent)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise StoreError(f"cannot write {path}: {exc}") from exc
 
     def delete(self, key: str) -> None:
+        """Delete the record; folders it leaves empty (``models/rNNNNNN/G``, ...) go too."""
         path = self._path(key)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot delete {path}: {exc}") from exc
-        self._sync_dir(path.parent)
+        with self._lock:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot delete {path}: {exc}") from exc
+            folder = path.parent
+            while folder != self.root and self.root in folder.parents:
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty (or gone): what is above stays too
+                    break
+                folder = folder.parent
+        self._sync_dir(folder)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

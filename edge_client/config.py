@@ -87,6 +87,10 @@ class ClientConfig(BaseModel):
     # ... up to this, seconds. (Reconnects after a lost session are the transport's.)
     upload_retry_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
     # How long an update is re-published while the broker is unreachable, seconds.
+    ack_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # How long a sent update waits for the coordinator's ack before it is sent again, s.
+    max_resends: int = Field(default=3, ge=0)
+    # Times one update is sent again (no ack in time, or a retryable nack) before giving up.
     max_buffered_models: int = Field(default=4, ge=1)
     # Model messages kept (by message id) for tasks that arrive after their model.
     max_pending_tasks: int = Field(default=8, ge=1)

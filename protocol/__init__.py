@@ -20,7 +20,14 @@ from protocol.arrays import apply_delta, architecture_fingerprint, content_finge
 from protocol.channel import Channel, Sent
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, Reassembler, split_frame
 from protocol.codec import Codec
-from protocol.errors import BrokerError, DecodeError, EncodeError, ProtocolError, TransportError
+from protocol.errors import (
+    BrokerError,
+    DecodeError,
+    EncodeError,
+    ProtocolError,
+    QuotaError,
+    TransportError,
+)
 from protocol.limits import DecodeLimits, ReassemblyLimits
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -60,6 +67,7 @@ __all__ = [
     "ModelPayload",
     "Precision",
     "ProtocolError",
+    "QuotaError",
     "ReasonCode",
     "ReassemblyLimits",
     "Reassembler",

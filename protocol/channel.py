@@ -13,7 +13,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.chunking import CHUNK_HEADER_SIZE, DEFAULT_MAX_PAYLOAD, Reassembler, split_frame
+from protocol.chunking import (
+    CHUNK_HEADER_SIZE,
+    DEFAULT_MAX_PAYLOAD,
+    Reassembler,
+    SourceFilter,
+    split_frame,
+)
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError
 from protocol.limits import ReassemblyLimits
@@ -49,6 +55,8 @@ class Channel:
         codec: encoder/decoder with its limits; a default :class:`Codec` if None.
         max_payload: largest MQTT payload to publish, in bytes; larger frames are chunked.
         reassembly: limits of the chunk reassembler.
+        admit: which topics may hold incomplete chunked transfers (all when None); see
+            :class:`~protocol.chunking.Reassembler`.
     """
 
     def __init__(
@@ -58,13 +66,14 @@ class Channel:
         *,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         reassembly: ReassemblyLimits | None = None,
+        admit: SourceFilter | None = None,
     ) -> None:
         if max_payload <= CHUNK_HEADER_SIZE:
             raise ValueError(f"max_payload must exceed the {CHUNK_HEADER_SIZE}-byte chunk header")
         self.transport = transport
         self.codec = codec or Codec()
         self.max_payload = max_payload
-        self._reassembler = Reassembler(reassembly)
+        self._reassembler = Reassembler(reassembly, admit=admit)
         self._lock = threading.Lock()
 
     def max_payload_for(self, topic: str, qos: int = 1) -> int:

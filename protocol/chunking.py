@@ -18,6 +18,14 @@ included: each chunk but the last carries ``max_payload - 68`` data bytes::
 Chunks travel on the topic the whole frame would have used. :class:`Reassembler` takes
 frames in any order, ignores duplicates and redeliveries (also after completion),
 bounds the memory it holds, drops transfers that stall, and checks the SHA-256.
+
+Memory is bounded per source (the topic, so one device) as well as in total, so that
+one source cannot starve the others: a source over its quota of transfers or bytes
+loses its own oldest transfers; when the total is full the source holding the most
+loses its oldest. An ``admit`` hook can refuse a source any buffer at all (a
+coordinator admits only the update topics of registered devices). A refused or evicted
+transfer is remembered, so its later chunks are dropped silently: one error per
+transfer, never one per chunk.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.codec import FRAME_CHUNK, FRAME_HEADER_SIZE, FRAME_MAGIC, read_frame_header
-from protocol.errors import DecodeError, EncodeError
+from protocol.errors import DecodeError, EncodeError, QuotaError
 from protocol.limits import ReassemblyLimits
 from protocol.messages import PROTOCOL_VERSION
 
@@ -42,9 +50,13 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "ChunkHeader",
     "Reassembler",
+    "SourceFilter",
     "read_chunk_header",
     "split_frame",
 ]
+
+SourceFilter = Callable[[str], bool]
+"""Whether a source (a topic) may hold incomplete transfers at all."""
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +134,21 @@ class _Transfer:
     touched: float = 0.0
 
 
+Key = tuple[str, bytes]
+
+
 class Reassembler:
     """Collects chunk frames per (source, transfer id) and returns complete frames.
 
     ``source`` is any key naming where frames come from (the MQTT topic, which holds
-    the sender's device id), so two senders cannot interfere with one transfer.
+    the sender's device id), so two senders cannot interfere with one transfer, and
+    each source has its own quota (``max_source_transfers``, ``max_source_bytes``).
+
+    Args:
+        limits: the bounds (defaults when None).
+        clock: monotonic seconds, for the stall timeout.
+        admit: called with the source of each new transfer; False refuses it any
+            buffer (:class:`~protocol.errors.QuotaError`). None admits every source.
 
     Not thread-safe: feed it from one thread (the transport's handler thread).
     """
@@ -136,12 +158,20 @@ class Reassembler:
         limits: ReassemblyLimits | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        admit: SourceFilter | None = None,
     ) -> None:
         self.limits = limits or ReassemblyLimits()
         self._clock = clock
-        self._pending: OrderedDict[tuple[str, bytes], _Transfer] = OrderedDict()
-        self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self._admit = admit
+        self._pending: OrderedDict[Key, _Transfer] = OrderedDict()
+        self._done: OrderedDict[Key, None] = OrderedDict()
+        self._dropped: OrderedDict[Key, None] = OrderedDict()
+        """Transfers refused or evicted: their later chunks are ignored."""
         self._pending_bytes = 0
+        self._source_bytes: dict[str, int] = {}
+        self._source_transfers: dict[str, int] = {}
+        self._warned: set[str] = set()
+        """Sources whose evictions were logged as a warning (later ones: debug)."""
 
     @property
     def pending_transfers(self) -> int:
@@ -153,15 +183,33 @@ class Reassembler:
         """Chunk data bytes held now."""
         return self._pending_bytes
 
+    def source_transfers(self, source: str) -> int:
+        """Incomplete transfers held now for ``source``."""
+        return self._source_transfers.get(source, 0)
+
+    def source_bytes(self, source: str) -> int:
+        """Chunk data bytes held now for ``source``."""
+        return self._source_bytes.get(source, 0)
+
     def feed(self, source: str, frame: bytes) -> bytes | None:
         """Take one frame; return a complete frame when one is ready, else None.
 
         A message frame is returned as it is, every time (duplicate whole messages are
         recognised by their message id, a level up). A chunk frame is stored; the call that
         completes its transfer returns the reassembled frame, once. Duplicates and
-        redeliveries of chunks (even of a completed transfer) return None.
+        redeliveries of chunks (even of a completed transfer) return None, and so do
+        chunks of a transfer refused or evicted earlier.
+
+        Room: a new transfer over the source's ``max_source_transfers`` evicts that
+        source's oldest transfer; one over ``max_pending_transfers`` evicts the oldest
+        transfer of the source holding the most. A chunk over the source's
+        ``max_source_bytes`` evicts that source's older transfers, one over
+        ``max_pending_bytes`` those of the source holding the most bytes; where that
+        is not enough, the chunk's own transfer is dropped with a QuotaError.
 
         Raises:
+            QuotaError: the source is not admitted, or the chunk's transfer cannot fit
+                (dropped; its later chunks are ignored).
             DecodeError: a malformed chunk, one inconsistent with earlier chunks of its
                 transfer, one over a limit (state unchanged), or a completed transfer
                 whose SHA-256 does not match (that transfer is dropped).
@@ -172,11 +220,19 @@ class Reassembler:
         head = read_chunk_header(frame)
         data = frame[CHUNK_HEADER_SIZE:]
         key = (source, head.transfer_id)
-        if key in self._done:
+        if key in self._done or key in self._dropped:
             return None
         transfer = self._pending.get(key)
         if transfer is None:
-            self._check_new(head)
+            try:
+                self._check_new(head)
+            except DecodeError:
+                self._drop(key)
+                raise
+            if self._admit is not None and not self._admit(source):
+                self._drop(key)
+                raise QuotaError(f"no transfer buffer for {source}")
+            self._room_for_transfer(source)
             transfer = _Transfer(head)
         elif (head.count, head.total_size, head.sha256) != (
             transfer.header.count,
@@ -188,15 +244,23 @@ class Reassembler:
             return None
         if transfer.size + len(data) > head.total_size:
             raise DecodeError("chunks carry more bytes than the transfer's total size")
-        if self._pending_bytes + len(data) > self.limits.max_pending_bytes:
-            raise DecodeError(
-                f"reassembly buffer full ({self._pending_bytes} bytes pending, "
-                f"limit {self.limits.max_pending_bytes})"
+        if not self._room_for_bytes(key, transfer, len(data)):
+            if key in self._pending:
+                self._evict(key, "it does not fit in its quota")
+            else:
+                self._drop(key)
+            raise QuotaError(
+                f"transfer of {head.total_size} bytes from {source} does not fit "
+                f"(source limit {self.limits.max_source_bytes}, "
+                f"total limit {self.limits.max_pending_bytes} bytes)"
             )
+        if key not in self._pending:
+            self._source_transfers[source] = self.source_transfers(source) + 1
         transfer.parts[head.index] = data
         transfer.size += len(data)
         transfer.touched = self._clock()
         self._pending_bytes += len(data)
+        self._source_bytes[source] = self.source_bytes(source) + len(data)
         self._pending[key] = transfer
         self._pending.move_to_end(key)
         if len(transfer.parts) < head.count:
@@ -213,10 +277,61 @@ class Reassembler:
             )
         if head.total_size < head.count:
             raise DecodeError("transfer total size is smaller than its chunk count")
-        if len(self._pending) >= limits.max_pending_transfers:
-            raise DecodeError(
-                f"{len(self._pending)} transfers pending, limit {limits.max_pending_transfers}"
-            )
+
+    def _room_for_transfer(self, source: str) -> None:
+        """Evict so that one more transfer of ``source`` fits both counts."""
+        limits = self.limits
+        while self.source_transfers(source) >= limits.max_source_transfers:
+            self._evict(self._oldest_of(source), "its source started too many transfers")
+        while len(self._pending) >= limits.max_pending_transfers:
+            hog = max(self._source_transfers, key=self._source_transfers.__getitem__)
+            self._evict(self._oldest_of(hog), "the reassembly buffer is full")
+
+    def _room_for_bytes(self, key: Key, transfer: _Transfer, size: int) -> bool:
+        """Evict other transfers so that ``size`` more bytes of ``key`` fit; False when
+        that is impossible (the transfer itself is too big for the room left)."""
+        source, limits = key[0], self.limits
+        while self.source_bytes(source) + size > limits.max_source_bytes:
+            older = [k for k in self._pending if k[0] == source and k != key]
+            if not older:
+                return False
+            self._evict(older[0], "its source holds too many bytes")
+        while self._pending_bytes + size > limits.max_pending_bytes:
+            others = [k for k in self._pending if k != key]
+            if not others:
+                return False
+            hog = max({k[0] for k in others}, key=self.source_bytes)
+            if hog == source and self.source_bytes(source) - transfer.size <= 0:
+                return False
+            self._evict(next(k for k in others if k[0] == hog), "the reassembly buffer is full")
+        return True
+
+    def _oldest_of(self, source: str) -> Key:
+        return next(k for k in self._pending if k[0] == source)
+
+    def _evict(self, key: Key, why: str) -> None:
+        transfer = self._pending[key]
+        level = logging.DEBUG if key[0] in self._warned else logging.WARNING
+        if len(self._warned) >= 1024:
+            self._warned.clear()
+        self._warned.add(key[0])
+        log.log(
+            level,
+            "dropped incomplete transfer %s from %s (%d of %d chunks): %s",
+            key[1].hex(),
+            key[0],
+            len(transfer.parts),
+            transfer.header.count,
+            why,
+        )
+        self._forget(key, transfer)
+        self._drop(key)
+
+    def _drop(self, key: Key) -> None:
+        """Ignore the later chunks of transfer ``key``."""
+        self._dropped[key] = None
+        while len(self._dropped) > max(self.limits.remember_completed, 1):
+            self._dropped.popitem(last=False)
 
     def _complete(self, key: tuple[str, bytes], transfer: _Transfer) -> bytes:
         self._forget(key, transfer)
@@ -233,6 +348,11 @@ class Reassembler:
     def _forget(self, key: tuple[str, bytes], transfer: _Transfer) -> None:
         del self._pending[key]
         self._pending_bytes -= transfer.size
+        source = key[0]
+        self._source_bytes[source] -= transfer.size
+        self._source_transfers[source] -= 1
+        if self._source_transfers[source] == 0:
+            del self._source_transfers[source], self._source_bytes[source]
 
     def _remember(self, key: tuple[str, bytes]) -> None:
         if self.limits.remember_completed == 0:

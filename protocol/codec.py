@@ -271,9 +271,20 @@ class Codec:
         """Decode a decompressed msgpack envelope (what :meth:`decompress` returns).
 
         Raises:
-            DecodeError: as :meth:`decode`.
+            DecodeError: as :meth:`decode`. Where the envelope itself was sound, the
+                error's ``message_id`` and ``round`` name the message.
         """
         env = self.unpack(raw)
+        try:
+            return self._validate(env)
+        except DecodeError as exc:  # name the message, so a receiver can reject it by id
+            exc.message_id = env["id"].hex()
+            number = env["round"]
+            if isinstance(number, int) and not isinstance(number, bool) and -1 <= number < 2**31:
+                exc.round = number
+            raise
+
+    def _validate(self, env: dict[str, Any]) -> Message:
         self._precheck_counts(env["body"])
         kind = env["kind"]
         candidate = {

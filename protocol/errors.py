@@ -6,9 +6,11 @@ where they occur and never escape raw::
 
     ProtocolError
     ├── DecodeError (also ValueError)    bytes from outside are malformed, too large,
-    │                                     of an unknown version, fail a checksum or a
-    │                                     decoder bound. Nothing partial is returned
-    │                                     and no state is changed.
+    │   │                                 of an unknown version, fail a checksum or a
+    │   │                                 decoder bound. Nothing partial is returned
+    │   │                                 and no state is changed.
+    │   └── QuotaError                   a chunk the reassembler has no room for (its
+    │                                     source is over its quota, or not admitted).
     ├── EncodeError (also ValueError)    a value cannot be encoded as asked (NaN into
     │                                     int8, |x| > 65504 into fp16, a message
     │                                     larger than the codec's limits, ...).
@@ -21,7 +23,14 @@ as msgpack-python does with ``FormatError(ValueError, UnpackException)``.
 
 from __future__ import annotations
 
-__all__ = ["BrokerError", "DecodeError", "EncodeError", "ProtocolError", "TransportError"]
+__all__ = [
+    "BrokerError",
+    "DecodeError",
+    "EncodeError",
+    "ProtocolError",
+    "QuotaError",
+    "TransportError",
+]
 
 
 class ProtocolError(Exception):
@@ -34,7 +43,18 @@ class DecodeError(ProtocolError, ValueError):
     The one error type every decoder in this package raises on bad input. It carries
     no partial result; the decoder's state (a reassembler, for instance) is unchanged
     unless the docstring of the method says otherwise.
+
+    Where the envelope could be read before the error, ``message_id`` and ``round``
+    name the message (so a receiver can reject it by id); else they are None.
     """
+
+    message_id: str | None = None
+    round: int | None = None
+
+
+class QuotaError(DecodeError):
+    """A chunk was refused for want of room: its source is over its quota of pending
+    transfers or bytes, or is not admitted at all (the input may be well formed)."""
 
 
 class EncodeError(ProtocolError, ValueError):

@@ -62,6 +62,12 @@ class ReassemblyLimits(BaseModel):
     """Most incomplete transfers buffered at once (all sources together)."""
     max_pending_bytes: int = Field(256 * MiB, ge=1)
     """Most chunk bytes buffered at once, all incomplete transfers together."""
+    max_source_transfers: int = Field(4, ge=1)
+    """Most incomplete transfers buffered for one source (one topic, so one device): a
+    new transfer beyond it evicts that source's oldest, never another source's."""
+    max_source_bytes: int = Field(64 * MiB, ge=1)
+    """Most chunk bytes buffered for one source: a chunk beyond it evicts that source's
+    older transfers, or is refused (its transfer dropped) when its own is too big."""
     timeout_s: float = Field(120.0, gt=0)
     """An incomplete transfer with no new chunk for this long is dropped (seconds)."""
     remember_completed: int = Field(1024, ge=0)

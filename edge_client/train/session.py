@@ -21,6 +21,12 @@ Task rules:
 * Duplicate tasks (handled, queued, running or waiting) are ignored; a duplicate of the
   task whose update is unacknowledged sends that update again. Tasks for a round older
   than the last one done since the coordinator last said ``starting`` are ignored.
+* Resend rule: an update sent waits ``ack_timeout_s`` for the coordinator's ack. An ack
+  accepting it (``ok``, ``late``, ``duplicate``) or rejecting it for good ends the wait;
+  a nack with a retryable reason (``malformed``, ``oversize``, ``internal``: the update
+  may have been damaged or dropped on the way; a nack with no ``ref`` names the device's
+  unacknowledged update) or no ack in time sends the very same message again, at most
+  ``max_resends`` times (the coordinator counts one update once, however often it comes).
 * A task that is rejected, fails or whose update is sent (or cannot be) is handled: its
   id is remembered (the last ``remember_tasks``) and persisted (:class:`SaveState`).
 * The device announces itself (retained ``online`` status and a :class:`Hello`) when
@@ -55,6 +61,7 @@ from protocol.messages import (
     Hello,
     Message,
     ModelPayload,
+    ReasonCode,
     RoundTask,
     Update,
 )
@@ -95,6 +102,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+RETRYABLE = frozenset({ReasonCode.MALFORMED, ReasonCode.OVERSIZE, ReasonCode.INTERNAL})
+"""Reasons of a nack after which the device sends its update again (the update may have
+been damaged or dropped on the way, or the coordinator failed to take it)."""
 
 
 # -- jobs and their results (the trainer seam) ---------------------------------------------
@@ -207,7 +218,8 @@ class Reconnected:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time passes (monotonic seconds): tasks whose model did not come are dropped."""
+    """Time passes (monotonic seconds): tasks whose model did not come are dropped, an
+    update without an ack in time is sent again."""
 
     now: float
 
@@ -375,6 +387,9 @@ class DeviceSession:
         self._rounds_done = 0
         self._last_round = -1  # latest round done in this coordinator run (not persisted)
         self._unacked: Message | None = None  # the last update sent, until its Ack arrives
+        self._awaiting_ack = False  # _unacked was published: its ack is awaited
+        self._ack_due: float | None = None  # when it is sent again (set at the next tick)
+        self._resends = 0  # times _unacked was sent again for want of an ack
         self._seen_live_coordinator = False  # a starting / waiting / running status came
         self.restored = False
         """Whether ``saved`` was taken (the shell then resumes the saved model too)."""
@@ -393,8 +408,13 @@ class DeviceSession:
 
     @property
     def next_expiry(self) -> float | None:
-        """When the next waiting task expires (monotonic seconds), None: none waits."""
-        return min((p.expires for p in self._pending.values()), default=None)
+        """When the next tick is due (monotonic seconds): a waiting task expires or an
+        update's ack is overdue; None: nothing waits. ``0.0``: tick now."""
+        ack = None
+        if self._awaiting_ack:
+            ack = 0.0 if self._ack_due is None else self._ack_due
+        expiries = [p.expires for p in self._pending.values()]
+        return min([*expiries, *([ack] if ack is not None else [])], default=None)
 
     def handle(self, event: Event) -> list[Action]:
         """The actions ``event`` leads to, in the order to carry them out."""
@@ -408,7 +428,7 @@ class DeviceSession:
             return self._on_coordinator_status(event.topic, event.message)
         if isinstance(event, Tick):
             self._expire(event.now)
-            return []
+            return self._check_ack(event.now)
         if isinstance(event, JobDone):
             return self._on_result(event.result)
         return self._on_update_sent(event)
@@ -438,6 +458,7 @@ class DeviceSession:
         if message is None:
             return []
         logger.info("round %d: sending the unacknowledged update again", message.round)
+        self._awaiting_ack, self._ack_due = True, None
         return [Publish(self._topics.device(self.config.device_id, "update"), message)]
 
     # -- inbound ---------------------------------------------------------------------------
@@ -461,7 +482,7 @@ class DeviceSession:
         if isinstance(body, ModelPayload):
             return self._on_model(message, body)
         if isinstance(body, Ack):
-            self._on_ack(message, body)
+            return self._on_ack(message, body, event.now)
         return []
 
     def _on_task(self, message: Message, task: RoundTask, now: float) -> list[Action]:
@@ -508,9 +529,8 @@ class DeviceSession:
         logger.debug("model message %s (round %d) buffered", model_id, message.round)
         return actions
 
-    def _on_ack(self, message: Message, ack: Ack) -> None:
-        if self._unacked is not None and ack.ref == self._unacked.message_id:
-            self._unacked = None
+    def _on_ack(self, message: Message, ack: Ack, now: float) -> list[Action]:
+        unacked = self._unacked
         if ack.accepted:
             logger.info("coordinator accepted %s (round %d) %s", ack.ref, message.round, ack.detail)
         else:
@@ -521,6 +541,48 @@ class DeviceSession:
                 ack.reason.value,
                 ack.detail,
             )
+        if unacked is None:
+            return []
+        ours = ack.ref == unacked.message_id
+        if not ack.accepted and ack.reason in RETRYABLE and (ours or ack.ref is None):
+            return self._retry(now, f"the coordinator could not take it ({ack.reason.value})")
+        if ours:
+            self._unacked, self._awaiting_ack, self._ack_due = None, False, None
+        return []
+
+    def _check_ack(self, now: float) -> list[Action]:
+        """Arm the ack timer of an update just sent; send it again when it is overdue."""
+        if not self._awaiting_ack:
+            return []
+        if self._ack_due is None:
+            self._ack_due = now + self.config.ack_timeout_s
+            return []
+        if now < self._ack_due:
+            return []
+        return self._retry(now, f"no ack within {self.config.ack_timeout_s:.0f} s")
+
+    def _retry(self, now: float, why: str) -> list[Action]:
+        """Send the unacknowledged update again, unless it was resent often enough."""
+        message = self._unacked
+        if message is None:
+            return []
+        if self._resends >= self.config.max_resends:
+            if self._awaiting_ack:
+                logger.warning(
+                    "round %d: %s; gave up after %d resends", message.round, why, self._resends
+                )
+            self._awaiting_ack, self._ack_due = False, None
+            return []
+        self._resends += 1
+        self._awaiting_ack, self._ack_due = True, now + self.config.ack_timeout_s
+        logger.warning(
+            "round %d: %s; sending the update again (%d of %d)",
+            message.round,
+            why,
+            self._resends,
+            self.config.max_resends,
+        )
+        return [Publish(self._topics.device(self.config.device_id, "update"), message)]
 
     def _on_coordinator_status(self, topic: str, message: Message) -> list[Action]:
         status = message.body
@@ -621,7 +683,7 @@ class DeviceSession:
         except ValidationError as exc:
             return self._on_result(Failed(result.task_id, exc))
         message = self._message(update, job.message.round)
-        self._unacked = message
+        self._unacked, self._awaiting_ack, self._ack_due, self._resends = message, False, None, 0
         self._upload = update
         topic = self._topics.device(self.config.device_id, "update")
         return [SaveModel(), SendUpdate(topic, message, job.message.message_id)]
@@ -660,6 +722,8 @@ class DeviceSession:
         if not event.ok:
             detail = f"round {round_}: the update could not be published"
             return [self._remember(event.task_id), SetStatus("error", detail), *self._next_job()]
+        if self._unacked is not None:
+            self._awaiting_ack = True  # the ack timer starts at the next tick
         actions: list[Action] = [CommitUpload(), self._remember(event.task_id, round_=round_)]
         if update is not None:
             logger.info(

@@ -9,7 +9,7 @@ import zstandard
 
 from protocol.chunking import Reassembler, split_frame
 from protocol.codec import Codec
-from protocol.errors import DecodeError
+from protocol.errors import DecodeError, QuotaError
 from protocol.limits import DecodeLimits, ReassemblyLimits
 from protocol.messages import Message, ModelPayload
 from protocol.tensors import encode_array
@@ -235,27 +235,27 @@ def test_max_chunks() -> None:
         Reassembler(ReassemblyLimits(max_chunks=len(chunks) - 1)).feed("a", chunks[0])
 
 
-def test_max_pending_transfers_leaves_state_unchanged() -> None:
+def test_max_pending_transfers_evicts_the_oldest_of_the_biggest_source() -> None:
     r = Reassembler(ReassemblyLimits(max_pending_transfers=2))
     transfers = [chunks_of(3000, seed=i)[1] for i in range(3)]
     r.feed("a", transfers[0][0])
     r.feed("a", transfers[1][0])
-    with pytest.raises(DecodeError, match="2 transfers pending, limit 2"):
-        r.feed("a", transfers[2][0])
+    assert r.feed("a", transfers[2][0]) is None  # room made: transfer 0 evicted
     assert r.pending_transfers == 2
-    for chunk in transfers[0][1:]:
-        out = r.feed("a", chunk)
-    assert out is not None and r.pending_transfers == 1
+    assert all(r.feed("a", c) is None for c in transfers[0][1:])  # ignored, not restarted
+    assert r.pending_transfers == 2
+    out = [r.feed("a", c) for c in transfers[1][1:]]
+    assert out[-1] is not None and r.pending_transfers == 1
 
 
 def test_max_pending_bytes() -> None:
     r = Reassembler(ReassemblyLimits(max_pending_bytes=1500))
     _, chunks = chunks_of(5000)
     r.feed("a", chunks[0])
-    before = r.pending_bytes
-    with pytest.raises(DecodeError, match="buffer full"):
+    with pytest.raises(QuotaError, match="does not fit"):
         r.feed("a", chunks[1])
-    assert r.pending_bytes == before
+    assert r.pending_bytes == 0 and r.pending_transfers == 0  # the transfer is dropped
+    assert r.feed("a", chunks[2]) is None and r.pending_bytes == 0  # and stays dropped
 
 
 def test_timeout_drops_stalled_transfers() -> None:

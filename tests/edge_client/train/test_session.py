@@ -325,3 +325,66 @@ def test_persisted_state_is_restored_for_this_device_only() -> None:
 
     handled = task_message(None).model_copy(update={"message_id": "t-1"})
     assert deliver(session, handled) == []
+
+
+# -- the resend rule -----------------------------------------------------------------------
+
+
+def sent_update(**fields: Any) -> tuple[DeviceSession, Message]:
+    session = make_session(**fields)
+    model = model_message()
+    task = task_message(model)
+    send = train_to_update(session, task, model)
+    session.handle(UpdateSent(task.message_id, ok=True))
+    return session, send.message
+
+
+def test_a_retryable_nack_sends_the_same_update_again_until_max_resends() -> None:
+    session, update = sent_update(max_resends=2)
+    nack = Ack(accepted=False, ref=update.message_id, reason="malformed", detail="short data")
+
+    first = deliver(session, inbox(nack), now=1.0)
+    second = deliver(session, inbox(nack), now=2.0)
+    third = deliver(session, inbox(nack), now=3.0)
+
+    assert [a.message for a in of(first, Publish)] == [update]
+    assert [a.message for a in of(second, Publish)] == [update]
+    assert third == []  # bounded
+
+
+def test_a_nack_without_ref_names_the_unacked_update() -> None:
+    session, update = sent_update()
+    nack = Ack(accepted=False, reason="oversize", detail="no room for the transfer")
+    (resend,) = deliver(session, inbox(nack), now=1.0)
+    assert isinstance(resend, Publish) and resend.message == update
+
+
+def test_a_final_nack_or_an_accepting_ack_ends_the_wait() -> None:
+    for reason, accepted in (("late", False), ("not_selected", False), ("ok", True)):
+        session, update = sent_update()
+        ack = Ack(accepted=accepted, ref=update.message_id, reason=reason)
+        assert deliver(session, inbox(ack), now=1.0) == []
+        assert session.next_expiry is None
+        assert session.handle(Tick(1000.0)) == []
+        again = Ack(accepted=False, ref=update.message_id, reason="malformed")
+        assert deliver(session, inbox(again), now=1001.0) == []  # nothing left to resend
+
+
+def test_no_ack_within_the_timeout_sends_the_update_again() -> None:
+    session, update = sent_update(ack_timeout_s=10.0, max_resends=1)
+    assert session.next_expiry == 0.0  # tick now: the timer starts
+    assert session.handle(Tick(100.0)) == []
+    assert session.next_expiry == 110.0
+    assert session.handle(Tick(109.0)) == []
+
+    (resend,) = session.handle(Tick(110.0))
+    assert isinstance(resend, Publish) and resend.message == update
+    assert session.next_expiry == 120.0
+    assert session.handle(Tick(120.0)) == []  # max_resends reached: given up
+    assert session.next_expiry is None
+
+
+def test_a_nack_of_another_message_is_ignored() -> None:
+    session, _ = sent_update()
+    nack = Ack(accepted=False, ref="0" * 32, reason="malformed")
+    assert deliver(session, inbox(nack), now=1.0) == []
