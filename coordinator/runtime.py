@@ -28,6 +28,7 @@ import numpy.typing as npt
 import torch
 
 from coordinator.aggregation import AggregationJob
+from coordinator.auth import RateLimitedLog, load_keyring
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import (
@@ -51,6 +52,7 @@ from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays
 from models.errors import ModelError
+from protocol.auth import AuthError, Keyring
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, TransportError
@@ -147,12 +149,15 @@ class Coordinator:
         codec: codec with its decode limits (defaults when None).
         tick_s: seconds between clock ticks (deadline checks, round starts).
         clock: returns Unix time in seconds.
+        keyring: the fleet's device keys; None: those of ``config.device_keys``, or none
+            with ``config.insecure_no_auth`` (:func:`~coordinator.auth.load_keyring`).
         proxy_data: unlabeled images for server-side distillation, ``(N, C, H, W)`` or
             ``(N, H, W)``, uint8 or floats in [0, 1] (:func:`~coordinator.proxy.
             proxy_tensor`); every aggregation finds them in its context.
 
     Raises:
-        ConfigError: unknown strategy or model, ``server_device`` cuda without a GPU,
+        ConfigError: no device keys without ``insecure_no_auth``, an unreadable keyring,
+            unknown strategy or model, ``server_device`` cuda without a GPU,
             proxy data that does not fit the models, or none for a strategy that
             distils on it.
     """
@@ -167,10 +172,13 @@ class Coordinator:
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.time,
         proxy_data: npt.NDArray[Any] | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
-        self.channel = Channel(transport, codec)
+        self.keyring = keyring if keyring is not None else load_keyring(config)
+        self.channel = Channel(transport, codec, auth=self.keyring)
+        self._refusals = RateLimitedLog(log)
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
@@ -251,10 +259,19 @@ class Coordinator:
             return
         if info.role != "device" or info.device_id is None:
             return
-        self._events.put(Received(info.device_id, message, self._clock()))
+        now = self._clock()
+        skew_ms = message.sent_at_ms - int(now * 1000)
+        self._events.put(Received(info.device_id, message, now, skew_ms))
 
     def _bad_input(self, topic: str, error: DecodeError) -> None:
-        log.warning("dropped undecodable payload on %s: %s", topic, error)
+        """Log bad input once per device (or topic) and minute; nothing else happens."""
+        if isinstance(error, AuthError):
+            source = error.device_id or topic
+            self._refusals.warning(
+                f"auth:{source}", "refused unauthenticated payload on %s: %s", topic, error
+            )
+            return
+        self._refusals.warning(topic, "dropped undecodable payload on %s: %s", topic, error)
 
     def _on_reconnect(self) -> None:
         self._events.put(Reconnected(self._clock()))
