@@ -198,3 +198,33 @@ def test_a_bad_keyring_is_refused_with_a_clear_error(
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         Keyring.load(path)
+
+
+def test_python_m_protocol_keys_writes_key_files_and_the_keyring(tmp_path: Path) -> None:
+    from protocol.__main__ import main
+
+    # Execute: two devices, then one more into the same keyring; then a bad id
+    assert (
+        main(
+            [
+                "keys",
+                "dev-0",
+                "dev-1",
+                "--keyring",
+                str(tmp_path / "k.json"),
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["keys", "dev-2", "--keyring", str(tmp_path / "k.json"), "--out", str(tmp_path)]) == 0
+    )
+    assert (
+        main(["keys", "dev/3", "--keyring", str(tmp_path / "k.json"), "--out", str(tmp_path)]) == 2
+    )
+    # Assert
+    keyring = Keyring.load(tmp_path / "k.json")
+    assert sorted(keyring) == ["dev-0", "dev-1", "dev-2"]
+    assert all(read_key_file(tmp_path / f"{d}.key") == keyring[d] for d in keyring)
