@@ -36,6 +36,7 @@ from typing import Any
 if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from protocol.auth import Keyring, new_key, write_key_file
 from protocol.channel import Channel
 from protocol.messages import Message
 from protocol.topics import parse_topic
@@ -125,16 +126,21 @@ def main() -> None:
                 load_dataset("synthetic", seed=0), args.devices, float("inf"), seed=0
             )
             files = []
+            keys = {}
             for split in federation.devices:
                 files.append(root / f"{split.device_id}.npz")
                 save_device_file(files[-1], split)
+                keys[split.device_id] = new_key()
+                write_key_file(root / f"{split.device_id}.key", keys[split.device_id])
+            Keyring(keys).save(root / "keys.json")  # every message authenticated, as deployed
             monitor = Monitor(url)
             monitor.start()
             coordinator = subprocess.Popen(
                 [sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
                  "--model", "lenet5", "--rounds", str(args.rounds), "--participation", "1.0",
                  "--min-devices", str(args.devices), "--local-epochs", "1",
-                 "--round-timeout", "600", "--no-onnx", "--state-dir", str(root / "state")],
+                 "--round-timeout", "600", "--no-onnx", "--state-dir", str(root / "state"),
+                 "--device-keys", str(root / "keys.json")],
                 stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             processes.append(coordinator)
@@ -156,6 +162,8 @@ def main() -> None:
                             str(root / "dev" / path.stem),
                             "--threads",
                             "1",
+                            "--auth-key-file",
+                            str(path.with_suffix(".key")),
                             "--exit-when-finished",
                         ],
                         stderr=subprocess.DEVNULL,

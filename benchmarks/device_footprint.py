@@ -113,6 +113,7 @@ def launch(command: list[str]) -> Watched:
 
 
 def device_file(root: Path, data_dir: Path | None) -> Path:
+    from protocol.auth import Keyring, new_key, write_key_file
     from sim.datasets import load_dataset
     from sim.partition import partition_dataset, save_device_file
     from sim.synthetic import make_synthetic
@@ -125,6 +126,9 @@ def device_file(root: Path, data_dir: Path | None) -> Path:
     split = partition_dataset(splits, devices, float("inf"), seed=0).devices[0]
     path = root / "dev-000.npz"
     save_device_file(path, split)
+    key = new_key()  # the device's message key (device.key) and the coordinator's keyring
+    write_key_file(root / "device.key", key)
+    Keyring({split.device_id: key}).save(root / "keys.json")
     return path
 
 
@@ -185,6 +189,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 str(data),
                 "--state-dir",
                 str(root / "state"),
+                "--auth-key-file",
+                str(root / "device.key"),
                 "--exit-when-finished",
             ]
         )
@@ -205,6 +211,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "1",
                 "--broadcast-model",
                 "--no-onnx",
+                "--device-keys",
+                str(root / "keys.json"),
             ],
             cwd=ROOT,
             capture_output=True,

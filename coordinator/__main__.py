@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavars={"proxy_data": "FILE"},
     )
     flags.add(
+        p.add_argument_group("security"),
+        CoordinatorConfig,
+        include=("device_keys", "insecure_no_auth", "replay_window_s"),
+        metavars={"device_keys": "FILE"},
+    )
+    flags.add(
         p.add_argument_group("state and outputs"),
         CoordinatorConfig,
         include=("state_dir", "resume", "export_onnx", "broadcast_model"),

@@ -296,6 +296,16 @@ class CoordinatorConfig(FleetSettings):
     broadcast_model: bool = False
     """After each round publish the final model on fl/FLEET/broadcast/model for devices
     that serve it (python -m edge_client follow / --serve-onnx)."""
+    device_keys: Path | None = None
+    """Keyring of the fleet (JSON: device id -> 64 hex digits, mode 0600): the devices
+    allowed to join; every message is authenticated with its device's key
+    (docs/protocol.md, section 2.3). Required unless insecure_no_auth."""
+    insecure_no_auth: bool = False
+    """Run without authentication: anyone on the broker can join, impersonate devices and
+    poison the model. Tests and trusted networks only."""
+    replay_window_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    """Hellos and updates sent (their ts) further than this from the coordinator's clock
+    are refused as replays (docs/protocol.md, section 7)."""
     broker: BrokerSettings | None = None
     """Connection settings (command line and file only; the sim passes its own)."""
 

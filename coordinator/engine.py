@@ -25,6 +25,10 @@ Round rules:
   training included) and the round is closed by the :class:`AggregateDone` event that
   answers it. Events keep coming in meanwhile: hellos, statuses, and updates for the
   round, which are late by now.
+* Only authenticated messages reach the engine (the runtime's channel checks every
+  frame's tag against the device's key, :mod:`coordinator.auth`), and replays are refused
+  first (:class:`~coordinator.auth.ReplayGuard`; docs/protocol.md, section 7): a device
+  becomes known only by its own hello, so nobody else's is ever selected.
 * Late updates (after the deadline, or for an earlier round) are never averaged into a
   round. Strategies with an OCA cache still take a late update into the device's cache
   slot if it is newer than the slot (Ack ``accepted=True, reason=late``); others reject it.
@@ -46,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.aggregation import AggregationJob
+from coordinator.auth import RateLimitedLog, ReplayGuard
 from coordinator.config import CoordinatorConfig, participants, run_weight_format
 from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
 from coordinator.groups import ArchitectureGroup, GroupModels
@@ -104,6 +109,9 @@ class Received:
     message: Message
     now: float
     """Unix time (s) of arrival."""
+    skew_ms: int = 0
+    """The message's ``sent_at_ms`` minus the wall clock at arrival (ms), as the runtime
+    measured it; hellos and updates further off than the replay window are refused."""
 
 
 @dataclass(frozen=True)
@@ -263,6 +271,8 @@ class RoundEngine:
             self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
         )
         self.registry = DeviceRegistry()
+        self._replay = ReplayGuard(config.replay_window_s)
+        self._refusals = RateLimitedLog(log)
         self._proxy_digest = proxy_digest
         """Content fingerprint of the run's proxy data (None: the run has none); part of
         the run's fingerprint, so a resume cannot swap the distillation data."""
@@ -364,6 +374,19 @@ class RoundEngine:
                 message.fleet,
                 message.sender,
             )
+            return []
+        replayed = self._replay.check(message, event.skew_ms)
+        if replayed is not None:
+            self._refusals.warning(
+                f"replay:{message.sender}",
+                "refused %s %s of %s: %s",
+                message.kind,
+                message.message_id,
+                message.sender,
+                replayed.detail,
+            )
+            if isinstance(message.body, Update) and message.sender in self.registry:
+                return [self._ack(message.sender, message, False, replayed.reason, replayed.detail)]
             return []
         body = message.body
         if isinstance(body, Hello):

@@ -31,6 +31,7 @@ import numpy.typing as npt
 import torch
 
 from coordinator.aggregation import AggregationJob
+from coordinator.auth import RateLimitedLog, load_keyring
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import (
@@ -55,6 +56,7 @@ from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays
 from models.errors import ModelError
+from protocol.auth import AuthError, Keyring
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
@@ -162,12 +164,15 @@ class Coordinator:
         codec: codec with its decode limits (defaults when None).
         tick_s: seconds between clock ticks (deadline checks, round starts).
         clock: returns Unix time in seconds.
+        keyring: the fleet's device keys; None: those of ``config.device_keys``, or none
+            with ``config.insecure_no_auth`` (:func:`~coordinator.auth.load_keyring`).
         proxy_data: unlabeled images for server-side distillation, ``(N, C, H, W)`` or
             ``(N, H, W)``, uint8 or floats in [0, 1] (:func:`~coordinator.proxy.
             proxy_tensor`); every aggregation finds them in its context.
 
     Raises:
-        ConfigError: unknown strategy or model, ``server_device`` cuda without a GPU,
+        ConfigError: no device keys without ``insecure_no_auth``, an unreadable keyring,
+            unknown strategy or model, ``server_device`` cuda without a GPU,
             proxy data that does not fit the models, or none for a strategy that
             distils on it.
     """
@@ -182,10 +187,13 @@ class Coordinator:
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.time,
         proxy_data: npt.NDArray[Any] | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
-        self.channel = Channel(transport, codec, admit=self._admit)
+        self.keyring = keyring if keyring is not None else load_keyring(config)
+        self.channel = Channel(transport, codec, admit=self._admit, auth=self.keyring)
+        self._refusals = RateLimitedLog(log)
         self._clock = clock
         self._tick_s = tick_s
         self._server_device = resolve_server_device(config.server_device)
@@ -268,7 +276,9 @@ class Coordinator:
             return
         if info.role != "device" or info.device_id is None:
             return
-        self._events.put(Received(info.device_id, message, self._clock()))
+        now = self._clock()
+        skew_ms = message.sent_at_ms - int(now * 1000)
+        self._events.put(Received(info.device_id, message, now, skew_ms))
 
     def _admit(self, topic: str) -> bool:
         """Whether chunks on ``topic`` may be buffered: only the updates of registered
@@ -286,15 +296,22 @@ class Coordinator:
         )
 
     def _bad_input(self, topic: str, error: DecodeError) -> None:
-        """A bad update goes to the engine, which nacks registered devices (and logs it);
-        other bad input is logged here."""
+        """A bad update of a registered device goes to the engine, which nacks it (and
+        logs it); an unauthenticated payload and other bad input are logged here, once per
+        device (or topic) and minute, and answered with nothing."""
+        if isinstance(error, AuthError):
+            source = error.device_id or topic
+            self._refusals.warning(
+                f"auth:{source}", "refused unauthenticated payload on %s: %s", topic, error
+            )
+            return
         try:
             info = parse_topic(topic)
         except DecodeError:
             log.debug("dropped bad input on unexpected topic %s: %s", topic, error)
             return
         if info.role != "device" or info.device_id is None or info.leaf != "update":
-            log.warning("dropped undecodable payload on %s: %s", topic, error)
+            self._refusals.warning(topic, "dropped undecodable payload on %s: %s", topic, error)
             return
         reason = ReasonCode.OVERSIZE if isinstance(error, QuotaError) else ReasonCode.MALFORMED
         self._events.put(

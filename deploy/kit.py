@@ -8,8 +8,15 @@
       broker/                   copy to the broker host, to settings.broker_dir
         mosquitto.conf, acl, ca.pem, server.pem, server.key, passwords
       coordinator/              the coordinator's credentials: ca.pem, cert.pem, key.pem,
-                                password (the files its listeners need)
-      devices/ID/               one device's: ca.pem, cert.pem, key.pem or password
+                                password (the files its listeners need), and
+                                device-keys.json, the fleet's keyring (--device-keys)
+      devices/ID/               one device's: ca.pem, cert.pem, key.pem or password, and
+                                device.key, its message key (--auth-key-file)
+
+Every device issued (``device`` or ``passwords``) gets a 32-byte message key
+(docs/protocol.md, section 2.3): ``devices/ID/device.key`` for the device, and the same
+key in ``coordinator/device-keys.json`` for the coordinator (both 0600). A device that has
+a key keeps it unless ``force`` issues a new one.
 
 Private keys, passwords, the password file and the ACL are written with mode 0600, folders
 0700.
@@ -19,6 +26,7 @@ certificate the old one signed, a new password locks the old one out.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +41,13 @@ from deploy.mosquitto import render_acl, render_config
 from deploy.passwords import hash_password, new_password, parse_password_file
 from deploy.passwords import render_password_file as _render_passwords
 from deploy.settings import KitSettings
+from protocol.auth import Keyring, new_key
 from protocol.topics import valid_identifier
+
+DEVICE_KEY = "device.key"
+"""A device's message key file, under devices/ID/."""
+DEVICE_KEYS = "device-keys.json"
+"""The coordinator's keyring, under coordinator/."""
 
 __all__ = ["KitLayout", "init_kit", "issue_devices", "issue_passwords", "load_settings"]
 
@@ -196,6 +210,7 @@ def issue_devices(
     for device_id in ids:
         issued = pki.issue_client(ca, device_id, days=settings.days)
         written += _write_certificate(layout.device(device_id), ca_pem, issued, replace=force)
+    written += _issue_message_keys(layout, ids, force=force)
     return written
 
 
@@ -233,6 +248,30 @@ def issue_passwords(
     for device_id in ids:
         entries[device_id] = _new_password(layout.device(device_id), ca_pem, device_id, written)
     written.append(_write_passwords(layout, entries))
+    written += _issue_message_keys(layout, ids, force=force)
+    return written
+
+
+def _issue_message_keys(layout: KitLayout, ids: Sequence[str], *, force: bool) -> list[Path]:
+    """Give each device without a message key (every one with ``force``) a new one:
+    ``devices/ID/device.key``, and the same in the coordinator's keyring."""
+    keyring_path = layout.coordinator / DEVICE_KEYS
+    try:
+        keyring = Keyring.load(keyring_path) if keyring_path.exists() else Keyring()
+    except ValueError as exc:
+        raise KitStateError(str(exc)) from exc
+    written: list[Path] = []
+    for device_id in ids:
+        key_file = layout.device(device_id) / DEVICE_KEY
+        if key_file.exists() and device_id in keyring and not force:
+            continue
+        key = new_key()
+        keyring = keyring.with_key(device_id, key)
+        data = key.hex().encode() + b"\n"
+        written.append(write_file(key_file, data, private=True, replace=True))
+    if written:
+        text = json.dumps({k: v.hex() for k, v in sorted(keyring.items())}, indent=2) + "\n"
+        written.append(write_file(keyring_path, text.encode(), private=True, replace=True))
     return written
 
 

@@ -138,6 +138,17 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
         help="environment variable holding the MQTT password when no --password-file is "
         "given (default %(default)s)",
     )
+    p.add_argument(
+        "--auth-key-file",
+        type=Path,
+        help="file holding this device's key, 64 hex digits (python -m deploy device writes "
+        "it); every message is authenticated with it",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="run without a key (tests and trusted networks only)",
+    )
     p.add_argument("--tls-ca", type=Path, help="CA certificates (PEM) to verify the broker")
     p.add_argument("--tls-cert", type=Path, help="client certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
@@ -353,6 +364,17 @@ def _password(args: argparse.Namespace) -> str | None:
     return None if password is None else password.get_secret_value()
 
 
+def _auth_key(args: argparse.Namespace) -> str | None:
+    from protocol.auth import read_key_file
+
+    if args.auth_key_file is None:
+        return None
+    try:
+        return read_key_file(args.auth_key_file).hex()
+    except ValueError as exc:
+        raise _CliError(str(exc)) from exc
+
+
 def _client_config(args: argparse.Namespace, device_id: str, **fields: Any) -> ClientConfig:
     """The client configuration from the connection flags and ``fields``.
 
@@ -396,6 +418,8 @@ def _client_config(args: argparse.Namespace, device_id: str, **fields: Any) -> C
             connect_retry_s=args.connect_retry,
             serve_onnx=args.serve_onnx,
             onnx_template=args.onnx_template,
+            auth_key=_auth_key(args),
+            insecure_no_auth=args.insecure_no_auth,
             **fields,
         )
     except (EdgeClientError, ValueError) as exc:  # pydantic's ValidationError too

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from edge_client.errors import ConfigError
+from protocol.auth import KEY_SIZE, Keyring
 from protocol.chunking import DEFAULT_MAX_PAYLOAD
 from protocol.errors import TransportError
 from protocol.messages import ID_PATTERN, WeightFormat
@@ -99,12 +100,49 @@ class ClientConfig(BaseModel):
     # Handled task message ids remembered (and persisted) to ignore redeliveries.
     max_payload: int = Field(default=DEFAULT_MAX_PAYLOAD, ge=1024)
     # Largest MQTT payload published, bytes; larger updates are chunked.
+    auth_key: SecretStr | None = None
+    # This device's 32-byte key as 64 hex digits (python -m deploy device writes it;
+    # the coordinator's keyring holds the same): every message to and from the device is
+    # authenticated with it (docs/protocol.md, section 2.3). Required unless
+    # insecure_no_auth.
+    insecure_no_auth: bool = False
+    # Run without a key: tags are neither written nor checked (tests and trusted networks
+    # only; a coordinator with keys refuses such a device).
     serve_onnx: Path | None = None
     # Keep this ONNX file current with the fleet's model, broadcast after each round by a
     # coordinator run with --broadcast-model (python -m edge_client infer serves it).
     onnx_template: Path | None = None
     # The ONNX template the served model is written into (python -m edge_client
     # template); given together with serve_onnx.
+
+    @model_validator(mode="after")
+    def _key_is_a_key(self) -> ClientConfig:
+        if self.auth_key is not None:
+            if self.insecure_no_auth:
+                raise ValueError("give auth_key or insecure_no_auth, not both")
+            try:
+                key = bytes.fromhex(self.auth_key.get_secret_value())
+            except ValueError:
+                raise ValueError("auth_key must be 64 hex digits") from None
+            if len(key) != KEY_SIZE:
+                raise ValueError(f"auth_key must be {KEY_SIZE} bytes, not {len(key)}")
+        return self
+
+    def keyring(self) -> Keyring | None:
+        """The keys this device authenticates its topics with (its own); None with
+        ``insecure_no_auth``.
+
+        Raises:
+            ConfigError: neither a key nor ``insecure_no_auth``.
+        """
+        if self.auth_key is None:
+            if self.insecure_no_auth:
+                return None
+            raise ConfigError(
+                f"device {self.device_id} has no key: give --auth-key-file FILE (python -m "
+                "deploy device writes it) or --insecure-no-auth"
+            )
+        return Keyring({self.device_id: bytes.fromhex(self.auth_key.get_secret_value())})
 
     @model_validator(mode="after")
     def _serving_needs_template(self) -> ClientConfig:

@@ -62,6 +62,8 @@ class DeviceFile(BaseModel):
     username: str | None = None
     password_file: Path | None = None
     password_env: str | None = Field(default=None, pattern=_ENV_NAME)
+    auth_key_file: Path | None = None
+    insecure_no_auth: bool | None = None
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None

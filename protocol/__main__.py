@@ -7,6 +7,11 @@ Commands:
                                 ``--values`` adds each tensor's values (dequantized).
     demo                        send a model at every precision through an embedded
                                 MQTT broker and print what each costs on the wire.
+    keys ID [ID ...] --keyring FILE --out DIR
+                                give each device a new 32-byte message key: DIR/ID.key
+                                for the device (--auth-key-file), the same in the
+                                coordinator's keyring FILE (--device-keys), both 0600;
+                                ``python -m deploy device`` does this within its kit.
 
 Exit codes: 0 success, 2 bad input or usage (one line on stderr), 3 broker failure.
 """
@@ -74,6 +79,29 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from protocol.auth import Keyring, new_key, write_key_file
+    from protocol.topics import valid_identifier
+
+    bad = [d for d in args.devices if not valid_identifier(d)]
+    if bad:
+        print(f"error: invalid device id(s): {', '.join(bad)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        keyring = Keyring.load(args.keyring) if args.keyring.exists() else Keyring()
+        args.out.mkdir(parents=True, exist_ok=True)
+        for device_id in args.devices:
+            key = new_key()
+            write_key_file(args.out / f"{device_id}.key", key)
+            keyring = keyring.with_key(device_id, key)
+        keyring.save(args.keyring)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{len(args.devices)} key(s) in {args.out}; keyring {args.keyring}: {len(keyring)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m protocol", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -92,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-payload", type=int, default=128 * 1024, help="chunk size in bytes")
     d.add_argument("--json", action="store_true", help="print one JSON array")
     d.set_defaults(run=_demo)
+    k = sub.add_parser("keys", help="new message keys for devices, and the coordinator's keyring")
+    k.add_argument("devices", nargs="+", metavar="ID", help="device ids")
+    k.add_argument("--keyring", type=Path, required=True, help="coordinator's keyring (JSON)")
+    k.add_argument("--out", type=Path, required=True, help="folder of the devices' key files")
+    k.set_defaults(run=_keys)
     return parser
 
 

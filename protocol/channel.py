@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from protocol.auth import AuthError, Keyring, seal, topic_device, verify
 from protocol.chunking import (
     CHUNK_HEADER_SIZE,
     DEFAULT_MAX_PAYLOAD,
@@ -57,6 +58,8 @@ class Channel:
         reassembly: limits of the chunk reassembler.
         admit: which topics may hold incomplete chunked transfers (all when None); see
             :class:`~protocol.chunking.Reassembler`.
+        auth: the keys of the devices whose topics this channel authenticates; None:
+            no authentication (insecure; for tests and trusted networks only).
     """
 
     def __init__(
@@ -67,12 +70,14 @@ class Channel:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         reassembly: ReassemblyLimits | None = None,
         admit: SourceFilter | None = None,
+        auth: Keyring | None = None,
     ) -> None:
         if max_payload <= CHUNK_HEADER_SIZE:
             raise ValueError(f"max_payload must exceed the {CHUNK_HEADER_SIZE}-byte chunk header")
         self.transport = transport
         self.codec = codec or Codec()
         self.max_payload = max_payload
+        self.auth = auth
         self._reassembler = Reassembler(reassembly, admit=admit)
         self._lock = threading.Lock()
 
@@ -106,7 +111,7 @@ class Channel:
                 chunks (a broker keeps only the last retained publish of a topic).
             TransportError: publishing failed.
         """
-        frame = self.codec.encode(message)
+        frame = self.encode(topic, message)
         frames = split_frame(frame, self.max_payload_for(topic, qos))
         if retain and len(frames) > 1:
             raise EncodeError("a retained message must fit in one frame")
@@ -114,6 +119,22 @@ class Channel:
         for part in frames:
             self.transport.publish(topic, part, qos=qos, retain=retain)
         return Sent(len(frames), sum(len(f) for f in frames), len(frame))
+
+    def encode(self, topic: str, message: Message) -> bytes:
+        """The message frame of ``message`` for ``topic``, sealed where the channel has a
+        key for the topic (for a last will, which the broker publishes later).
+
+        Raises:
+            EncodeError: the message cannot be encoded, or the channel authenticates and
+                has no key for the device ``topic`` names.
+        """
+        frame = self.codec.encode(message)
+        key = None if self.auth is None else self.auth.key_for(topic)
+        if key is not None:
+            return seal(key, topic, frame)
+        if self.auth is not None and topic_device(topic) is not None:
+            raise EncodeError(f"no key for the device of {topic}")
+        return frame
 
     def subscribe(
         self,
@@ -127,14 +148,19 @@ class Channel:
 
         Bad input (malformed frames, failed checks, limits) never reaches ``handler``:
         it goes to ``on_error(topic, error)`` if given, else it is logged as a warning.
+        With a keyring, a frame that fails authentication is an
+        :class:`~protocol.auth.AuthError` and nothing of it is decompressed.
         """
 
         def receive(inbound: Inbound) -> None:
             try:
+                key = self._receive_key(inbound.topic)
                 with self._lock:
                     frame = self._reassembler.feed(inbound.topic, inbound.payload)
                 if frame is None:
                     return
+                if key is not None:
+                    verify(key, inbound.topic, frame)
                 message = self.codec.decode(frame)
             except DecodeError as exc:
                 if on_error is not None:
@@ -145,6 +171,22 @@ class Channel:
             handler(inbound.topic, message)
 
         self.transport.subscribe(topic_filter, receive, qos=qos)
+
+    def _receive_key(self, topic: str) -> bytes | None:
+        """The key to check a frame on ``topic`` with; None where none is checked.
+
+        Raises:
+            AuthError: the topic names a device this channel has no key for.
+        """
+        if self.auth is None:
+            return None
+        device_id = topic_device(topic)
+        if device_id is None:
+            return None  # a fleet-wide topic: not authenticated
+        key = self.auth.get(device_id)
+        if key is None:
+            raise AuthError(f"no key for device {device_id!r} (not registered)", device_id)
+        return key
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Stop receiving on ``topic_filter``."""

@@ -4,12 +4,14 @@ A *frame* is what travels as one MQTT payload. Two frame types share a 4-byte he
 
     offset  size  field
     0       2     magic b"FL" (0x46 0x4C)
-    2       1     version (PROTOCOL_VERSION, 3)
+    2       1     version (PROTOCOL_VERSION, 4)
     3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking)
 
-A message frame continues with exactly one zstd frame (content size and content
-checksum present, no dictionary; a decoder rejects any other) whose content is one
-msgpack map, the envelope::
+A message frame continues with a 32-byte authentication tag (HMAC-SHA256, see
+protocol.auth; zero bytes where the frame is not authenticated: the codec writes zeros,
+:class:`~protocol.channel.Channel` seals and checks it) and then exactly one zstd frame
+(content size and content checksum present, no dictionary; a decoder rejects any other)
+whose content is one msgpack map, the envelope::
 
     {"v": PROTOCOL_VERSION, "kind": str, "fleet": str, "round": int, "sender": str,
      "id": bin(16), "ts": int (unix ms), "body": map}
@@ -37,6 +39,7 @@ __all__ = [
     "FRAME_HEADER_SIZE",
     "FRAME_MAGIC",
     "FRAME_MESSAGE",
+    "MESSAGE_PREFIX_SIZE",
     "ZSTD_MAGIC",
     "Codec",
     "FrameHeader",
@@ -47,6 +50,9 @@ FRAME_MAGIC = b"FL"
 FRAME_MESSAGE = 0x01
 FRAME_CHUNK = 0x02
 FRAME_HEADER_SIZE = 4
+TAG_SIZE = 32
+MESSAGE_PREFIX_SIZE = FRAME_HEADER_SIZE + TAG_SIZE
+"""A message frame's zstd frame starts after the header and the 32-byte tag."""
 ZSTD_MAGIC = bytes.fromhex("28b52ffd")
 """The first 4 bytes of a zstd frame (RFC 8878 magic number 0xFD2FB528, little-endian)."""
 _CONTENT_CHECKSUM_FLAG = 0b0000_0100  # bits of the zstd Frame_Header_Descriptor
@@ -172,7 +178,7 @@ class Codec:
             raise EncodeError(f"cannot pack {message.kind} message: {exc}") from exc
 
     def encode(self, message: Message) -> bytes:
-        """Encode one message as a message frame.
+        """Encode one message as a message frame (with a zero tag: see protocol.auth).
 
         Raises:
             EncodeError: the message is larger than ``limits.max_message_bytes`` (or
@@ -184,7 +190,7 @@ class Codec:
                 f"{message.kind} message is {len(packed)} bytes, "
                 f"limit {self.limits.max_message_bytes}"
             )
-        header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE))
+        header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE)) + bytes(TAG_SIZE)
         frame = header + self._compressor().compress(packed)
         if len(frame) > self.limits.max_frame_bytes:
             raise EncodeError(f"frame is {len(frame)} bytes, limit {self.limits.max_frame_bytes}")
@@ -208,7 +214,9 @@ class Codec:
         header = read_frame_header(frame)
         if header.frame_type != FRAME_MESSAGE:
             raise DecodeError("a chunk frame must be reassembled before decoding")
-        body = frame[FRAME_HEADER_SIZE:]
+        if len(frame) < MESSAGE_PREFIX_SIZE:
+            raise DecodeError(f"message frame too short ({len(frame)} bytes)")
+        body = frame[MESSAGE_PREFIX_SIZE:]
         size = _check_zstd_header(body)
         if size > limits.max_message_bytes:
             raise DecodeError(

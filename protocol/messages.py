@@ -55,7 +55,7 @@ __all__ = [
     "WeightFormat",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of the message schemas and of the frame layout; decoders reject others.
 docs/protocol.md (section 11) lists what each version changed."""
 
@@ -211,6 +211,8 @@ class ReasonCode(str, Enum):
     OVERSIZE = "oversize"
     NOT_SELECTED = "not_selected"
     INTERNAL = "internal"
+    REPLAYED = "replayed"
+    """Outside the replay window (docs/protocol.md, section 7): check the device's clock."""
 
 
 class Ack(_Body):

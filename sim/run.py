@@ -19,18 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import hmac
 import logging
 import math
+import os
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
-from pydantic import Field, field_serializer, field_validator, model_validator
+from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
 from coordinator.config import CoordinatorConfig, FleetSettings, run_weight_format
 from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
@@ -45,6 +48,7 @@ from models import Classifier, build_classifier, load_state_arrays, state_arrays
 from models.classifiers import HEAD_PREFIX
 from models.devices import resolve_device
 from models.weight_formats import run_weights_
+from protocol.auth import Keyring
 from protocol.errors import BrokerError
 from protocol.messages import Ack, CoordinatorStatus, ReasonCode, WeightFormat
 from protocol.tensors import Precision
@@ -193,7 +197,9 @@ class SimConfig(FleetSettings):
             uplink=up or self.uplink_precision,
         )
 
-    def device_config(self, index: int, device_id: str) -> ClientConfig:
+    def device_config(
+        self, index: int, device_id: str, auth_key: bytes | None = None
+    ) -> ClientConfig:
         """The configuration of emulated device ``index``: it runs the fleet's
         architectures in turn (device ``index`` the ``index % len``-th), consents to share
         label counts (FedGen needs them), stops when the run finishes and keeps its state
@@ -213,6 +219,7 @@ class SimConfig(FleetSettings):
             downlink_precision=down,
             uplink_precision=up,
             weight_format=weight_format,
+            auth_key=None if auth_key is None else SecretStr(auth_key.hex()),
         )
 
     def trainer_factory(self) -> TrainerFactory:
@@ -564,6 +571,7 @@ def run_simulation(
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
+    keyring = fleet_keyring([d.device_id for d in federation.devices], shard)
     proxy = config.proxy_images()
     scratch = {
         name: build_classifier(
@@ -574,7 +582,11 @@ def run_simulation(
     mine = range(len(federation.devices)) if shard is None else shard.devices(config.devices)
     devices = [
         (
-            config.device_config(index, federation.devices[index].device_id),
+            config.device_config(
+                index,
+                federation.devices[index].device_id,
+                keyring[federation.devices[index].device_id],
+            ),
             device_data(federation, index),
         )
         for index in mine
@@ -596,6 +608,7 @@ def run_simulation(
                 make_transport(f"{config.fleet}-coordinator"),
                 store,
                 proxy_data=proxy,
+                keyring=keyring,
             )
             fleet = Fleet(
                 devices, make_transport, trainer=trainer, options=config.fleet_options(shard)
@@ -670,6 +683,18 @@ def run_simulation(
             final[key] = sum(r[key] for r in ranks)
     config_dict = config.model_dump(mode="json")
     return RunReport(config=config_dict, rounds=records, final=final)
+
+
+def fleet_keyring(device_ids: Sequence[str], shard: Shard | None = None) -> Keyring:
+    """Keys for the emulated devices, provisioned as ``python -m deploy device`` would:
+    each device's key is HMAC-SHA256(secret, device id) of a fresh random secret (rank 0's,
+    shared with the other ranks of a sharded run), so every rank derives the same keys
+    and nobody outside the run knows them."""
+    secret = os.urandom(32) if shard is None or shard.leader else None
+    if shard is not None:
+        secret = broadcast(secret)
+    assert secret is not None
+    return Keyring({d: hmac.new(secret, d.encode(), hashlib.sha256).digest() for d in device_ids})
 
 
 def _check_shardable(config: SimConfig, shard: Shard) -> None:

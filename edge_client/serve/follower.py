@@ -185,7 +185,10 @@ class Follower:
         self.transport = transport
         self.refresher = refresher
         self._topics = Topics(config.fleet)
-        self._channel = Channel(transport, codec, max_payload=config.max_payload)
+        # the follower reads fleet-wide topics only (not authenticated); a key, where the
+        # device has one, seals its own status
+        auth = config.keyring() if config.auth_key is not None else None
+        self._channel = Channel(transport, codec, max_payload=config.max_payload, auth=auth)
         self._status_topic = self._topics.device(config.device_id, "status")
         self._stop = threading.Event()
         self._stopped = threading.Event()
@@ -199,7 +202,8 @@ class Follower:
         """
         with self._lifecycle:
             offline = self._message(DeviceStatus(state="offline"))
-            will = Will(self._status_topic, self._channel.codec.encode(offline), retain=True)
+            frame = self._channel.encode(self._status_topic, offline)
+            will = Will(self._status_topic, frame, retain=True)
             if not connect_with_retry(self.transport, self.config, will, self._stop):
                 self._stopped.set()
                 return

@@ -151,7 +151,9 @@ class EdgeClient:
         self.transport = transport
         self.data = data
         self._topics = Topics(config.fleet)
-        self._channel = Channel(transport, codec, max_payload=config.max_payload)
+        self._channel = Channel(
+            transport, codec, max_payload=config.max_payload, auth=config.keyring()
+        )
         self._lock = threading.Lock()  # guards the session
         self._lifecycle = threading.Lock()  # serializes start() and stop()
         self._queue: queue.SimpleQueue[Job | _Wake | None] = queue.SimpleQueue()
@@ -247,7 +249,11 @@ class EdgeClient:
                     sender=self.device_id,
                     body=DeviceStatus(state="offline"),
                 )
-                will = Will(self._status_topic, self._channel.codec.encode(status), retain=True)
+                will = Will(
+                    self._status_topic,
+                    self._channel.encode(self._status_topic, status),
+                    retain=True,
+                )
                 connected = connect_with_retry(
                     self.transport, self.config, will, self._stop_requested
                 )

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from edge_client.config import ClientConfig
-from edge_client.errors import ConnectError
+from edge_client.errors import ConfigError, ConnectError
 from edge_client.link import publish_status
 from edge_client.train.session import (
     Event,
@@ -41,6 +41,7 @@ from edge_client.train.session import (
     Started,
     UpdateSent,
 )
+from protocol.auth import Keyring
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, TransportError
@@ -106,6 +107,20 @@ class _Setup:
 _SETUP = _Setup()
 
 
+def _keyring(configs: Sequence[ClientConfig]) -> Keyring | None:
+    """The keys of the devices one connection carries; None when all run insecure.
+
+    Raises:
+        ConfigError: a device without a key, or keys and insecure devices mixed.
+    """
+    rings = [c.keyring() for c in configs]
+    if all(r is None for r in rings):
+        return None
+    if any(r is None for r in rings):
+        raise ConfigError("devices with keys and insecure ones cannot share a connection")
+    return Keyring({d: k for r in rings if r is not None for d, k in r.items()})
+
+
 class Pool:
     """The connections of a fleet and their publisher threads.
 
@@ -138,7 +153,7 @@ class Pool:
         self._connections: list[_Connection] = []
         for index, (transport, group) in enumerate(zip(transports, members, strict=True)):
             max_payload = min(c.max_payload for c in group)
-            channel = Channel(transport, codec, max_payload=max_payload)
+            channel = Channel(transport, codec, max_payload=max_payload, auth=_keyring(group))
             ids = tuple(c.device_id for c in group)
             self._connections.append(_Connection(self, index, channel, ids))
             self._connection_of.update(dict.fromkeys(ids, index))

@@ -41,6 +41,7 @@ def config(**overrides: Any) -> CoordinatorConfig:
         "participation": 1.0,
         "round_timeout_s": 60.0,
         "seed": 1,
+        "insecure_no_auth": True,  # the engine's tests; tests/coordinator/test_auth.py has keys
     }
     base.update(overrides)
     return CoordinatorConfig.model_validate(base)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from edge_client.serve.infer import OnnxClassifier
+from protocol.auth import Keyring, new_key, write_key_file
 from sim.datasets import load_dataset
 from sim.partition import partition_dataset, save_device_file
 from tests.protocol.brokers import Mosquitto
@@ -43,11 +44,19 @@ def device_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         path = out / f"{split.device_id}.npz"
         save_device_file(path, split)
         paths.append(path)
+    keys = {split.device_id: new_key() for split in federation.devices}
+    for device_id, key in keys.items():
+        write_key_file(out / f"{device_id}.key", key)
+    Keyring(keys).save(out / "keys.json")  # the devices' key files and the keyring
     return paths
 
 
+def keyring_of(files: list[Path]) -> Path:
+    return files[0].parent / "keys.json"
+
+
 def coordinator(
-    broker: Mosquitto, fleet: str, state: Path, rounds: int, *extra: str
+    broker: Mosquitto, fleet: str, state: Path, rounds: int, keys: Path, *extra: str
 ) -> subprocess.Popen[str]:
     command = [
         sys.executable,
@@ -75,6 +84,8 @@ def coordinator(
         "16",
         "--state-dir",
         str(state),
+        "--device-keys",
+        str(keys),
         *extra,
     ]
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
@@ -99,6 +110,8 @@ def edge_clients(
                 "mlp",
                 "--state-dir",
                 str(root / path.stem),
+                "--auth-key-file",
+                str(path.with_suffix(".key")),
                 "--exit-when-finished",
             ],
             stderr=subprocess.PIPE,
@@ -141,7 +154,7 @@ def test_separate_processes_complete_a_run_and_save_pt_and_onnx(
     broker: Mosquitto, device_files: list[Path], tmp_path: Path
 ) -> None:
     state = tmp_path / "state"
-    server = coordinator(broker, "e2e", state, 2)
+    server = coordinator(broker, "e2e", state, 2, keyring_of(device_files))
     devices = edge_clients(broker, "e2e", device_files, tmp_path / "devices")
 
     (server_log,) = wait_all([server], 180)
@@ -162,13 +175,13 @@ def test_coordinator_killed_after_a_round_resumes_and_finishes(
     broker: Mosquitto, device_files: list[Path], tmp_path: Path
 ) -> None:
     state = tmp_path / "state"
-    server = coordinator(broker, "resume", state, 3)
+    server = coordinator(broker, "resume", state, 3, keyring_of(device_files))
     devices = edge_clients(broker, "resume", device_files, tmp_path / "devices")
     read_until(server, "round 1/3 closed", 120)
     server.send_signal(signal.SIGKILL)
     server.wait(10)
 
-    again = coordinator(broker, "resume", state, 3, "--resume")
+    again = coordinator(broker, "resume", state, 3, keyring_of(device_files), "--resume")
     (log,) = wait_all([again], 180)
     wait_all(devices, 60)
 

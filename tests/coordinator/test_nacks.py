@@ -18,8 +18,8 @@ from coordinator.engine import Publish
 from coordinator.runtime import Coordinator
 from coordinator.store import MemoryStore
 from protocol.channel import Channel
-from protocol.codec import Codec
-from protocol.messages import Ack, Message, ReasonCode
+from protocol.codec import FRAME_MAGIC, FRAME_MESSAGE, TAG_SIZE, Codec
+from protocol.messages import PROTOCOL_VERSION, Ack, Message, ReasonCode
 from protocol.topics import Topics
 from protocol.transport import MemoryBroker, MemoryTransport
 from tests.coordinator.helpers import FLEET, GROUP, config, hello, make_engine, update
@@ -90,7 +90,8 @@ def run() -> Iterator[Run]:
 
 def frame(envelope: dict[str, Any], *, checksum: bool = True) -> bytes:
     packed = msgpack.packb(envelope, use_bin_type=True)
-    return b"FL\x03\x01" + zstandard.ZstdCompressor(write_checksum=checksum).compress(packed)
+    header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE)) + bytes(TAG_SIZE)
+    return header + zstandard.ZstdCompressor(write_checksum=checksum).compress(packed)
 
 
 def test_a_frame_without_content_checksum_is_refused_with_a_nack(run: Run) -> None:

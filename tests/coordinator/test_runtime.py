@@ -51,7 +51,7 @@ def test_malformed_and_foreign_messages_change_nothing() -> None:
     good_hello = hello(engine, "dev-0")
 
     attacker.publish(topics.device("dev-0", "update"), b"\x00garbage")
-    attacker.publish(topics.device("dev-0", "hello"), b"FL\x03\x01" + b"\xff" * 40)
+    attacker.publish(topics.device("dev-0", "hello"), b"FL\x04\x01" + b"\xff" * 72)
     channel.send(topics.device("dev-1", "hello"), good_hello)  # sender != topic device
     channel.send(
         topics.device("dev-0", "hello"),
@@ -116,7 +116,11 @@ def test_a_run_survives_a_broker_restart_mid_round() -> None:
             split.device_id, split.train.x, split.train.y, split.test.x, split.test.y, 10
         )
         client_config = ClientConfig(
-            device_id=split.device_id, fleet=FLEET, model="mlp", exit_when_finished=True
+            device_id=split.device_id,
+            fleet=FLEET,
+            model="mlp",
+            exit_when_finished=True,
+            insecure_no_auth=True,
         )
         clients.append(EdgeClient(client_config, MemoryTransport(broker, split.device_id), data))
     thread = threading.Thread(target=coordinator.run, daemon=True)

@@ -14,6 +14,7 @@ from cryptography.x509.oid import NameOID
 
 from deploy.__main__ import EXIT_OK, EXIT_USAGE, main
 from deploy.passwords import parse_password_file, verify
+from protocol.auth import Keyring, read_key_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -277,3 +278,22 @@ def test_python_m_deploy_runs_and_says_which_extra_is_missing(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-c", without], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == EXIT_USAGE
     assert "pip install 'edgefl[deploy]'" in done.stderr
+
+
+def test_each_device_gets_a_message_key_the_coordinators_keyring_holds(kit: Path) -> None:
+    # Prepare, Execute: certificates for two devices, then a password for one of them
+    assert run("device", "dev-1", "dev-2", "--out", kit) == EXIT_OK
+    keyring = Keyring.load(kit / "coordinator/device-keys.json")
+    keys = {d: read_key_file(kit / "devices" / d / "device.key") for d in ("dev-1", "dev-2")}
+    assert run("passwords", "dev-1", "--out", kit) == EXIT_OK
+    # Assert: one random 32-byte key per device, the same on both sides, all 0600; a
+    # second credential keeps the key, --force issues a new one
+    assert dict(keyring) == keys and keys["dev-1"] != keys["dev-2"]
+    assert all(len(k) == 32 for k in keys.values())
+    assert mode(kit / "coordinator/device-keys.json") == 0o600
+    assert mode(kit / "devices/dev-1/device.key") == 0o600
+    assert read_key_file(kit / "devices/dev-1/device.key") == keys["dev-1"]
+    assert run("device", "dev-1", "--out", kit, "--force") == EXIT_OK
+    renewed = Keyring.load(kit / "coordinator/device-keys.json")
+    assert renewed["dev-1"] != keys["dev-1"] and renewed["dev-2"] == keys["dev-2"]
+    assert renewed["dev-1"] == read_key_file(kit / "devices/dev-1/device.key")

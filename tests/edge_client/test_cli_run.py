@@ -27,6 +27,7 @@ from protocol import (
     Update,
     encode_tensors,
 )
+from protocol.auth import Keyring, new_key, write_key_file
 from protocol.transport import EmbeddedBroker, MqttConfig, MqttTransport
 from sim.partition import partition_dataset, save_device_file
 from sim.synthetic import make_synthetic
@@ -90,13 +91,15 @@ def test_device_process_announces_trains_and_exits_0_on_sigterm(
     topics = Topics(FLEET)
     transport = MqttTransport(MqttConfig(host=broker.host, port=broker.port))
     transport.connect()
-    channel = Channel(transport)
+    key = new_key()
+    write_key_file(tmp_path / "device.key", key)
+    channel = Channel(transport, auth=Keyring({"dev-000": key}))  # the coordinator's side
     recorder = Recorder()
     channel.subscribe(topics.from_devices("#"), recorder)
     process = run_device(
         "--broker", f"mqtt://{broker.host}:{broker.port}", "--fleet", FLEET,
         "--data", str(data_file), "--state-dir", str(tmp_path / "state"), "--model", "mlp",
-        cwd=tmp_path,
+        "--auth-key-file", str(tmp_path / "device.key"), cwd=tmp_path,
     )  # fmt: skip
     try:
         hello = recorder.wait_for(lambda m: isinstance(m.body, Hello)).body
@@ -160,13 +163,21 @@ def test_bad_data_file_exits_2_and_unreachable_broker_exits_1(tmp_path: Path) ->
         port = probe.port  # free once the broker stopped
     unreachable = run_device(
         "--broker", f"mqtt://127.0.0.1:{port}", "--data", str(good), "--model", "mlp",
-        "--connect-retry", "1", cwd=tmp_path,
+        "--connect-retry", "1", "--insecure-no-auth", cwd=tmp_path,
+    )  # fmt: skip
+    (tmp_path / "short.key").write_text("abcd\n")
+    no_key = run_device("--data", str(good), "--model", "mlp", cwd=tmp_path)
+    short_key = run_device(
+        "--data", str(good), "--model", "mlp", "--auth-key-file", str(tmp_path / "short.key"),
+        cwd=tmp_path,
     )  # fmt: skip
 
     for process, code, text in (
         (bad_data, 2, "junk.npz"),
         (bad_flag, 2, "--threads"),
         (unreachable, 1, "no connection to the broker"),
+        (no_key, 2, "has no key: give --auth-key-file"),
+        (short_key, 2, "32-byte key"),
     ):
         _, stderr = process.communicate(timeout=60)
         assert process.returncode == code, stderr

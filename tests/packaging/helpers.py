@@ -63,11 +63,24 @@ def bundle_command(out: Path, profile: str, *flags: str) -> list[str]:
     ]
 
 
+def provision_keys(root: Path, *device_ids: str) -> Path:
+    """Message keys for ``device_ids``: ``root/ID.key`` each, and the coordinator's
+    keyring ``root/keys.json`` (returned)."""
+    from protocol.auth import Keyring, new_key, write_key_file
+
+    keys = {d: new_key() for d in device_ids}
+    for device_id, key in keys.items():
+        write_key_file(root / f"{device_id}.key", key)
+    Keyring(keys).save(root / "keys.json")
+    return root / "keys.json"
+
+
 def run_coordinator(
-    broker_url: str, fleet: str, state: Path, timeout: float = 300
+    broker_url: str, fleet: str, state: Path, device_keys: Path, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """One round of the fleet's model with one device, the model broadcast after it
-    (``--broadcast-model``); the final model lands in ``state/final/model.onnx``."""
+    (``--broadcast-model``); the final model lands in ``state/final/model.onnx``.
+    ``device_keys``: the keyring (:func:`provision_keys`)."""
     return subprocess.run(
         [
             sys.executable,
@@ -98,6 +111,8 @@ def run_coordinator(
             "--broadcast-model",
             "--state-dir",
             str(state),
+            "--device-keys",
+            str(device_keys),
         ],
         capture_output=True,
         text=True,

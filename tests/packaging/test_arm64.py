@@ -46,6 +46,7 @@ from tests.packaging.helpers import (
     ROOT,
     SIDE,
     bundle_command,
+    provision_keys,
     run,
     run_coordinator,
     write_fleet_files,
@@ -256,6 +257,7 @@ def fleet_round(board: Board, tmp_path_factory: pytest.TempPathFactory) -> Round
         follower.kill()
         reader.join(10)
         pytest.fail("follow on the board did not subscribe in 300 s:\n" + "".join(follower_lines))
+    provision_keys(host, "host-1")
     device = subprocess.Popen(
         [
             sys.executable,
@@ -268,6 +270,8 @@ def fleet_round(board: Board, tmp_path_factory: pytest.TempPathFactory) -> Round
             FLEET,
             "--device-id",
             "host-1",
+            "--auth-key-file",
+            str(host / "host-1.key"),
             "--data",
             str(board.data),
             "--model",
@@ -284,7 +288,7 @@ def fleet_round(board: Board, tmp_path_factory: pytest.TempPathFactory) -> Round
         text=True,
     )
     try:
-        server = run_coordinator(board.broker.url, FLEET, host / "coordinator")
+        server = run_coordinator(board.broker.url, FLEET, host / "coordinator", host / "keys.json")
         _, device_log = device.communicate(timeout=120)
         assert server.returncode == 0, server.stderr[-3000:]
         assert "round 1/1 closed" in server.stderr, server.stderr[-3000:]

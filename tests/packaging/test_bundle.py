@@ -34,6 +34,7 @@ from tests.packaging.helpers import (
     ROOT,
     SIDE,
     bundle_command,
+    provision_keys,
     run,
     run_coordinator,
     write_fleet_files,
@@ -87,10 +88,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
             f'broker = "{broker.url}"\nfleet = "{FLEET}"\nconnect_retry = 30\n'
             f'onnx_template = "{root}/etc-PROFILE/template.onnx"\n'
         )
+        provision_keys(root, "pi-1")
         train_config = root / "train.toml"
         train_config.write_text(
             common.replace("PROFILE", "train")
             + f'device_id = "pi-1"\ndata = "{data}"\nmodel = "mlp"\n'
+            f'auth_key_file = "{root}/pi-1.key"\n'
             f'state_dir = "{root}/state-pi-1"\nserve_onnx = "{root}/served-pi-1/model.onnx"\n'
             "exit_when_finished = true\n"
         )
@@ -198,7 +201,7 @@ def test_bundled_devices_complete_a_round_and_serve_the_fleet_model(
         **neutral,
     )
     state = tmp_path / "coordinator"
-    server = run_coordinator(broker.url, FLEET, state)
+    server = run_coordinator(broker.url, FLEET, state, root / "keys.json")
     try:
         _, device_log = device.communicate(timeout=120)
     finally:

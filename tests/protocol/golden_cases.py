@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.auth import seal, topic_device
 from protocol.codec import Codec
 from protocol.messages import (
     Ack,
@@ -27,6 +28,19 @@ from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_KEY = bytes(range(0x20, 0x40))
+"""The key of device ``dev-001`` the golden frames are sealed with (protocol.auth)."""
+GOLDEN_TOPICS = {
+    "hello": "fl/lab/devices/dev-001/hello",
+    "task": "fl/lab/to/dev-001/task",
+    "model": "fl/lab/to/dev-001/model",
+    "update": "fl/lab/devices/dev-001/update",
+    "ack": "fl/lab/to/dev-001/ack",
+    "device_status": "fl/lab/devices/dev-001/status",
+    "coord_status": "fl/lab/coordinator/status",
+}
+"""The topic each golden frame is sealed for; ``coord_status`` is fleet-wide, so its
+tag is zeros."""
 TRANSFER_ID = bytes(range(16))
 STUDENT_FINGERPRINT = "2e2182719fad8974"
 """Content fingerprint (docs/protocol.md, section 6) of the golden model's ``student`` set
@@ -164,15 +178,23 @@ def cases() -> dict[str, Message]:
     }
 
 
+def sealed_frame(codec: Codec, name: str, message: Message) -> bytes:
+    """The golden frame of case ``name``: encoded, sealed with :data:`GOLDEN_KEY` for its
+    topic where that names a device."""
+    frame = codec.encode(message)
+    topic = GOLDEN_TOPICS[name]
+    return frame if topic_device(topic) is None else seal(GOLDEN_KEY, topic, frame)
+
+
 def write_all() -> None:  # pragma: no cover - run by hand with a version bump
     codec = Codec()
     GOLDEN_DIR.mkdir(exist_ok=True)
     for name, message in cases().items():
         (GOLDEN_DIR / f"{name}.msgpack").write_bytes(codec.pack(message))
-        (GOLDEN_DIR / f"{name}.frame").write_bytes(codec.encode(message))
+        (GOLDEN_DIR / f"{name}.frame").write_bytes(sealed_frame(codec, name, message))
     from protocol.chunking import split_frame
 
-    frame = codec.encode(cases()["model"])
+    frame = sealed_frame(codec, "model", cases()["model"])
     for i, chunk in enumerate(split_frame(frame, 200, transfer_id=TRANSFER_ID)):
         (GOLDEN_DIR / f"model.chunk{i}").write_bytes(chunk)
 

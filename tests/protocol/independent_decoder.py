@@ -12,6 +12,7 @@ Everything it rejects raises :class:`RejectedError`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ import msgpack
 import numpy as np
 import zstandard
 
-VERSION = 3  # section 2: the version byte; section 3: the envelope's "v"
+VERSION = 4  # section 2: the version byte; section 3: the envelope's "v"
 MAGIC = b"FL"
 MESSAGE_FRAME, CHUNK_FRAME = 0x01, 0x02
 ZSTD_MAGIC = bytes.fromhex("28b52ffd")  # section 2.1
@@ -104,7 +105,7 @@ def decode_message_frame(frame: bytes, max_message_bytes: int = 64 << 20) -> dic
     """A message frame -> its envelope (section 2.1 and 3), checked."""
     if frame_type(frame) != MESSAGE_FRAME:
         raise RejectedError("not a message frame")
-    body = frame[4:]
+    body = frame[36:]  # section 2.1: after the header and the 32-byte tag
     size = declared_content_size(body)
     if size > max_message_bytes:
         raise RejectedError("content too large")
@@ -117,6 +118,20 @@ def decode_message_frame(frame: bytes, max_message_bytes: int = 64 << 20) -> dic
     if len(raw) != size:
         raise RejectedError("content size mismatch")
     return decode_envelope(raw)
+
+
+def tag(key: bytes, topic: str, frame: bytes) -> bytes:
+    """Section 2.3: HMAC-SHA256 over the domain string, the topic (u16 BE length, then
+    UTF-8) and the frame without its tag bytes 4-35."""
+    name = topic.encode("utf-8")
+    data = b"edgefl-auth-v4" + struct.pack(">H", len(name)) + name + frame[:4] + frame[36:]
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def check_tag(key: bytes, topic: str, frame: bytes) -> None:
+    """Section 2.3: a frame on a device's topic is refused unless its tag verifies."""
+    if len(frame) < 36 or not hmac.compare_digest(frame[4:36], tag(key, topic, frame)):
+        raise RejectedError("bad authentication tag")
 
 
 def _no_extensions(code: int, data: bytes) -> Any:

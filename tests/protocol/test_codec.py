@@ -18,7 +18,11 @@ CASES = cases()
 
 def frame_of(envelope: dict[str, object]) -> bytes:
     raw = msgpack.packb(envelope, use_bin_type=True)
-    return b"FL\x03\x01" + zstandard.ZstdCompressor(level=3, write_checksum=True).compress(raw)
+    return (
+        b"FL\x04\x01"
+        + bytes(32)
+        + zstandard.ZstdCompressor(level=3, write_checksum=True).compress(raw)
+    )
 
 
 def good_envelope() -> dict[str, object]:

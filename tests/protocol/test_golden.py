@@ -9,10 +9,18 @@ import numpy as np
 import pytest
 
 from protocol.arrays import content_fingerprint, fingerprint_bytes
+from protocol.auth import ZERO_TAG, frame_tag, topic_device, verify
 from protocol.chunking import Reassembler, split_frame
 from protocol.codec import Codec
 from protocol.errors import DecodeError
-from tests.protocol.golden_cases import GOLDEN_DIR, STUDENT_FINGERPRINT, TRANSFER_ID, cases
+from tests.protocol.golden_cases import (
+    GOLDEN_DIR,
+    GOLDEN_KEY,
+    GOLDEN_TOPICS,
+    STUDENT_FINGERPRINT,
+    TRANSFER_ID,
+    cases,
+)
 
 CASES = cases()
 
@@ -37,20 +45,33 @@ def test_golden_frames_still_decode(name: str) -> None:
     # Assert
     assert message == CASES[name]
     assert codec.decompress(frame) == (GOLDEN_DIR / f"{name}.msgpack").read_bytes()
-    assert frame[:4] == b"FL\x03\x01"
+    assert frame[:4] == b"FL\x04\x01"
     # the zstd frame: magic, then a descriptor with Frame_Content_Size present (bits 6-7
     # or Single_Segment), Content_Checksum_flag (bit 2) set and no Dictionary_ID (bits 0-1)
-    assert frame[4:8] == bytes.fromhex("28b52ffd")
-    descriptor = frame[8]
+    assert frame[36:40] == bytes.fromhex("28b52ffd")
+    descriptor = frame[40]
     assert descriptor & 0b100 and descriptor & 0b11 == 0 and descriptor & 0b1110_0000
 
 
-def test_version_2_frames_are_refused() -> None:
-    # Prepare
+def test_version_3_frames_are_refused() -> None:
+    # Prepare: a version 3 frame had no tag; its zstd frame followed the header
     frame = (GOLDEN_DIR / "ack.frame").read_bytes()
     # Execute, Assert
-    with pytest.raises(DecodeError, match="unsupported protocol version 2"):
-        Codec().decode(b"FL\x02\x01" + frame[4:])
+    with pytest.raises(DecodeError, match="unsupported protocol version 3"):
+        Codec().decode(b"FL\x03\x01" + frame[36:])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_frames_carry_their_tag(name: str) -> None:
+    # Prepare
+    frame = (GOLDEN_DIR / f"{name}.frame").read_bytes()
+    topic = GOLDEN_TOPICS[name]
+    # Execute, Assert: device topics are sealed with the device's key, fleet-wide not
+    if topic_device(topic) is None:
+        assert frame[4:36] == ZERO_TAG
+    else:
+        verify(GOLDEN_KEY, topic, frame)
+        assert frame[4:36] == frame_tag(GOLDEN_KEY, topic, frame)
 
 
 def test_chunk_frames_are_frozen_and_reassemble() -> None:
@@ -61,7 +82,7 @@ def test_chunk_frames_are_frozen_and_reassemble() -> None:
     chunks = split_frame(frame, 200, transfer_id=TRANSFER_ID)
     # Assert
     assert [p.read_bytes() for p in golden] == chunks
-    assert chunks[1][:36] == b"FL\x03\x02" + TRANSFER_ID + bytes.fromhex(
+    assert chunks[1][:36] == b"FL\x04\x02" + TRANSFER_ID + bytes.fromhex(
         "0000000100000004" + f"{len(frame):016x}"
     )
     reassembler = Reassembler()

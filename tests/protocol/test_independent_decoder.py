@@ -15,6 +15,7 @@ import pytest
 import zstandard
 
 from protocol.arrays import content_fingerprint
+from protocol.auth import AuthError, Keyring, new_key, seal, verify
 from protocol.chunking import split_frame
 from protocol.codec import Codec
 from protocol.errors import DecodeError
@@ -22,10 +23,26 @@ from protocol.messages import Message, ModelPayload
 from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet
 from tests.protocol import independent_decoder as spec
-from tests.protocol.golden_cases import GOLDEN_DIR, STUDENT_FINGERPRINT, TRANSFER_ID, cases
+from tests.protocol.golden_cases import (
+    GOLDEN_DIR,
+    GOLDEN_KEY,
+    GOLDEN_TOPICS,
+    STUDENT_FINGERPRINT,
+    TRANSFER_ID,
+    cases,
+)
 
 MODULE = Path(spec.__file__)
-ALLOWED_IMPORTS = {"__future__", "typing", "hashlib", "struct", "msgpack", "numpy", "zstandard"}
+ALLOWED_IMPORTS = {
+    "__future__",
+    "typing",
+    "hashlib",
+    "hmac",
+    "struct",
+    "msgpack",
+    "numpy",
+    "zstandard",
+}
 NAMES = sorted(cases())
 
 
@@ -211,7 +228,7 @@ def _with_tensor_data(data: bytes, tensor: list[object]) -> bytes:
     )
     env["body"]["sets"]["m"]["tensors"] = [[*tensor[:5], data, *tensor[6:]]]  # type: ignore[index]
     raw = msgpack.packb(env, use_bin_type=True)
-    return b"FL\x03\x01" + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    return b"FL\x04\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
 
 
 def _streamed(raw: bytes) -> bytes:
@@ -228,12 +245,12 @@ def _bad_frames() -> dict[str, bytes]:
     int4_data = int4_t[5]
     assert isinstance(int4_data, bytes)
     return {
-        "version 2": b"FL\x02\x01" + ack[4:],
-        "no checksum": b"FL\x03\x01" + zstandard.ZstdCompressor().compress(raw),
-        "no content size": b"FL\x03\x01" + _streamed(raw),
+        "version 3": b"FL\x03\x01" + ack[36:],
+        "no checksum": b"FL\x04\x01" + bytes(32) + zstandard.ZstdCompressor().compress(raw),
+        "no content size": b"FL\x04\x01" + bytes(32) + _streamed(raw),
         "corrupt checksum": ack[:-1] + bytes([ack[-1] ^ 1]),
         # Dictionary_ID_flag 1 with a 1-byte Dictionary_ID of 0: zstd itself would accept it
-        "dictionary flag": ack[:8] + bytes([ack[8] | 1, 0]) + ack[9:],
+        "dictionary flag": ack[:40] + bytes([ack[40] | 1, 0]) + ack[41:],
         "trailing byte": ack + b"\0",
         "bool byte 2": _with_tensor_data(b"\x01\x02", bool_t),
         "int4 padding": _with_tensor_data(int4_data[:-1] + bytes([int4_data[-1] | 0x10]), int4_t),
@@ -249,3 +266,35 @@ def test_both_decoders_reject_the_same_non_canonical_frames(case: str) -> None:
         spec.decode_message_frame(frame)
     with pytest.raises(DecodeError):
         Codec().decode(frame)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in GOLDEN_TOPICS if n != "coord_status"))
+def test_the_spec_verifies_the_tag_of_every_golden_device_frame(name: str) -> None:
+    # Prepare
+    frame = (GOLDEN_DIR / f"{name}.frame").read_bytes()
+    topic = GOLDEN_TOPICS[name]
+    other = topic.replace("dev-001", "dev-002")
+    # Execute, Assert: the right key on the right topic verifies, nothing else does
+    spec.check_tag(GOLDEN_KEY, topic, frame)
+    with pytest.raises(spec.RejectedError):
+        spec.check_tag(GOLDEN_KEY, other, frame)
+    with pytest.raises(spec.RejectedError):
+        spec.check_tag(bytes(32), topic, frame)
+
+
+def test_the_spec_and_the_reference_agree_on_tags_of_random_keys_and_topics() -> None:
+    # Prepare
+    frame = (GOLDEN_DIR / "update.frame").read_bytes()
+    for i in range(20):
+        key, topic = new_key(), f"fl/f{i}/devices/d{i}/update"
+        # Execute
+        sealed = seal(key, topic, frame)
+        # Assert
+        spec.check_tag(key, topic, sealed)
+        verify(key, topic, sealed)
+        tampered = sealed[:-5] + bytes([sealed[-5] ^ 1]) + sealed[-4:]
+        with pytest.raises(spec.RejectedError):
+            spec.check_tag(key, topic, tampered)
+        with pytest.raises(AuthError):
+            verify(key, topic, tampered)
+    assert len(Keyring({"d0": new_key()})) == 1

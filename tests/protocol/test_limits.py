@@ -15,7 +15,7 @@ from protocol.messages import Message, ModelPayload
 from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet, encode_tensors
 
-HEADER = b"FL\x03\x01"
+HEADER = b"FL\x04\x01" + bytes(32)
 
 
 def model_frame(arrays: dict[str, np.ndarray], sets: int = 1, precision: str = "fp32") -> bytes:
@@ -84,7 +84,7 @@ def test_frames_naming_a_dictionary_or_not_zstd_are_refused() -> None:
     skippable = bytes.fromhex("502a4d18") + len(raw).to_bytes(4, "little") + raw
     # Execute, Assert
     plain = HEADER + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
-    id_zero = plain[:8] + bytes([plain[8] | 1, 0]) + plain[9:]  # Dictionary_ID_flag 1, id 0
+    id_zero = plain[:40] + bytes([plain[40] | 1, 0]) + plain[41:]  # Dictionary_ID_flag 1, id 0
     with pytest.raises(DecodeError, match="must not name a dictionary"):
         Codec().decode(HEADER + comp.compress(raw))
     with pytest.raises(DecodeError, match="must not name a dictionary"):
@@ -224,7 +224,7 @@ def chunks_of(size: int, max_payload: int = 1000, seed: int = 0) -> tuple[bytes,
 def test_max_transfer_bytes() -> None:
     frame, chunks = chunks_of(5000)
     Reassembler(ReassemblyLimits(max_transfer_bytes=len(frame))).feed("a", chunks[0])
-    with pytest.raises(DecodeError, match="limit 5003"):
+    with pytest.raises(DecodeError, match="limit 5035"):
         Reassembler(ReassemblyLimits(max_transfer_bytes=len(frame) - 1)).feed("a", chunks[0])
 
 

@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 
 from protocol.chunking import Reassembler, split_frame
+from protocol.codec import FRAME_MAGIC, FRAME_MESSAGE, TAG_SIZE
 from protocol.errors import QuotaError
 from protocol.limits import ReassemblyLimits
+from protocol.messages import PROTOCOL_VERSION
 
-HEADER = b"FL\x03\x01"
+HEADER = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE)) + bytes(TAG_SIZE)
+"""A message frame's header and (here unchecked) tag."""
 
 
 def chunks_of(size: int, seed: int, max_payload: int = 1000) -> tuple[bytes, list[bytes]]:

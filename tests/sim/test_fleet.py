@@ -44,9 +44,11 @@ from sim.__main__ import main
 from sim.fleet import CohortQueue, Fleet, FleetDevice, FleetOptions, LoopTrainer
 from sim.fleet.pacing import RateLimit
 from sim.fleet.window import AnswerWindow
-from sim.run import SimConfig, build_federation, device_data, run_simulation
+from sim.run import SimConfig, build_federation, device_data, fleet_keyring, run_simulation
 from tests.protocol.brokers import Mosquitto
 
+KEY = bytes(range(32))
+"""A key for devices that talk to no coordinator here (the same key for all is fine)."""
 QUICK = TrainingSettings(local_epochs=1, local_steps=2, batch_size=16)
 MakeTransport = Callable[[str], Transport]
 
@@ -125,12 +127,17 @@ def running(
     """The coordinator of ``config`` and its fleet, started on ``make_transport``'s broker
     (devices join once the coordinator is up), stopped at the end."""
     federation, channels, side = build_federation(config)
+    keyring = fleet_keyring([d.device_id for d in federation.devices])
     coordinator = Coordinator(
         config.coordinator_config(federation.num_classes, channels, side),
         make_transport(f"{config.fleet}-coordinator"),
+        keyring=keyring,
     )
     devices = [
-        (config.device_config(i, split.device_id), device_data(federation, i))
+        (
+            config.device_config(i, split.device_id, keyring[split.device_id]),
+            device_data(federation, i),
+        )
         for i, split in enumerate(federation.devices)
     ]
     options = options or config.fleet_options()
@@ -341,7 +348,7 @@ def test_status_reaching_several_devices_of_a_connection_counts_once_per_device(
     config = settings(fleet="fan", devices=6, connections=2)
     federation, *_ = build_federation(config)
     devices = [
-        (config.device_config(i, s.device_id), device_data(federation, i))
+        (config.device_config(i, s.device_id, KEY), device_data(federation, i))
         for i, s in enumerate(federation.devices)
     ]
     status = Message(fleet="fan", sender="coordinator", body=CoordinatorStatus(state="waiting"))
@@ -372,7 +379,7 @@ def test_a_reconnected_connection_announces_each_of_its_devices_again(
     config = settings(fleet="again", devices=4, connections=2)
     federation, *_ = build_federation(config)
     devices = [
-        (config.device_config(i, s.device_id), device_data(federation, i))
+        (config.device_config(i, s.device_id, KEY), device_data(federation, i))
         for i, s in enumerate(federation.devices)
     ]
     fleet = Fleet(devices, on(memory), options=config.fleet_options())
@@ -447,7 +454,7 @@ def test_devices_keep_their_state_in_the_state_dir_and_resume_from_it(tmp_path: 
     # A fleet built on the same state dirs resumes: its sessions know the rounds done.
     federation, *_ = build_federation(config)
     devices = [
-        (config.device_config(i, s.device_id), device_data(federation, i))
+        (config.device_config(i, s.device_id, KEY), device_data(federation, i))
         for i, s in enumerate(federation.devices)
     ]
     fleet = Fleet(devices, on(MemoryBroker()), options=config.fleet_options())
@@ -459,7 +466,7 @@ def test_the_loop_trainer_builds_a_model_only_for_devices_that_need_one() -> Non
     federation, *_ = build_federation(config)
     specs = [
         FleetDevice(
-            config.device_config(i, s.device_id), device_data(federation, i), TransferState()
+            config.device_config(i, s.device_id, KEY), device_data(federation, i), TransferState()
         )
         for i, s in enumerate(federation.devices)
     ]

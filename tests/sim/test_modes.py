@@ -15,6 +15,7 @@ from coordinator.runtime import Coordinator
 from edge_client.config import ClientConfig
 from edge_client.train.data import DeviceData
 from edge_client.train.runtime import EdgeClient
+from protocol.auth import Keyring, new_key
 from protocol.channel import Channel
 from protocol.messages import Ack, Message, ModelPayload, ReasonCode, RoundTask, Update
 from protocol.transport import MqttConfig, MqttTransport
@@ -140,15 +141,18 @@ def test_fedgen_full_sharing_round_through_mosquitto(broker: Mosquitto, tmp_path
 def test_fedgen_refuses_a_device_without_consent_and_says_why(broker: Mosquitto) -> None:
     fleet = "consent"
     config = CoordinatorConfig(fleet=fleet, strategy="fedgen", model="mlp", rounds=1)
-    coordinator = Coordinator(
-        config, MqttTransport(MqttConfig.from_url(broker.url, client_id="consent-coord"))
-    )
     synthetic = load_dataset("synthetic", seed=0, train_samples=200)
     split = partition_dataset(synthetic, 1, 1.0, seed=0).devices[0]
+    key = new_key()
+    coordinator = Coordinator(
+        config,
+        MqttTransport(MqttConfig.from_url(broker.url, client_id="consent-coord")),
+        keyring=Keyring({split.device_id: key}),
+    )
     data = DeviceData(split.device_id, split.train.x, split.train.y, split.test.x, split.test.y, 10)
     client = EdgeClient(
         ClientConfig.from_broker_url(
-            broker.url, device_id=split.device_id, fleet=fleet, model="mlp"
+            broker.url, device_id=split.device_id, fleet=fleet, model="mlp", auth_key=key.hex()
         ),
         MqttTransport(MqttConfig.from_url(broker.url, client_id="consent-dev")),
         data,

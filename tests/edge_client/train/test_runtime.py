@@ -166,7 +166,13 @@ def make_client(broker: MemoryBroker) -> Iterator[Callable[..., EdgeClient]]:
         *, data: DeviceData | None = None, start: bool = True, gate: Any = None, **fields: Any
     ) -> EdgeClient:
         device_data = data if data is not None else make_data()
-        fields = {"device_id": device_data.device_id, "fleet": FLEET, "model": "mlp", **fields}
+        fields = {
+            "device_id": device_data.device_id,
+            "fleet": FLEET,
+            "model": "mlp",
+            "insecure_no_auth": True,
+            **fields,
+        }
         config = ClientConfig(**fields)
         transport = MemoryTransport(broker, config.device_id)
         client = EdgeClient(config, transport, device_data, train_gate=gate)
@@ -269,7 +275,7 @@ def test_bad_and_foreign_input_changes_nothing(
     caplog.set_level(logging.WARNING, logger="edge_client")
 
     coordinator.transport.publish(task_topic, b"garbage bytes")
-    coordinator.transport.publish(task_topic, b"FL\x03\x01" + b"\0" * 40)
+    coordinator.transport.publish(task_topic, b"FL\x04\x01" + b"\0" * 72)
     foreign_task = Message(
         fleet="other",
         sender="coordinator",

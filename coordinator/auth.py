@@ -1,0 +1,149 @@
+"""Who may talk to the coordinator: the keyring, replay rules and refusal logging.
+
+The keyring (``--device-keys FILE``, :class:`~protocol.auth.Keyring`) is the operator's
+registration of the fleet: the coordinator's :class:`~protocol.channel.Channel` drops every
+frame on the topic of a device without a key, and every frame whose tag does not verify,
+before decompressing it (docs/protocol.md, section 2.3). Only authenticated messages reach
+the :class:`~coordinator.engine.RoundEngine`, which applies :class:`ReplayGuard` before
+anything else (section 7). Running without keys takes an explicit ``--insecure-no-auth``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import ConfigError
+from protocol.auth import Keyring
+from protocol.messages import DeviceStatus, Hello, Message, ReasonCode, Update
+
+__all__ = ["RateLimitedLog", "ReplayGuard", "load_keyring"]
+
+log = logging.getLogger(__name__)
+
+
+def load_keyring(config: CoordinatorConfig) -> Keyring | None:
+    """The keyring ``config`` asks for; None only with ``insecure_no_auth``.
+
+    Raises:
+        ConfigError: neither keys nor the opt-out, both, or an unreadable keyring.
+    """
+    if config.device_keys is not None and config.insecure_no_auth:
+        raise ConfigError("give --device-keys or --insecure-no-auth, not both")
+    if config.device_keys is None:
+        if not config.insecure_no_auth:
+            raise ConfigError(
+                "no device keys: give --device-keys FILE (python -m deploy device ID adds a "
+                "device's key to it), or --insecure-no-auth to accept anyone on the broker"
+            )
+        log.warning(
+            "--insecure-no-auth: messages are not authenticated; anyone on the "
+            "broker can join, impersonate devices and poison the model"
+        )
+        return None
+    try:
+        keyring = Keyring.load(config.device_keys)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    log.info("%d device key(s) from %s", len(keyring), config.device_keys)
+    return keyring
+
+
+class RateLimitedLog:
+    """Logs a warning at most once per key per ``interval_s`` (bounded memory), so bad
+    input from one source is logged once, and a flood of it does not flood the log."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        interval_s: float = 60.0,
+        max_keys: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self._interval = interval_s
+        self._max_keys = max_keys
+        self._clock = clock
+        self._last: OrderedDict[str, float] = OrderedDict()
+        self.suppressed = 0
+        """Warnings not logged because their key was logged recently."""
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval:
+            self.suppressed += 1
+            return
+        self._last[key] = now
+        self._last.move_to_end(key)
+        while len(self._last) > self._max_keys:
+            self._last.popitem(last=False)
+        self._log.warning(msg, *args)
+
+
+@dataclass
+class _Seen:
+    ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    newest: dict[str, int] = field(default_factory=dict)
+    """Kind (hello, device_status) -> newest ``ts`` accepted from the device (ms)."""
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """Why a message was refused as a replay."""
+
+    reason: ReasonCode
+    detail: str
+
+
+class ReplayGuard:
+    """The replay rules of docs/protocol.md, section 7, for authenticated messages.
+
+    Args:
+        window_s: largest distance between a hello's or update's ``ts`` and the clock.
+        remember: message ids remembered per device.
+        max_devices: devices remembered (least recently heard from forgotten first).
+    """
+
+    def __init__(self, window_s: float, *, remember: int = 1024, max_devices: int = 65536):
+        self.window_ms = int(window_s * 1000)
+        self._remember = remember
+        self._max_devices = max_devices
+        self._devices: OrderedDict[str, _Seen] = OrderedDict()
+
+    def check(self, message: Message, skew_ms: int) -> Replayed | None:
+        """None when ``message`` is fresh (then it is recorded), else why it is refused.
+
+        ``skew_ms``: the message's ``ts`` minus the coordinator's clock at arrival."""
+        body, ts = message.body, message.sent_at_ms
+        if isinstance(body, (Hello, Update)) and abs(skew_ms) > self.window_ms:
+            return Replayed(
+                ReasonCode.REPLAYED,
+                f"sent {skew_ms / 1000:+.0f} s from the coordinator's clock, outside the "
+                f"{self.window_ms / 1000:.0f} s replay window: a replay, or a wrong clock",
+            )
+        seen = self._devices.get(message.sender)
+        if seen is None:
+            seen = self._devices[message.sender] = _Seen()
+            while len(self._devices) > self._max_devices:
+                self._devices.popitem(last=False)
+        self._devices.move_to_end(message.sender)
+        if isinstance(body, DeviceStatus) and body.state == "offline":
+            pass  # a last will is made at connect time: older than what followed it
+        elif isinstance(body, (Hello, DeviceStatus)):
+            if message.message_id in seen.ids:
+                return Replayed(ReasonCode.REPLAYED, f"{message.kind} {message.message_id} seen")
+            if ts < seen.newest.get(message.kind, -1):
+                return Replayed(
+                    ReasonCode.REPLAYED, f"{message.kind} older than the device's newest one"
+                )
+            seen.newest[message.kind] = ts
+        seen.ids[message.message_id] = None
+        while len(seen.ids) > self._remember:
+            seen.ids.popitem(last=False)
+        return None

@@ -1,0 +1,87 @@
+"""The replay rules (coordinator.auth.ReplayGuard, docs/protocol.md section 7) in the
+engine: pure, with the engine's events."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from coordinator.auth import RateLimitedLog, ReplayGuard
+from coordinator.engine import Received
+from coordinator.store import MemoryStore
+from protocol.messages import Ack, ReasonCode
+from tests.coordinator.helpers import (
+    GROUP,
+    config,
+    hello,
+    make_engine,
+    published,
+    status,
+    tasks_by_device,
+    update,
+)
+
+
+def test_a_replayed_hello_or_status_is_dropped_and_an_older_one_too() -> None:
+    # Prepare
+    guard = ReplayGuard(600)
+    engine = make_engine(config(), MemoryStore())
+    first, idle = hello(engine, "dev-0"), status("dev-0", "idle")
+    older = idle.model_copy(update={"sent_at_ms": idle.sent_at_ms - 1, "message_id": "1" * 32})
+    # Execute, Assert
+    assert guard.check(first, 0) is None
+    assert guard.check(idle, 0) is None
+    replays = [guard.check(first, 0), guard.check(idle, 0), guard.check(older, 0)]
+    assert all(r is not None and r.reason == ReasonCode.REPLAYED for r in replays)
+    # a last will (offline), made at connect time, is older and still taken
+    will = status("dev-0", "offline").model_copy(update={"sent_at_ms": 0})
+    assert guard.check(will, 0) is None
+
+
+def test_hellos_and_updates_outside_the_window_are_refused_statuses_are_not() -> None:
+    guard = ReplayGuard(600)
+    engine = make_engine(config(), MemoryStore())
+    assert guard.check(hello(engine, "dev-0"), 601_000) is not None
+    assert guard.check(update("dev-0", 1, {}, 1), -601_000) is not None
+    assert guard.check(status("dev-0", "idle"), 3_600_000) is None  # retained: any age
+    assert guard.check(hello(engine, "dev-0"), 599_000) is None
+
+
+def test_the_engine_answers_a_stale_update_replayed_and_changes_nothing() -> None:
+    # Prepare: a round running with dev-0 and dev-1
+    store = MemoryStore()
+    engine = make_engine(config(min_devices=2), store)
+    engine.start(0.0)
+    actions = []
+    for device_id in ("dev-0", "dev-1"):
+        actions += engine.handle(Received(device_id, hello(engine, device_id), 1.0))
+    tasks = tasks_by_device(actions)
+    weights = {k: np.ones(s, np.float32) for k, s in engine._shapes[GROUP].items()}
+    stale = update("dev-0", 1, weights, 100, task=tasks["dev-0"])
+    before = store.snapshot()
+    # Execute: it arrives stamped 20 minutes away from the coordinator's clock
+    acks = published(engine.handle(Received("dev-0", stale, 2.0, skew_ms=-1_200_000)), "ack")
+    # Assert
+    (ack,) = acks
+    assert isinstance(ack.message.body, Ack)
+    assert ack.message.body.reason == ReasonCode.REPLAYED and not ack.message.body.accepted
+    assert store.keys() == before.keys()
+    # a replayed hello is dropped without an answer
+    assert engine.handle(Received("dev-1", hello(engine, "dev-1"), 3.0, skew_ms=900_000)) == []
+
+
+def test_refusals_are_logged_once_per_source_and_interval(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    limited = RateLimitedLog(
+        logging.getLogger("test.refusals"), interval_s=60, clock=lambda: now[0]
+    )
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for _ in range(100):
+            limited.warning("dev-x", "refused %s", "dev-x")
+        limited.warning("dev-y", "refused %s", "dev-y")
+        now[0] = 61.0
+        limited.warning("dev-x", "refused %s", "dev-x")
+    assert caplog.text.count("refused dev-x") == 2 and caplog.text.count("refused dev-y") == 1
+    assert limited.suppressed == 99

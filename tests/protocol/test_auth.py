@@ -1,0 +1,230 @@
+"""Frame authentication (protocol.auth) over a channel: real HMAC-SHA256, the in-memory
+broker, an attacker who publishes raw bytes anywhere."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from pathlib import Path
+
+import pytest
+
+from protocol.auth import (
+    KEY_SIZE,
+    ZERO_TAG,
+    AuthError,
+    Keyring,
+    frame_tag,
+    new_key,
+    read_key_file,
+    seal,
+    verify,
+    write_key_file,
+)
+from protocol.channel import Channel
+from protocol.chunking import split_frame
+from protocol.errors import DecodeError, EncodeError
+from protocol.messages import DeviceStatus, Message, ModelPayload
+from protocol.samples import sample_weights
+from protocol.tensorset import encode_tensors
+from protocol.transport.memory import MemoryBroker, MemoryTransport
+
+UP = "fl/lab/devices/dev-1/status"
+DOWN = "fl/lab/to/dev-1/model"
+
+
+def status() -> Message:
+    return Message(fleet="lab", sender="dev-1", body=DeviceStatus(state="idle"))
+
+
+def model() -> Message:
+    sets = {"global": encode_tensors(sample_weights("resnet8_small"), "fp32")}
+    return Message(fleet="lab", sender="coordinator", body=ModelPayload(sets=sets))
+
+
+class Receiver:
+    """A channel with ``keyring`` subscribed to everything, recording messages and errors."""
+
+    def __init__(self, broker: MemoryBroker, keyring: Keyring | None) -> None:
+        transport = MemoryTransport(broker, "receiver")
+        transport.connect()
+        self.messages: queue.Queue[Message] = queue.Queue()
+        self.errors: queue.Queue[DecodeError] = queue.Queue()
+        self.channel = Channel(transport, auth=keyring)
+        self.channel.subscribe(
+            "fl/#", lambda _t, m: self.messages.put(m), on_error=lambda _t, e: self.errors.put(e)
+        )
+
+
+def sender(broker: MemoryBroker, keyring: Keyring | None) -> Channel:
+    transport = MemoryTransport(broker, "sender")
+    transport.connect()
+    return Channel(transport, auth=keyring, max_payload=32 * 1024)
+
+
+def test_a_sealed_message_arrives_and_every_change_to_it_is_refused() -> None:
+    # Prepare
+    broker, key = MemoryBroker(), new_key()
+    receiver = Receiver(broker, Keyring({"dev-1": key}))
+    honest = sender(broker, Keyring({"dev-1": key}))
+    frame = honest.encode(UP, status())
+    raw = honest.transport
+    # Execute: the sealed frame, then with one bit flipped in each region, then under
+    # another key, then as an unauthenticated (zero-tag) frame
+    honest.send(UP, status())
+    for offset in (4, 20, 40, len(frame) - 1):
+        tampered = bytearray(frame)
+        tampered[offset] ^= 0x01
+        raw.publish(UP, bytes(tampered))
+    raw.publish(UP, seal(new_key(), UP, frame))
+    raw.publish(UP, frame[:4] + ZERO_TAG + frame[36:])
+    # Assert
+    assert receiver.messages.get(timeout=5).kind == "device_status"
+    errors = [receiver.errors.get(timeout=5) for _ in range(6)]
+    assert all(isinstance(e, AuthError) and e.device_id == "dev-1" for e in errors)
+    assert receiver.messages.empty()
+
+
+def test_a_frame_moved_to_another_topic_or_direction_does_not_verify() -> None:
+    # Prepare
+    key = new_key()
+    frame = seal(key, UP, Channel(MemoryTransport(MemoryBroker(), "x")).codec.encode(status()))
+    # Execute, Assert
+    verify(key, UP, frame)
+    for topic in (
+        "fl/lab/devices/dev-2/status",  # another device (with the same key, even)
+        "fl/other/devices/dev-1/status",  # another fleet
+        "fl/lab/to/dev-1/status",  # the other direction
+        "fl/lab/devices/dev-1/hello",  # another leaf
+    ):
+        with pytest.raises(AuthError):
+            verify(key, topic, frame)
+    assert frame_tag(key, UP, frame) == frame[4:36]
+
+
+def test_chunks_of_an_unknown_device_are_dropped_before_reassembly() -> None:
+    # Prepare: a chunked model on the downlink of a device the receiver has no key for
+    broker = MemoryBroker()
+    receiver = Receiver(broker, Keyring({"dev-2": new_key()}))
+    attacker = sender(broker, None)
+    frame = attacker.codec.encode(model())
+    chunks = split_frame(frame, 32 * 1024)
+    # Execute
+    for chunk in chunks:
+        attacker.transport.publish(DOWN, chunk)
+    # Assert: every chunk refused on its own; nothing is held for reassembly
+    errors = [receiver.errors.get(timeout=5) for _ in chunks]
+    assert all(isinstance(e, AuthError) and "no key" in str(e) for e in errors)
+    assert receiver.channel._reassembler.pending_bytes == 0
+    assert receiver.messages.empty()
+
+
+def test_a_chunked_message_is_authenticated_once_as_a_whole() -> None:
+    # Prepare
+    broker, key = MemoryBroker(), new_key()
+    receiver = Receiver(broker, Keyring({"dev-1": key}))
+    channel = sender(broker, Keyring({"dev-1": key}))
+    message = model()
+    # Execute
+    sent = channel.send(DOWN, message)
+    # Assert
+    assert sent.frames > 1
+    assert receiver.messages.get(timeout=5) == message
+    assert receiver.errors.empty()
+
+
+def test_fleet_wide_topics_are_not_authenticated_and_device_topics_need_a_key() -> None:
+    # Prepare
+    broker = MemoryBroker()
+    receiver = Receiver(broker, Keyring({"dev-1": new_key()}))
+    channel = sender(broker, Keyring({"dev-1": new_key()}))
+    # Execute, Assert: a zero tag on the coordinator's status topic; a device topic
+    # without a key cannot be sent on
+    channel.send("fl/lab/coordinator/status", status())
+    assert receiver.messages.get(timeout=5).kind == "device_status"
+    assert channel.encode("fl/lab/coordinator/status", status())[4:36] == ZERO_TAG
+    with pytest.raises(EncodeError, match="no key"):
+        channel.send("fl/lab/devices/dev-9/status", status())
+
+
+def test_an_insecure_channel_writes_zero_tags_and_checks_none() -> None:
+    # Prepare
+    broker = MemoryBroker()
+    receiver = Receiver(broker, None)
+    channel = sender(broker, None)
+    # Execute
+    channel.transport.publish(UP, seal(new_key(), UP, channel.codec.encode(status())))
+    channel.send(UP, status())
+    # Assert
+    assert receiver.messages.get(timeout=5).kind == "device_status"
+    assert receiver.messages.get(timeout=5).kind == "device_status"
+    assert channel.encode(UP, status())[4:36] == ZERO_TAG
+
+
+def test_keyring_and_key_files_round_trip_with_mode_0600(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare
+    keys = {"dev-1": new_key(), "dev-2": new_key()}
+    path, key_file = tmp_path / "keys.json", tmp_path / "dev-1.key"
+    # Execute
+    Keyring(keys).save(path)
+    write_key_file(key_file, keys["dev-1"])
+    # Assert
+    assert dict(Keyring.load(path)) == keys
+    assert read_key_file(key_file) == keys["dev-1"]
+    assert path.stat().st_mode & 0o777 == 0o600 and key_file.stat().st_mode & 0o777 == 0o600
+    assert len(keys["dev-1"]) == KEY_SIZE and keys["dev-1"] != keys["dev-2"]
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="protocol.auth"):
+        Keyring.load(path)
+    assert "chmod 600" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[]", "JSON object"),
+        ('{"dev-1": "abcd"}', "32 bytes"),
+        ('{"dev-1": "zz"}', "not hex"),
+        ('{"dev/1": "' + "00" * 32 + '"}', "invalid device id"),
+        ("{", "cannot read"),
+    ],
+)
+def test_a_bad_keyring_is_refused_with_a_clear_error(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        Keyring.load(path)
+
+
+def test_python_m_protocol_keys_writes_key_files_and_the_keyring(tmp_path: Path) -> None:
+    from protocol.__main__ import main
+
+    # Execute: two devices, then one more into the same keyring; then a bad id
+    assert (
+        main(
+            [
+                "keys",
+                "dev-0",
+                "dev-1",
+                "--keyring",
+                str(tmp_path / "k.json"),
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["keys", "dev-2", "--keyring", str(tmp_path / "k.json"), "--out", str(tmp_path)]) == 0
+    )
+    assert (
+        main(["keys", "dev/3", "--keyring", str(tmp_path / "k.json"), "--out", str(tmp_path)]) == 2
+    )
+    # Assert
+    keyring = Keyring.load(tmp_path / "k.json")
+    assert sorted(keyring) == ["dev-0", "dev-1", "dev-2"]
+    assert all(read_key_file(tmp_path / f"{d}.key") == keyring[d] for d in keyring)
