@@ -103,6 +103,10 @@ class Fleet:
     def join(self) -> dict[str, Message]:
         """Start the coordinator, announce both devices, return each one's round-1 task."""
         self.thread.start()
+        deadline = time.monotonic() + 15
+        while self.store.read_meta("run") is None:  # subscribed: hellos now reach it
+            assert time.monotonic() < deadline, "the coordinator did not start"
+            time.sleep(0.02)
         for device_id, channel in self.devices.items():
             channel.send(TOPICS.device(device_id, "status"), status(device_id, "idle"))
             channel.send(TOPICS.device(device_id, "hello"), hello(self.engine, device_id))
