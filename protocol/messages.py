@@ -210,6 +210,7 @@ class ReasonCode(str, Enum):
     UNKNOWN_BASE = "unknown_base"
     OVERSIZE = "oversize"
     NOT_SELECTED = "not_selected"
+    UPDATE_NORM = "update_norm"
     INTERNAL = "internal"
 
 
