@@ -37,6 +37,12 @@ and role, and hands them back to :meth:`Strategy.downlink` and the next aggregat
 strategies here average within a group (FedAvg of a mixed fleet is FedAvg per group);
 FedDF and DENSE fuse across groups by distillation; FedGen runs with one group only.
 
+``aggregation median`` / ``trimmed_mean`` (:mod:`coordinator.aggregate`) replace the
+sample-weighted average of the updates by their unweighted coordinate-wise median or
+trimmed mean, for fleets that expect poisoned devices: in fedavg, fedprox, fedavg_oca
+and fedkf (the ACA; the OCA cache stays a running sample-weighted mean) and fedgen (the
+averaged model or head); feddf and dense fuse by distillation and refuse them.
+
 A strategy may also have its own defaults for the fleet settings a run leaves out
 (:attr:`Strategy.fleet_defaults`, read by :class:`~coordinator.config.FleetSettings`
 through :func:`fleet_defaults`): DENSE runs one round with every device.
