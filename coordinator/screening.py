@@ -11,8 +11,9 @@ updates; it is taken against a reference known at arrival:
 * ``floor``: the previous round's median (carried over rounds that accepted none). It
   is persisted in the run record, committed with the round, so a resumed coordinator
   takes the same decisions;
-* the reference is ``max(floor, median)``; before any round accepted anything (the
-  first updates of round 1) it is the norm of the model the device was sent.
+* the reference is ``max(floor, median, MIN_REFERENCE_SHARE x the sent model's norm)``;
+  before any round accepted anything (the first updates of round 1) it is the norm of
+  the model the device was sent.
 
 An update is rejected with ``update_norm`` when its delta norm exceeds
 ``max_update_norm_ratio`` times the reference (0: no ratio check), or exceeds the
@@ -39,9 +40,15 @@ import numpy.typing as npt
 from coordinator.errors import UpdateRejectedError
 from protocol.messages import ReasonCode
 
-__all__ = ["NormScreen", "delta_norm", "model_norm"]
+__all__ = ["MIN_REFERENCE_SHARE", "NormScreen", "delta_norm", "model_norm"]
 
 Array = npt.NDArray[Any]
+
+MIN_REFERENCE_SHARE = 0.1
+"""The reference is never below this share of the sent model's norm: when a round's
+updates barely move the model (FedGen's heads, a converged model) an honest one that
+moves it more is not an outlier worth rejecting (with K = 10 an update may always move
+the model by its own norm)."""
 
 
 def delta_norm(weights: Mapping[str, Array], sent: Mapping[str, Array]) -> float:
@@ -86,10 +93,11 @@ class NormScreen:
         return self.ratio > 0 or self.cap is not None
 
     def reference(self, sent_norm: float) -> float:
-        """``max(floor, median of this round's accepted norms)``; the sent model's norm
-        ``sent_norm`` when there is neither."""
+        """``max(floor, median of this round's accepted norms, MIN_REFERENCE_SHARE x
+        sent_norm)``; the sent model's norm ``sent_norm`` when there is neither floor nor
+        median."""
         parts = [p for p in (self.floor, self.median()) if p is not None]
-        return max(parts) if parts else sent_norm
+        return max(*parts, MIN_REFERENCE_SHARE * sent_norm) if parts else sent_norm
 
     def median(self) -> float | None:
         """Median delta norm of the on-time updates accepted this round (None: none)."""

@@ -135,6 +135,7 @@ def test_screen_reference_is_the_round_median_floored_by_the_previous_round() ->
     screen.accepted(0.5)
     assert screen.reference(7.0) == 2.0  # max(floor 2, median 0.5)
     screen.check(19.9, 7.0)
+    assert screen.reference(sent_norm=70.0) == 7.0  # never below a tenth of the model
     with pytest.raises(Exception, match="update_norm"):
         screen.check(20.1, 7.0)
 
@@ -204,17 +205,17 @@ class Step:
     samples: int
 
 
-STEPS = [
-    # round 1: nothing known, then the round's median (dev-2 at 8 > 10 x 0.75)
-    Step("dev-0", 1, 0.5, 40),
+STEPS = [  # (the model's norm is ~12: the reference is at least 1.2)
+    # round 1: nothing known, then the round's median (dev-2 at 80 > 10 x 7.5)
+    Step("dev-0", 1, 5.0, 40),
     Step("dev-1", 1, None, 40),
-    Step("dev-1", 1, 1.0, 60),  # a second, honest upload of the device is taken
-    Step("dev-2", 1, 8.0, 50),  # rejected: the round closes (every device answered)
-    # round 2: the floor (round 1's median 0.75) judges the first update
-    Step("dev-2", 2, 9.0, 50),
-    Step("dev-2", 2, 0.6, 50),
-    Step("dev-0", 2, 1.0, 40),
-    Step("dev-1", 2, 2.0, 60),
+    Step("dev-1", 1, 10.0, 60),  # a second, honest upload of the device is taken
+    Step("dev-2", 1, 80.0, 50),  # rejected: the round closes (every device answered)
+    # round 2: the floor (round 1's median 7.5) judges the first update
+    Step("dev-2", 2, 90.0, 50),
+    Step("dev-2", 2, 6.0, 50),
+    Step("dev-0", 2, 10.0, 40),
+    Step("dev-1", 2, 20.0, 60),
 ]
 
 
