@@ -228,6 +228,21 @@ class FleetSettings(_Frozen):
     """dense: generator Adam steps per epoch."""
     dense_student_steps: int = Field(default=_DENSE.student_steps, ge=1)
     """dense: student Adam steps per epoch."""
+    max_update_norm_ratio: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    """Norm screening: reject an update whose distance (L2) from the model the device
+    was sent exceeds this many times the round's reference (the median of the round's
+    accepted ones, at least the previous round's; coordinator/screening.py); 0: off."""
+    max_update_norm: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Norm screening: reject an update whose distance (L2) from the model the device
+    was sent exceeds this, whatever the round (unset: no absolute cap)."""
+    aggregation: Literal["mean", "median", "trimmed_mean"] = "mean"
+    """How a group's updates are averaged (fedavg, fedprox, fedavg_oca, fedkf and
+    fedgen's ACA): sample-weighted mean, or, against poisoned devices, the unweighted
+    coordinate-wise median or trimmed mean (these hold every update of the round in
+    memory)."""
+    trim_fraction: float = Field(default=0.2, ge=0, lt=0.5)
+    """trimmed_mean: the share of the updates cut from each end, coordinate by
+    coordinate, before averaging the rest."""
     seed: int = Field(default=0, ge=0)
     """Seed of the model's initialization, device selection and the device seeds."""
     training: TrainingSettings = TrainingSettings()

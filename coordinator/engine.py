@@ -34,12 +34,19 @@ Round rules:
   slot if it is newer than the slot (Ack ``accepted=True, reason=late``); others reject it.
 * Duplicates of an accepted update are acknowledged again (``reason=duplicate``) and
   change nothing.
+* Updates are screened before they touch state (:mod:`coordinator.validation`: names,
+  shapes, finite values; :mod:`coordinator.screening`: the distance from the model the
+  device was sent, against the round's reference). A selected device whose on-time
+  update is rejected for its values (``non_finite``, ``update_norm``) counts as
+  answered: the round does not wait for it (a device does not resend a rejected
+  update), and an update of it that passes before the round closes is still taken.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import uuid
 import zlib
 from collections.abc import Mapping
@@ -55,6 +62,7 @@ from coordinator.config import CoordinatorConfig, participants, run_weight_forma
 from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
 from coordinator.groups import ArchitectureGroup, GroupModels
 from coordinator.registry import DeviceRegistry
+from coordinator.screening import NormScreen, delta_norm, model_norm
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
 from coordinator.strategies import AggregateResult, Arrays, NothingToAggregate, Strategy
@@ -220,6 +228,11 @@ class Finished:
 Action = Publish | RoundStarted | AggregateRequested | RoundClosed | Finished
 
 
+_ANSWERED = frozenset({ReasonCode.NON_FINITE, ReasonCode.UPDATE_NORM})
+"""Rejections of a well-formed update for its values: the device answered its task, so
+the round does not wait for it to its deadline (other rejections change nothing)."""
+
+
 @dataclass
 class _RoundCounters:
     late: int = 0
@@ -285,6 +298,10 @@ class RoundEngine:
         self._warned: set[str] = set()
         """Senders unknown to the registry whose bad input was logged as a warning this
         round (later ones at debug level: a flood is logged once)."""
+        self._screen = NormScreen(config.max_update_norm_ratio, config.max_update_norm, None)
+        self._screened_out: set[str] = set()
+        """Selected devices whose on-time update of this round was screened out
+        (:data:`_ANSWERED`: they do not resend it; the round does not wait for them)."""
 
     # -- properties --------------------------------------------------------------------
 
@@ -338,6 +355,11 @@ class RoundEngine:
             self._state.recover(run.round, self._caches)
         self._run = run
         self._models = self._state.load_models(run.round, self._groups, required=("aca",))
+        self._screen.new_round(run.norm_floor)
+        for device_id in self._state.round_updates(run.round):  # a resume: same reference
+            stored = self._state.read_update_meta(device_id, run.round)
+            if stored.on_time and stored.update_norm is not None:
+                self._screen.accepted(stored.update_norm)
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
@@ -486,6 +508,7 @@ class RoundEngine:
 
     def _on_update(self, message: Message, update: Update, now: float) -> list[Action]:
         device_id, run = message.sender, self._require_run()
+        on_time = False
         try:
             on_time = self._classify(device_id, message.round, update, now)
             if self._state.has_update(device_id, message.round):
@@ -496,10 +519,17 @@ class RoundEngine:
             weights = check_update_weights(update, self._shapes[group], announced, base)
             if self._uplink.label_counts:
                 check_label_counts(update, self._groups[group].num_classes)
+            sent = base.arrays if base is not None else self._models[group]["aca"]
+            norm = delta_norm(weights, sent)
+            reference = self._screen.check(norm, model_norm(sent, weights.keys()))
         except UpdateRejectedError as exc:
             self._counters.rejected += message.round == run.round
             log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
-            return [self._ack(device_id, message, False, exc.reason, exc.detail)]
+            ack = self._ack(device_id, message, False, exc.reason, exc.detail)
+            if on_time and exc.reason in _ANSWERED:
+                self._screened_out.add(device_id)
+                return [ack, *self._close_if_answered()]
+            return [ack]
         stored = StoredUpdate(
             device_id=device_id,
             group=group,
@@ -512,8 +542,11 @@ class RoundEngine:
             label_counts=None if update.label_counts is None else list(update.label_counts),
             timings=dict(update.timings),
             weight_format=self._weight_format(device_id),
+            update_norm=norm,
         )
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
+        if on_time:
+            self._screen.accepted(norm)
         if base is not None:
             self._transfers.confirm(device_id, base)
         elif not self._link(device_id).lossless:
@@ -525,10 +558,23 @@ class RoundEngine:
             detail = "kept in the OCA cache; not averaged into the round"
             return [self._ack(device_id, message, True, ReasonCode.LATE, detail)]
         actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
-        log.info("round %d: update of %s accepted", run.round, device_id)
-        if all(self._state.has_update(d, run.round) for d in run.selected):
-            actions += self._close_round()
-        return actions
+        log.info(
+            "round %d: update of %s accepted (moves the model by %.4g, %.2f x the reference)",
+            run.round,
+            device_id,
+            norm,
+            norm / reference if reference > 0 else math.inf,
+        )
+        return actions + self._close_if_answered()
+
+    def _close_if_answered(self) -> list[Action]:
+        """Close the round once every selected device's update is in or was rejected."""
+        run = self._require_run()
+        if all(
+            d in self._screened_out or self._state.has_update(d, run.round) for d in run.selected
+        ):
+            return self._close_round()
+        return []
 
     def _classify(self, device_id: str, round_number: int, update: Update, now: float) -> bool:
         """Whether the update counts in the current round; raises UpdateRejectedError if it
@@ -623,6 +669,8 @@ class RoundEngine:
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
         self._warned.clear()
+        self._screen.new_round(run.norm_floor)
+        self._screened_out = set()
         self._transfers.new_round()
         sets = self._server_sets()
         actions: list[Action] = self._status("running")
@@ -724,10 +772,12 @@ class RoundEngine:
         stats = [self._state.read_update_meta(d, closing) for d in run.aggregating]
         finished = closing >= self.config.rounds
         self._state.save_models(closing + 1, server)
+        norms = [u.update_norm for u in stats if u.update_norm is not None]
         next_run = RunMeta(
             fingerprint=run.fingerprint,
             round=closing + 1,
             phase="finished" if finished else "waiting",
+            norm_floor=statistics.median(norms) if norms else run.norm_floor,
         )
         self._state.save_run(next_run)  # the commit point of the round
         self._run, self._models = next_run, server

@@ -83,6 +83,10 @@ def _weight_format(value: object) -> WeightFormat:
     return cast(WeightFormat, value)
 
 
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
 def _round_key(number: int) -> str:
     return f"r{number:06d}"
 
@@ -106,6 +110,8 @@ class RunMeta:
     started_at: float = 0.0
     aggregating: list[str] = field(default_factory=list)
     """Phase ``aggregating``: the devices whose on-time update the round aggregates."""
+    norm_floor: float | None = None
+    """Norm screening's reference from the rounds before (:mod:`coordinator.screening`)."""
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +128,7 @@ class RunMeta:
                 deadline=float(meta["deadline"]),
                 started_at=float(meta["started_at"]),
                 aggregating=[str(d) for d in meta["aggregating"]],
+                norm_floor=_optional_float(meta.get("norm_floor")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"corrupt run record: {exc}") from exc
@@ -148,6 +155,9 @@ class StoredUpdate:
     """The format the device ran the model at when it trained it (kept with the update:
     FedDF takes its teacher at it, and a resumed aggregation must see what the first
     one saw, whatever the device says in later hellos)."""
+    update_norm: float | None = None
+    """L2 norm of the update's weights minus the model the device was sent (norm
+    screening's input; None where not measured)."""
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +181,7 @@ class StoredUpdate:
                     if meta.get("label_counts") is None
                     else [int(c) for c in meta["label_counts"]]
                 ),
+                update_norm=_optional_float(meta.get("update_norm")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"corrupt update record: {exc}") from exc

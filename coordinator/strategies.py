@@ -37,6 +37,12 @@ and role, and hands them back to :meth:`Strategy.downlink` and the next aggregat
 strategies here average within a group (FedAvg of a mixed fleet is FedAvg per group);
 FedDF and DENSE fuse across groups by distillation; FedGen runs with one group only.
 
+``aggregation median`` / ``trimmed_mean`` (:mod:`coordinator.aggregate`) replace the
+sample-weighted average of the updates by their unweighted coordinate-wise median or
+trimmed mean, for fleets that expect poisoned devices: in fedavg, fedprox, fedavg_oca
+and fedkf (the ACA; the OCA cache stays a running sample-weighted mean) and fedgen (the
+averaged model or head); feddf and dense fuse by distillation and refuse them.
+
 A strategy may also have its own defaults for the fleet settings a run leaves out
 (:attr:`Strategy.fleet_defaults`, read by :class:`~coordinator.config.FleetSettings`
 through :func:`fleet_defaults`): DENSE runs one round with every device.
@@ -63,7 +69,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from coordinator.aggregate import WeightedSum
+from coordinator.aggregate import Accumulator, WeightedSum, accumulator
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.context import ServerContext
 from coordinator.dense import DenseSettings, dense_distill
@@ -189,6 +195,9 @@ class Strategy(abc.ABC):
     head_sharing: ClassVar[bool] = False
     """Whether ``sharing head`` is supported: devices upload only the prediction head,
     the server averages the heads and sends the aggregated head back as ``head``."""
+    robust_aggregation: ClassVar[bool] = True
+    """Whether ``aggregation median`` / ``trimmed_mean`` is supported (the updates are
+    averaged into the ACA; strategies that fuse by distillation refuse it)."""
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         if config.sharing == "head" and not self.head_sharing:
@@ -196,6 +205,11 @@ class Strategy(abc.ABC):
         final = config.final_model or ("oca" if self.uses_oca else "aca")
         if final == "oca" and not self.uses_oca:
             raise ConfigError(f"strategy {self.name!r} keeps no OCA model; use final_model aca")
+        if config.aggregation != "mean" and not self.robust_aggregation:
+            raise ConfigError(
+                f"strategy {self.name!r} fuses the updates by distillation, not by averaging: "
+                f"aggregation {config.aggregation!r} is not supported (use mean)"
+            )
         self.config = config
         self.head_only = config.sharing == "head"
         self.final_model: str = final
@@ -253,16 +267,19 @@ class Strategy(abc.ABC):
         ``current`` holds the models the round started from, by group and role.
         ``updates`` loads one update at a time; keep memory O(model) per group. Runs off
         the engine thread; draws come from ``context.rng``, so a re-run gives the same.
-        Here: each group's ACA is the sample-weighted average of its devices' updates; a
-        group without an update keeps its models.
+        Here: each group's ACA is the sample-weighted average of its devices' updates
+        (with ``aggregation median`` / ``trimmed_mean``, their unweighted coordinate-wise
+        median / trimmed mean: :mod:`coordinator.aggregate`); a group without an update
+        keeps its models. The OCA model stays the sample-weighted mean of the cache.
 
         Raises:
             Exception: the server step failed; the round stays open, and a resumed
                 coordinator runs the aggregation again.
         """
-        sums: dict[str, WeightedSum] = {}
+        sums: dict[str, Accumulator] = {}
         for update in updates:
-            sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
+            acc = sums.setdefault(update.group, self.accumulator())
+            acc.add(update.weights, update.num_samples)
         if not sums:
             return NothingToAggregate(f"no on-time update in round {round_number}")
         return Aggregated(
@@ -271,6 +288,10 @@ class Strategy(abc.ABC):
                 for group, models in current.items()
             }
         )
+
+    def accumulator(self) -> Accumulator:
+        """An empty aggregate of the run's ``aggregation`` (mean, median, trimmed_mean)."""
+        return accumulator(self.config.aggregation, self.config.trim_fraction)
 
     def _merge(self, current: Mapping[str, Arrays], mean: dict[str, Array]) -> dict[str, Array]:
         """The new ACA: the mean itself, or (head-only) the current model with the mean
@@ -399,7 +420,7 @@ class FedGen(Strategy):
         context: ServerContext,
     ) -> AggregateResult:
         ((group, models),) = current.items()
-        acc = WeightedSum()
+        acc = self.accumulator()
         heads: list[dict[str, Array]] = []
         counts: list[tuple[int, ...]] = []
         for update in updates:
@@ -455,6 +476,7 @@ class FedDF(Strategy):
 
     name = "feddf"
     needs_proxy_data = True
+    robust_aggregation = False
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         super().__init__(config, templates)
@@ -563,6 +585,7 @@ class Dense(Strategy):
     """
 
     name = "dense"
+    robust_aggregation = False
     fleet_defaults: ClassVar[Mapping[str, Scalar]] = {"rounds": 1, "participation": 1.0}
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 32}
     defaults: ClassVar[DenseSettings] = DenseSettings()

@@ -15,6 +15,9 @@ non_finite              a NaN or infinity in the weights
 consent_required        label counts asked for (FedGen) but not sent
 malformed               label counts of the wrong length, or not summing to num_samples
 ======================  ==============================================================
+
+After these the engine screens the update's distance from the model the device was sent
+(``update_norm``: :mod:`coordinator.screening`).
 """
 
 from __future__ import annotations

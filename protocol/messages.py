@@ -210,6 +210,7 @@ class ReasonCode(str, Enum):
     UNKNOWN_BASE = "unknown_base"
     OVERSIZE = "oversize"
     NOT_SELECTED = "not_selected"
+    UPDATE_NORM = "update_norm"
     INTERNAL = "internal"
     REPLAYED = "replayed"
     """Outside the replay window (docs/protocol.md, section 7): check the device's clock."""

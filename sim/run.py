@@ -60,6 +60,7 @@ from sim.errors import SimError
 from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
 from sim.metrics import ModelMetrics, evaluate_models, evaluate_personal
 from sim.partition import Federation, partition_dataset
+from sim.poison import PoisoningTrainer, PoisonKind, poisoned_devices
 from sim.progress import Progress
 from sim.report import RoundRecord, RunReport
 from sim.shard import RoundSync, Shard, broadcast, current_shard, training_device
@@ -125,6 +126,14 @@ class SimConfig(FleetSettings):
     """Most devices trained together: training jobs handed to the trainer at once and
     devices in one batched computation (unset: up to 1024 at once, in computations as
     large as half the free memory holds)."""
+    poisoned: float = Field(default=0.0, ge=0, le=1)
+    """Attack emulation: this share of the devices (drawn with the seed) poison their
+    uploads (sim/poison.py); 0: none."""
+    poison: PoisonKind = "constant"
+    """Attack emulation: constant (every weight poison_scale) or sign_flip (the model
+    received minus poison_scale x the honest delta)."""
+    poison_scale: float = Field(default=3.0, allow_inf_nan=False)
+    """Attack emulation: the constant, or the sign-flipped delta's factor."""
 
     @field_serializer("alpha", when_used="json")
     def _alpha_as_json(self, alpha: float) -> float | str:
@@ -435,6 +444,8 @@ class _Recorder:
         """Set once the coordinator announced a state past ``starting``."""
         self.sync: RoundSync | None = None
         """A sharded run's link to the other ranks (their devices' bytes count too)."""
+        self.rejected = 0
+        """Updates of the rounds rejected by the coordinator (screening among them)."""
 
     def totals(self) -> tuple[int, int, int, int]:
         """Bytes so far: up, down, wire up, wire down (in a sharded run, every rank's)."""
@@ -462,6 +473,7 @@ class _Recorder:
             return
         if self._progress is not None:
             self._progress.step(f"round {action.round}/{self._total_rounds}: evaluating")
+        self.rejected += action.rejected
         wall = time.perf_counter() - self._round_start
         now = self.totals()
         delta = [a - b for a, b in zip(now, self._last, strict=True)]
@@ -570,6 +582,11 @@ def run_simulation(
     if progress is not None:
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, channels, side = build_federation(config)
+    ids = [d.device_id for d in federation.devices]
+    poisoned = poisoned_devices(ids, config.poisoned, config.seed)
+    if poisoned:
+        log.warning("attack emulation: %d device(s) poison their uploads", len(poisoned))
+        trainer = _poisoning(trainer, poisoned, config.poison, config.poison_scale)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
     keyring = fleet_keyring([d.device_id for d in federation.devices], shard)
     proxy = config.proxy_images()
@@ -676,6 +693,8 @@ def run_simulation(
         "models": {k: v.to_dict() for k, v in records[-1].models.items()} if records else {},
         "final_model": coordinator.final_model,
         "num_classes": federation.num_classes,
+        "poisoned_devices": len(poisoned),
+        "rejected_updates": recorder.rejected,
     }
     if ranks is not None:  # the whole fleet's footprint: every rank's peaks, summed
         final["ranks"] = ranks
@@ -695,6 +714,17 @@ def fleet_keyring(device_ids: Sequence[str], shard: Shard | None = None) -> Keyr
         secret = broadcast(secret)
     assert secret is not None
     return Keyring({d: hmac.new(secret, d.encode(), hashlib.sha256).digest() for d in device_ids})
+
+
+def _poisoning(
+    factory: TrainerFactory, poisoned: frozenset[str], kind: PoisonKind, scale: float
+) -> TrainerFactory:
+    """``factory`` whose trainers poison the uploads of ``poisoned`` (attack emulation)."""
+
+    def build(devices: Any) -> PoisoningTrainer:
+        return PoisoningTrainer(factory(devices), poisoned, kind, scale)
+
+    return build
 
 
 def _check_shardable(config: SimConfig, shard: Shard) -> None:

@@ -82,6 +82,14 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         metavars={"broker_url": "URL", "connections": "K"},
     )
     add_engine_flags(run, flags)
+    flags.add(
+        run.add_argument_group(
+            "attack emulation (poisoned devices, to measure screening and robust aggregation)"
+        ),
+        SimConfig,
+        include=("poisoned", "poison", "poison_scale"),
+        metavars={"poisoned": "FRACTION"},
+    )
     outputs = run.add_argument_group("outputs")
     flags.add(outputs, SimConfig, include=("state_dir",))
     outputs.add_argument("--json-out", type=Path, help="write the run's JSON report here")

@@ -1,0 +1,141 @@
+"""Norm screening: reject updates that move the model far more than the round's others.
+
+An update's *delta norm* is the L2 norm, over its floating tensors and in float64, of
+its weights minus the model the device was sent (for a delta upload, the decoded model
+its delta names, so a quantized uplink is judged by its reconstructed weights; for a full
+upload, the group's current ``aca`` restricted to the tensors the update carries). The
+engine acks each update on arrival, so the decision cannot wait for the round's other
+updates; it is taken against a reference known at arrival:
+
+* ``median`` of the delta norms of the on-time updates accepted so far in this round;
+* ``floor``: the previous round's median (carried over rounds that accepted none). It
+  is persisted in the run record, committed with the round, so a resumed coordinator
+  takes the same decisions;
+* the reference is ``max(floor, median, MIN_REFERENCE_SHARE x the sent model's norm)``;
+  before any round accepted anything (the first updates of round 1) it is the norm of
+  the model the device was sent.
+
+An update is rejected with ``update_norm`` when its delta norm exceeds
+``max_update_norm_ratio`` times the reference (0: no ratio check), or exceeds the
+absolute cap ``max_update_norm`` (None: none). The median is robust: attackers shift
+it only once they are half of the round. Every input of a decision (the floor, the
+accepted updates' norms, stored with them) is persisted before the Ack, so a decision
+depends only on the state a crash leaves behind.
+
+What it catches: gross outliers such as an update with every weight set to 3.0 (its
+delta norm is ~100x the model's norm for LeNet-5). What it does not: attacks that stay
+within the honest range (a sign-flipped delta of ordinary size); robust aggregation
+(:mod:`coordinator.aggregate`) is the answer to those.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from coordinator.errors import UpdateRejectedError
+from protocol.messages import ReasonCode
+
+__all__ = ["MIN_REFERENCE_SHARE", "NormScreen", "delta_norm", "model_norm"]
+
+Array = npt.NDArray[Any]
+
+MIN_REFERENCE_SHARE = 0.1
+"""The reference is never below this share of the sent model's norm: when a round's
+updates barely move the model (FedGen's heads, a converged model) an honest one that
+moves it more is not an outlier worth rejecting (with K = 10 an update may always move
+the model by its own norm)."""
+
+
+def delta_norm(weights: Mapping[str, Array], sent: Mapping[str, Array]) -> float:
+    """L2 norm of ``weights - sent`` over the floating tensors of ``weights`` (float64)."""
+    total = 0.0
+    for name, array in weights.items():
+        if array.dtype.kind != "f":
+            continue
+        diff = np.asarray(array, np.float64) - np.asarray(sent[name], np.float64)
+        total += float(np.dot(diff.ravel(), diff.ravel()))
+    return float(np.sqrt(total))
+
+
+def model_norm(weights: Mapping[str, Array], names: Any = None) -> float:
+    """L2 norm of the floating tensors of ``weights`` (those in ``names`` when given)."""
+    total = 0.0
+    for name, array in weights.items():
+        if array.dtype.kind != "f" or (names is not None and name not in names):
+            continue
+        flat = np.asarray(array, np.float64).ravel()
+        total += float(np.dot(flat, flat))
+    return float(np.sqrt(total))
+
+
+class NormScreen:
+    """The reference of one round and the decisions taken against it.
+
+    Args:
+        ratio: reject above ``ratio`` times the reference (0: no ratio check).
+        cap: reject above this delta norm whatever the reference (None: no cap).
+        floor: the previous rounds' reference (None: no round accepted anything yet).
+    """
+
+    def __init__(self, ratio: float, cap: float | None, floor: float | None) -> None:
+        self.ratio = ratio
+        self.cap = cap
+        self.floor = floor
+        self._norms: list[float] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.ratio > 0 or self.cap is not None
+
+    def reference(self, sent_norm: float) -> float:
+        """``max(floor, median of this round's accepted norms, MIN_REFERENCE_SHARE x
+        sent_norm)``; the sent model's norm ``sent_norm`` when there is neither floor nor
+        median."""
+        parts = [p for p in (self.floor, self.median()) if p is not None]
+        return max(*parts, MIN_REFERENCE_SHARE * sent_norm) if parts else sent_norm
+
+    def median(self) -> float | None:
+        """Median delta norm of the on-time updates accepted this round (None: none)."""
+        return statistics.median(self._norms) if self._norms else None
+
+    def check(self, norm: float, sent_norm: float) -> float:
+        """Raise unless an update of delta norm ``norm`` may be accepted; returns the
+        reference it was judged against.
+
+        Raises:
+            UpdateRejectedError: ``update_norm``, saying the norm and the bound.
+        """
+        if self.cap is not None and norm > self.cap:
+            raise UpdateRejectedError(
+                ReasonCode.UPDATE_NORM,
+                f"update moves the model by {norm:.4g} (L2), above the cap {self.cap:.4g}",
+            )
+        reference = self.reference(sent_norm)
+        if self.ratio <= 0:
+            return reference
+        if norm > self.ratio * reference:
+            raise UpdateRejectedError(
+                ReasonCode.UPDATE_NORM,
+                f"update moves the model by {norm:.4g} (L2), above {self.ratio:g} x the "
+                f"round's reference {reference:.4g}",
+            )
+        return reference
+
+    def accepted(self, norm: float) -> None:
+        """An on-time update of this round with delta norm ``norm`` was accepted."""
+        self._norms.append(norm)
+
+    def next_floor(self) -> float | None:
+        """The floor of the next round: this round's median, or this floor without one."""
+        median = self.median()
+        return self.floor if median is None else median
+
+    def new_round(self, floor: float | None) -> None:
+        """Start a round with ``floor`` and no accepted update."""
+        self.floor = floor
+        self._norms = []
