@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paper_studies import load_reports, report_path, spread
+from benchmarks.paper_studies import load_reports, report_path, run_sim, spread
 
 
 def _proxy(size: int) -> list[str]:
@@ -110,26 +109,9 @@ def run_study(args: argparse.Namespace) -> None:
         for run, extra in study["runs"].items():
             if args.only and not any(run.endswith(f"-{name}") for name in args.only):
                 continue
-            path = report_path(args.out, run, seed)
-            if path.exists():
-                print(f"# {path} exists, skipped", file=sys.stderr)
-                continue
-            command = [
-                sys.executable,
-                "-m",
-                "sim",
-                *COMMON,
-                *study["args"],
-                *(a.format(data=args.data_dir) for a in extra),
-                "--data-dir",
-                str(args.data_dir),
-                "--seed",
-                str(seed),
-                "--json-out",
-                str(path),
-            ]
-            print(" ".join(command[1:]), file=sys.stderr, flush=True)
-            subprocess.run(command, check=True)
+            arguments = [*COMMON, *study["args"], *(a.format(data=args.data_dir) for a in extra)]
+            arguments += ["--data-dir", str(args.data_dir)]
+            run_sim(report_path(args.out, run, seed), seed, arguments)
 
 
 def _final_acc(report: dict[str, Any], model: str) -> float:

@@ -107,33 +107,34 @@ def report_path(out: Path, run: str, seed: int) -> Path:
     return out / f"{run}-s{seed}.json"
 
 
+def run_sim(path: Path, seed: int, arguments: Sequence[str]) -> None:
+    """Run ``python -m sim ARGUMENTS --seed SEED --json-out PATH`` unless ``path``
+    exists, printing the command (the reports of a study survive an interrupted run)."""
+    if path.exists():
+        print(f"# {path} exists, skipped", file=sys.stderr)
+        return
+    command = [
+        sys.executable,
+        "-m",
+        "sim",
+        *arguments,
+        "--seed",
+        str(seed),
+        "--json-out",
+        str(path),
+    ]
+    print(" ".join(command[1:]), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True)
+
+
 def run_study(args: argparse.Namespace) -> None:
     study = STUDIES[args.study]
     args.out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         for run, extra in study["runs"].items():
-            path = report_path(args.out, run, seed)
-            if path.exists():
-                print(f"# {path} exists, skipped", file=sys.stderr)
-                continue
-            command = [
-                sys.executable,
-                "-m",
-                "sim",
-                *COMMON,
-                *study["args"],
-                *extra,
-                "--data-dir",
-                str(args.data_dir),
-                "--rounds",
-                str(args.rounds),
-                "--seed",
-                str(seed),
-                "--json-out",
-                str(path),
-            ]
-            print(" ".join(command[1:]), file=sys.stderr)
-            subprocess.run(command, check=True)
+            arguments = [*COMMON, *study["args"], *extra, "--data-dir", str(args.data_dir)]
+            arguments += ["--rounds", str(args.rounds)]
+            run_sim(report_path(args.out, run, seed), seed, arguments)
 
 
 def load_reports(out: Path, run: str) -> list[dict[str, Any]]:
