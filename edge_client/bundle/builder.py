@@ -298,7 +298,7 @@ def _run_pip(args: Sequence[str], what: str) -> None:
         raise DownloadError(f"{what} failed (pip exit {done.returncode}): {tail}")
 
 
-_PACKAGES = ("protocol", "models", "edge_client", "coordinator", "sim")
+_PACKAGES = ("protocol", "models", "edge_client", "coordinator", "sim", "deploy")
 
 
 def _build_project_wheel(source: Path, wheels: Path) -> Path:
