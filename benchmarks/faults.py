@@ -71,7 +71,7 @@ class FaultConfig:
     """SIGKILLs of the coordinator (fewer if the run finishes first)."""
     seed: int = 0
     """Seed of the run (coordinator and devices) and of the kill times."""
-    kill_after: tuple[float, float] = (0.1, 1.5)
+    kill_after: tuple[float, float] = (0.05, 0.9)
     """A kill comes this many seconds (uniform) after the coordinator has started its run."""
     broker_restarts: int = 0
     """Mosquitto restarts in the middle of the interrupted run."""
@@ -88,6 +88,10 @@ class FaultReport:
     kills: int = 0
     restarts: int = 0
     broker_restarts: int = 0
+    kill_phases: dict[str, int] = field(default_factory=dict)
+    """Kills by what the coordinator's last log line said: ``training`` (collecting updates),
+    ``aggregating`` (between "aggregating" and the round's commit), ``closed`` (just after
+    a round closed)."""
     rounds_completed: int = 0
     finished: bool = False
     updates_tried: int = 0
@@ -247,6 +251,17 @@ def _wait_for(log: Path, process: subprocess.Popen[bytes], needle: str, timeout:
     return False
 
 
+def _phase(log: str) -> str:
+    """Where a coordinator was when it was killed, from its last line about a round."""
+    lines = [line for line in log.splitlines() if "round" in line]
+    last = lines[-1] if lines else ""
+    if "aggregating" in last:
+        return "aggregating"
+    if " closed in " in last:
+        return "closed"
+    return "training"
+
+
 def _final(state: Path) -> dict[str, Any]:
     return dict(torch.load(state / "final" / "aca.pt", weights_only=True))
 
@@ -294,6 +309,8 @@ def one_run(
                         report.kills += 1
                         report.restarts += 1
                         logs.append(log.read_text(errors="replace"))
+                        phase = _phase(logs[-1])
+                        report.kill_phases[phase] = report.kill_phases.get(phase, 0) + 1
                         continue
                 try:
                     server.wait(cfg.timeout_s - (time.monotonic() - start))
