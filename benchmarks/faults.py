@@ -1,0 +1,425 @@
+"""Fault injection: the coordinator SIGKILLed at random points and resumed (issue 17).
+
+A private Mosquitto, N ``python -m edge_client`` processes on synthetic data (``--model
+mlp``, authenticated with per-device keys) and one ``python -m coordinator`` with a state
+dir. The coordinator is killed with SIGKILL at seeded random moments and restarted with
+``--resume`` each time until it finishes its rounds. A monitor MQTT client, holding the
+keyring, records every acknowledgement the coordinator sends (the event log).
+
+Checks, against an uninterrupted reference run of the same seed on the same data:
+
+* the interrupted run finishes (exit 0, final models saved);
+* its final models are bit-identical to the reference's;
+* per round, the updates the coordinator aggregated (its "round N/R closed: K/S updates on
+  time" log line) equal the distinct updates it acknowledged as accepted: ``lost`` counts
+  acknowledged-accepted updates missing from a round, ``twice`` updates counted beyond
+  those acknowledged.
+
+Run::
+
+    python -m benchmarks.faults            # 4 devices, 30 rounds, 20 kills
+    python -m benchmarks.faults --quick    # 4 devices, 8 rounds, 5 kills
+    python -m benchmarks.faults --json     # the same figures as one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import torch
+
+from protocol.auth import Keyring, new_key, write_key_file
+from protocol.channel import Channel
+from protocol.messages import Ack, Message, Update
+from protocol.topics import Topics
+from protocol.transport.config import MqttConfig
+from protocol.transport.mqtt import MqttTransport
+from sim.datasets import load_dataset
+from sim.partition import partition_dataset, save_device_file
+
+ROOT = Path(__file__).resolve().parents[1]
+FLEET = "faults"
+_CLOSED = re.compile(r"round (\d+)/\d+ closed in [\d.]+ s: (\d+)/(\d+) updates on time")
+_PEAK = re.compile(r"peak RSS ([\d.]+) MB")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """One benchmark run."""
+
+    devices: int = 4
+    """Edge-client processes."""
+    rounds: int = 30
+    """Rounds of the federated run."""
+    kills: int = 20
+    """SIGKILLs of the coordinator (fewer if the run finishes first)."""
+    seed: int = 0
+    """Seed of the run (coordinator and devices) and of the kill times."""
+    kill_after: tuple[float, float] = (0.05, 0.9)
+    """A kill comes this many seconds (uniform) after the coordinator has started its run."""
+    broker_restarts: int = 0
+    """Mosquitto restarts in the middle of the interrupted run."""
+    timeout_s: float = 900.0
+    """Give up on a run after this long."""
+
+
+@dataclass
+class FaultReport:
+    """What one benchmark run measured."""
+
+    devices: int
+    rounds: int
+    kills: int = 0
+    restarts: int = 0
+    broker_restarts: int = 0
+    kill_phases: dict[str, int] = field(default_factory=dict)
+    """Kills by what the coordinator's last log line said: ``training`` (collecting updates),
+    ``aggregating`` (between "aggregating" and the round's commit), ``closed`` (just after
+    a round closed)."""
+    rounds_completed: int = 0
+    finished: bool = False
+    updates_tried: int = 0
+    """Updates the devices sent (message ids seen on the update topics, resends included)."""
+    updates_acknowledged: int = 0
+    """Distinct (device, round) updates the coordinator acknowledged as accepted."""
+    updates_rejected: int = 0
+    """Acknowledgements with accepted = false (duplicates of resends among them)."""
+    lost: int = 0
+    """Acknowledged-accepted updates missing from their round's aggregate."""
+    twice: int = 0
+    """Updates a round aggregated beyond the distinct ones it acknowledged."""
+    rounds_unchecked: int = 0
+    """Rounds whose close left no log line (the kill came between commit and log)."""
+    identical_to_reference: bool = False
+    wall_s: float = 0.0
+    reference_wall_s: float = 0.0
+    coordinator_peak_rss_mb: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+class AckLog:
+    """The event log: every acknowledgement and update seen on the broker, decoded with the
+    keyring (frames that fail authentication are dropped by the channel)."""
+
+    def __init__(self, url: str, keyring: Keyring) -> None:
+        self._lock = threading.Lock()
+        self.acks: list[tuple[str, int, str | None, bool]] = []  # device, round, ref, accepted
+        self.update_rounds: dict[str, int] = {}  # update message id -> round
+        self._transport = MqttTransport(MqttConfig.from_url(url, client_id="faults-monitor"))
+        self._channel = Channel(self._transport, auth=keyring)
+        self._topics = Topics(FLEET)
+
+    def start(self) -> None:
+        self._transport.connect()
+        self._channel.subscribe(f"{self._topics.root}/to/+/ack", self._on_ack)
+        self._channel.subscribe(self._topics.from_devices("update"), self._on_update)
+
+    def stop(self) -> None:
+        self._transport.disconnect()
+
+    def _on_ack(self, topic: str, message: Message) -> None:
+        if isinstance(message.body, Ack):
+            device = topic.split("/")[-2]
+            with self._lock:
+                self.acks.append((device, message.round, message.body.ref, message.body.accepted))
+
+    def _on_update(self, topic: str, message: Message) -> None:
+        if isinstance(message.body, Update):
+            with self._lock:
+                self.update_rounds[message.message_id] = message.round
+
+    def accepted(self) -> dict[int, set[str]]:
+        """Round -> devices whose update of that round was acknowledged as accepted."""
+        out: dict[int, set[str]] = defaultdict(set)
+        with self._lock:
+            for device, _, ref, ok in self.acks:
+                if ok and ref in self.update_rounds:  # hellos are acknowledged too
+                    out[self.update_rounds[ref]].add(device)
+        return out
+
+    def update_acks(self) -> list[tuple[str, int, str | None, bool]]:
+        """The acknowledgements of updates (not of hellos)."""
+        with self._lock:
+            return [a for a in self.acks if a[2] in self.update_rounds]
+
+    def save(self, path: Path) -> None:
+        """Write the event log, one JSON object a line."""
+        with self._lock, path.open("w") as out:
+            for device, round_number, ref, ok in self.acks:
+                event = {"event": "ack", "device": device, "round": round_number}
+                event |= {"ref": ref, "accepted": ok}
+                event["update_round"] = self.update_rounds.get(ref or "")
+                out.write(json.dumps(event) + "\n")
+
+
+def write_fleet(root: Path, devices: int, seed: int) -> tuple[list[Path], Path]:
+    """Device data files, one key file each, and the coordinator's keyring."""
+    root.mkdir(parents=True, exist_ok=True)
+    federation = partition_dataset(
+        load_dataset("synthetic", seed=seed), devices, float("inf"), seed=seed
+    )
+    paths, keys = [], {}
+    for split in federation.devices:
+        path = root / f"{split.device_id}.npz"
+        save_device_file(path, split)
+        keys[split.device_id] = new_key()
+        write_key_file(path.with_suffix(".key"), keys[split.device_id])
+        paths.append(path)
+    Keyring(keys).save(root / "keys.json")
+    return paths, root / "keys.json"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_devices(
+    url: str, files: list[Path], root: Path, seed: int
+) -> list[subprocess.Popen[bytes]]:
+    root.mkdir(parents=True, exist_ok=True)
+    processes = []
+    for path in files:
+        command = [
+            sys.executable, "-m", "edge_client", "--broker", url, "--fleet", FLEET,
+            "--data", str(path), "--model", "mlp", "--init-seed", str(seed),
+            "--state-dir", str(root / path.stem), "--auth-key-file",
+            str(path.with_suffix(".key")), "--exit-when-finished",
+        ]  # fmt: skip
+        processes.append(_spawn(command, root / f"{path.stem}.log"))
+    return processes
+
+
+def start_coordinator(
+    url: str, cfg: FaultConfig, state: Path, keys: Path, log: Path, *, resume: bool
+) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
+        "--strategy", "fedavg", "--model", "mlp", "--rounds", str(cfg.rounds),
+        "--participation", "1.0", "--min-devices", str(cfg.devices), "--round-timeout", "120",
+        "--local-steps", "2", "--batch-size", "16", "--seed", str(cfg.seed),
+        "--state-dir", str(state), "--device-keys", str(keys),
+    ]  # fmt: skip
+    return _spawn([*command, "--resume"] if resume else command, log)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=10)
+
+
+@contextmanager
+def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A list of processes, every one killed on the way out."""
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        yield started
+    finally:
+        for process in started:
+            _stop(process)
+
+
+def _wait_for(log: Path, process: subprocess.Popen[bytes], needle: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if needle in log.read_text(errors="replace"):
+            return True
+        if process.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _phase(log: str) -> str:
+    """Where a coordinator was when it was killed, from its last line about a round."""
+    lines = [line for line in log.splitlines() if "round" in line]
+    last = lines[-1] if lines else ""
+    if "aggregating" in last:
+        return "aggregating"
+    if " closed in " in last:
+        return "closed"
+    return "training"
+
+
+def _final(state: Path) -> dict[str, Any]:
+    return dict(torch.load(state / "final" / "aca.pt", weights_only=True))
+
+
+def _identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def one_run(
+    url: str, cfg: FaultConfig, files: list[Path], keys: Path, work: Path, *, faults: bool,
+    broker: Any = None,
+) -> tuple[FaultReport, AckLog, list[str]]:  # fmt: skip
+    """One run from scratch; with ``faults``, the coordinator is killed ``cfg.kills`` times
+    (and the broker restarted ``cfg.broker_restarts`` times)."""
+    work.mkdir(parents=True)
+    state = work / "state"
+    report = FaultReport(devices=cfg.devices, rounds=cfg.rounds)
+    rng = random.Random(cfg.seed)
+    monitor = AckLog(url, Keyring.load(keys))
+    monitor.start()
+    logs: list[str] = []
+    start = time.monotonic()
+    try:
+        with _processes() as started:
+            started.extend(start_devices(url, files, work / "devices", cfg.seed))
+            incarnation = 0
+            while True:
+                log = work / f"coordinator-{incarnation}.log"
+                server = start_coordinator(url, cfg, state, keys, log, resume=incarnation > 0)
+                started.append(server)
+                incarnation += 1
+                if faults and report.kills < cfg.kills:
+                    if _wait_for(log, server, "round", 120):
+                        time.sleep(rng.uniform(*cfg.kill_after))
+                        if (
+                            broker is not None
+                            and report.broker_restarts < cfg.broker_restarts
+                            and report.kills == cfg.kills // 2
+                        ):
+                            broker.restart()  # mid-run, while this coordinator works
+                            report.broker_restarts += 1
+                    if server.poll() is None:
+                        server.send_signal(signal.SIGKILL)
+                        server.wait(10)
+                        report.kills += 1
+                        report.restarts += 1
+                        logs.append(log.read_text(errors="replace"))
+                        phase = _phase(logs[-1])
+                        report.kill_phases[phase] = report.kill_phases.get(phase, 0) + 1
+                        continue
+                try:
+                    server.wait(cfg.timeout_s - (time.monotonic() - start))
+                except subprocess.TimeoutExpired:
+                    report.problems.append("the coordinator did not finish in time")
+                logs.append(log.read_text(errors="replace"))
+                break
+            report.finished = server.returncode == 0 and (state / "final" / "aca.pt").exists()
+            for device in started[: cfg.devices]:
+                try:
+                    device.wait(30)
+                except subprocess.TimeoutExpired:
+                    report.problems.append(f"device pid {device.pid} did not exit")
+    finally:
+        monitor.stop()
+        monitor.save(work / "events.jsonl")
+    report.wall_s = time.monotonic() - start
+    if not report.finished:
+        report.problems.append(f"the coordinator ended with {server.returncode}")
+    peaks = [float(m.group(1)) for text in logs for m in _PEAK.finditer(text)]
+    report.coordinator_peak_rss_mb = max(peaks) if peaks else None
+    return report, monitor, logs
+
+
+def check(report: FaultReport, monitor: AckLog, logs: list[str], cfg: FaultConfig) -> None:
+    """Fill in the counts of ``report`` from the event log and the coordinator's logs."""
+    aggregated: dict[int, int] = {}
+    for text in logs:
+        for m in _CLOSED.finditer(text):
+            aggregated[int(m.group(1))] = int(m.group(2))  # the last close of a round wins
+    accepted = monitor.accepted()
+    report.rounds_completed = max((r for r in aggregated), default=0)
+    report.updates_tried = len(monitor.update_rounds)
+    report.updates_acknowledged = sum(len(devices) for devices in accepted.values())
+    report.updates_rejected = sum(1 for *_, ok in monitor.update_acks() if not ok)
+    for r in range(1, cfg.rounds + 1):
+        acked = len(accepted.get(r, ()))
+        if r not in aggregated:
+            report.rounds_unchecked += 1
+            continue
+        report.lost += max(0, acked - aggregated[r])
+        report.twice += max(0, aggregated[r] - acked)
+
+
+def run_benchmark(cfg: FaultConfig, work: Path) -> FaultReport:
+    """Reference run, then the same run with faults; returns the report of the latter."""
+    from tests.protocol.brokers import Mosquitto, mosquitto_binary
+
+    if mosquitto_binary() is None:
+        raise SystemExit("faults: the mosquitto binary is not installed")
+    files, keys = write_fleet(work / "fleet", cfg.devices, cfg.seed)
+    (work / "mosquitto").mkdir()
+    with ExitStack() as stack:
+        broker = stack.enter_context(Mosquitto(work / "mosquitto"))
+        reference, ref_log, ref_logs = one_run(
+            broker.url, cfg, files, keys, work / "reference", faults=False
+        )
+        check(reference, ref_log, ref_logs, cfg)
+        if not reference.finished:
+            raise RuntimeError(
+                f"the reference run failed: {reference.problems}\n{ref_logs[-1][-3000:]}"
+            )
+        report, monitor, logs = one_run(
+            broker.url, cfg, files, keys, work / "faults", faults=True, broker=broker
+        )
+    check(report, monitor, logs, cfg)
+    report.reference_wall_s = reference.wall_s
+    if report.finished:
+        report.identical_to_reference = _identical(
+            _final(work / "faults" / "state"), _final(work / "reference" / "state")
+        )
+    return report
+
+
+def markdown(report: FaultReport) -> str:
+    rows = [(k, v) for k, v in asdict(report).items() if k != "problems"]
+    lines = ["| figure | value |", "|---|---|"]
+    lines += [f"| {k} | {f'{v:.1f}' if isinstance(v, float) else v} |" for k, v in rows]
+    if report.problems:
+        lines.append(f"| problems | {'; '.join(report.problems)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="8 rounds, 5 kills (minutes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--devices", type=int, help="edge clients (default 4)")
+    p.add_argument("--rounds", type=int, help="rounds (default 30; --quick 8)")
+    p.add_argument("--kills", type=int, help="coordinator SIGKILLs (default 20; --quick 5)")
+    p.add_argument("--broker-restarts", type=int, default=0, help="Mosquitto restarts (0)")
+    p.add_argument("--seed", type=int, default=0, help="default 0")
+    p.add_argument("--work-dir", type=Path, help="keep the files here (default: a temp dir)")
+    args = p.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    cfg = FaultConfig(
+        devices=args.devices or 4,
+        rounds=args.rounds or (8 if args.quick else 30),
+        kills=args.kills if args.kills is not None else (5 if args.quick else 20),
+        seed=args.seed,
+        broker_restarts=args.broker_restarts,
+    )
+    with ExitStack() as stack:
+        work = args.work_dir or Path(stack.enter_context(TemporaryDirectory(prefix="faults-")))
+        report = run_benchmark(cfg, work)
+    print(json.dumps(asdict(report), indent=2) if args.json else markdown(report))
+    ok = report.finished and report.identical_to_reference and not (report.lost or report.twice)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
