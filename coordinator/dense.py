@@ -413,7 +413,8 @@ def dense_distill(
                 settings=settings,
                 rng=rng,
             )
-        memory.add(phase.best, _ensemble_of(teachers, phase.best))
+        with torch.no_grad():
+            memory.add(phase.best, ensemble_logits(teachers, phase.best))
         kls = {
             name: student_phase(student, s_opts[name], memory, settings=settings, rng=rng)
             for name, student in students.items()
@@ -432,7 +433,7 @@ def dense_distill(
         student.eval()
     with torch.no_grad():
         images = generator(eval_z)
-    target = _ensemble_of(teachers, images)
+        target = ensemble_logits(teachers, images)
 
     def held_out_kl(model: nn.Module) -> float:
         return float(kl_to_ensemble(teacher_logits(model, images), target, settings.temperature))
@@ -446,11 +447,6 @@ def dense_distill(
         bn=phase.bn,
         adv=phase.adv,
     )
-
-
-def _ensemble_of(teachers: Sequence[nn.Module], images: torch.Tensor) -> torch.Tensor:
-    """The ensemble's logits over ``images``, without gradients."""
-    return torch.stack([teacher_logits(t, images) for t in teachers]).mean(0)
 
 
 @contextlib.contextmanager

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import uuid
 import zlib
 from collections.abc import Mapping
@@ -295,9 +294,6 @@ class RoundEngine:
         self._models: GroupModels = {}
         self._counters = _RoundCounters()
         self._status_sent = ""
-        self._warned: set[str] = set()
-        """Senders unknown to the registry whose bad input was logged as a warning this
-        round (later ones at debug level: a flood is logged once)."""
         self._screen = NormScreen(config.max_update_norm_ratio, config.max_update_norm, None)
         self._screened_out: set[str] = set()
         """Selected devices whose on-time update of this round was screened out
@@ -609,14 +605,14 @@ class RoundEngine:
 
     def _on_undecodable(self, event: Undecodable) -> list[Action]:
         """A registered device gets a nack, so it can send its message again; anyone else
-        gets nothing (logged once a round)."""
+        gets nothing (logged once a minute per device)."""
         device_id, run = event.topic_device, self._require_run()
         if device_id not in self.registry:
-            level = logging.DEBUG if device_id in self._warned else logging.WARNING
-            if len(self._warned) < 1024:
-                self._warned.add(device_id)
-            log.log(
-                level, "dropped bad input on unknown device %s's topic: %s", device_id, event.detail
+            self._refusals.warning(
+                f"bad:{device_id}",
+                "dropped bad input on unknown device %s's topic: %s",
+                device_id,
+                event.detail,
             )
             return []
         round_number = run.round if event.round is None else event.round
@@ -668,7 +664,6 @@ class RoundEngine:
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
-        self._warned.clear()
         self._screen.new_round(run.norm_floor)
         self._screened_out = set()
         self._transfers.new_round()
@@ -772,12 +767,11 @@ class RoundEngine:
         stats = [self._state.read_update_meta(d, closing) for d in run.aggregating]
         finished = closing >= self.config.rounds
         self._state.save_models(closing + 1, server)
-        norms = [u.update_norm for u in stats if u.update_norm is not None]
         next_run = RunMeta(
             fingerprint=run.fingerprint,
             round=closing + 1,
             phase="finished" if finished else "waiting",
-            norm_floor=statistics.median(norms) if norms else run.norm_floor,
+            norm_floor=self._screen.next_floor(),
         )
         self._state.save_run(next_run)  # the commit point of the round
         self._run, self._models = next_run, server

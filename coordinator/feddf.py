@@ -31,8 +31,9 @@ parameter, every random draw from the caller's generator.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,12 +111,19 @@ def teacher_logits(
 ) -> torch.Tensor:
     """``model``'s logits ``(N, classes)`` over ``images`` ``(N, C, H, W)``, in eval mode,
     on the device of ``images``; the module's training flags are restored afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
+    with _evaluating(model):
         return torch.cat(
             [model(images[i : i + batch_size]) for i in range(0, len(images), batch_size)]
         )
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Inside: ``model`` in eval mode; afterwards each module's training flag as it was."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
     finally:
         for module, mode in modes:
             module.train(mode)
@@ -188,14 +196,9 @@ def distill(
 
     @torch.no_grad()
     def held_out_kl() -> float:
-        modes = [(m, m.training) for m in student.modules()]
-        student.eval()
-        try:
+        with _evaluating(student):
             parts = torch.split(held_out.to(images.device), 256)
             total = sum(float(mean_kl(part)) * len(part) for part in parts)
-        finally:
-            for module, mode in modes:
-                module.train(mode)
         return total / len(held_out)
 
     best_kl = first_kl = held_out_kl()

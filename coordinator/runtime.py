@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.proxy import proxy_digest, server_proxy
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
-from models import Classifier, build_classifier, load_state_arrays
+from models import Classifier, build_classifier, load_state_arrays, seeded
 from models.errors import ModelError
 from protocol.auth import AuthError, Keyring
 from protocol.channel import Channel
@@ -64,7 +64,7 @@ from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
 
-__all__ = ["Coordinator", "Observer", "build_models", "save_final_models"]
+__all__ = ["Coordinator", "Observer", "build_models", "save_final_models", "save_group_models"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,7 @@ def build_models(config: CoordinatorConfig) -> dict[str, Classifier]:
     templates = {}
     for name in config.architectures:
         try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.seed)
+            with seeded(config.seed):
                 templates[name] = build_classifier(
                     name,
                     num_classes=config.num_classes,
@@ -103,6 +102,28 @@ def build_models(config: CoordinatorConfig) -> dict[str, Classifier]:
         except ModelError as exc:
             raise ConfigError(str(exc)) from exc
     return templates
+
+
+def save_group_models(
+    models: GroupModels,
+    templates: Mapping[str, Classifier],
+    out_dir: Path,
+    *,
+    onnx: bool = True,
+    final: str | None = None,
+) -> list[Path]:
+    """:func:`save_final_models` of every architecture group: into ``out_dir`` for a
+    fleet of one architecture, into ``out_dir/GROUP`` for each group of several.
+
+    Raises:
+        StoreError: a file cannot be written.
+        ModelError: a model cannot be exported.
+    """
+    written = []
+    for group, models_of_group in models.items():
+        out = out_dir if len(models) == 1 else out_dir / group
+        written += save_final_models(models_of_group, templates[group], out, onnx=onnx, final=final)
+    return written
 
 
 def save_final_models(
@@ -405,25 +426,22 @@ class Coordinator:
             CoordinatorError: a model could not be exported.
         """
         if self.config.state_dir is not None:
-            final_dir = self.config.state_dir / "final"
-            for group, models in finished.models.items():
-                out_dir = final_dir if len(finished.models) == 1 else final_dir / group
-                try:
-                    paths = save_final_models(
-                        models,
-                        self._templates[group],
-                        out_dir,
-                        onnx=self.config.export_onnx,
-                        final=finished.final,
-                    )
-                except StoreError as exc:
-                    raise StoreError(
-                        f"could not save the final models ({exc}); free space and resume "
-                        "with --resume to save them"
-                    ) from exc
-                except ModelError as exc:
-                    raise CoordinatorError(f"could not export the final models: {exc}") from exc
-                log.info("final models saved: %s", ", ".join(str(p) for p in paths))
+            try:
+                paths = save_group_models(
+                    finished.models,
+                    self._templates,
+                    self.config.state_dir / "final",
+                    onnx=self.config.export_onnx,
+                    final=finished.final,
+                )
+            except StoreError as exc:
+                raise StoreError(
+                    f"could not save the final models ({exc}); free space and resume "
+                    "with --resume to save them"
+                ) from exc
+            except ModelError as exc:
+                raise CoordinatorError(f"could not export the final models: {exc}") from exc
+            log.info("final models saved: %s", ", ".join(str(p) for p in paths))
         self.final_models = finished.models
 
     def _publish_final_status(self, state: str) -> None:

@@ -88,10 +88,6 @@ class NormScreen:
         self.floor = floor
         self._norms: list[float] = []
 
-    @property
-    def enabled(self) -> bool:
-        return self.ratio > 0 or self.cap is not None
-
     def reference(self, sent_norm: float) -> float:
         """``max(floor, median of this round's accepted norms, MIN_REFERENCE_SHARE x
         sent_norm)``; the sent model's norm ``sent_norm`` when there is neither floor nor

@@ -664,12 +664,10 @@ class Dense(Strategy):
         return Aggregated({group: {"aca": state_arrays(s)} for group, s in students.items()})
 
     def _fresh(self, group: str) -> Classifier:
-        """An untrained model of ``group``'s architecture, built from the run's seed: the
-        initial weights every device of the group started from (as DENSE, the global
-        model owes nothing to averaging the uploads)."""
-        template = self._templates[group]
-        with seeded(self.config.seed):
-            return type(template)(template.config)
+        """An untrained model of ``group``'s architecture: a copy of its template, which
+        holds the run seed's initial weights every device of the group started from (as
+        DENSE, the global model owes nothing to averaging the uploads)."""
+        return copy.deepcopy(self._templates[group])
 
 
 _REGISTRY: dict[str, type[Strategy]] = {

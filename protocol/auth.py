@@ -34,6 +34,7 @@ import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from protocol.codec import FRAME_HEADER_SIZE, TAG_SIZE
 from protocol.errors import DecodeError
 from protocol.topics import parse_topic, valid_identifier
 
@@ -56,8 +57,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KEY_SIZE = 32
-TAG_SIZE = 32
-TAG_OFFSET = 4
+TAG_OFFSET = FRAME_HEADER_SIZE
 """The tag follows the 4-byte frame header."""
 ZERO_TAG = bytes(TAG_SIZE)
 """The tag of a frame that is not authenticated (fleet-wide topics, insecure mode)."""

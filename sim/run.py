@@ -39,7 +39,7 @@ from coordinator.config import CoordinatorConfig, FleetSettings, run_weight_form
 from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
 from coordinator.errors import ConfigError
 from coordinator.groups import Models
-from coordinator.runtime import Coordinator, save_final_models
+from coordinator.runtime import Coordinator, save_group_models
 from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
@@ -588,7 +588,7 @@ def run_simulation(
         log.warning("attack emulation: %d device(s) poison their uploads", len(poisoned))
         trainer = _poisoning(trainer, poisoned, config.poison, config.poison_scale)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
-    keyring = fleet_keyring([d.device_id for d in federation.devices], shard)
+    keyring = fleet_keyring(ids, shard)
     proxy = config.proxy_images()
     scratch = {
         name: build_classifier(
@@ -674,9 +674,7 @@ def run_simulation(
             raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
         models = outcome.get("models")
         if final_models_dir is not None and models:
-            for group, arrays in models.items():
-                out = final_models_dir if len(models) == 1 else final_models_dir / group
-                save_final_models(arrays, scratch[group], out, final=coordinator.final_model)
+            save_group_models(models, scratch, final_models_dir, final=coordinator.final_model)
         totals = recorder.totals()
         ranks = None if recorder.sync is None else recorder.sync.ask("final")
 
