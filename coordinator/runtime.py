@@ -403,7 +403,7 @@ class Coordinator:
         loss = "-" if closed.train_loss is None else f"{closed.train_loss:.4f}"
         acc = "-" if closed.train_accuracy is None else f"{100 * closed.train_accuracy:.1f}%"
         log.info(
-            "round %d/%d closed in %.1f s: %d/%d updates on time, %d late, %d rejected; "
+            "round %d/%d closed in %.3f s: %d/%d updates on time, %d late, %d rejected; "
             "device train loss %s, accuracy %s; server step %.1f s",
             closed.round,
             self.config.rounds,

@@ -13,6 +13,10 @@ Commands:
     partition   split a dataset across K devices (Dirichlet(alpha) label skew, per-device
                 train/test split) and write one ``dev-NNN.npz`` per device plus
                 ``summary.json`` into ``--out``.
+    devices     emulate only the devices of a keyring file (``--device-keys``) against a
+                coordinator run elsewhere (``python -m coordinator --broker URL``), until
+                its run finishes; ``--json-out`` writes per round the devices' compute
+                seconds (``benchmarks/load.py`` uses it).
     budget      the bytes a configuration moves (per device and round, per round, whole
                 run; payload and wire) next to fp32 FedAvg, without running the fleet;
                 ``--link`` adds transfer times (see docs/budget.md).
@@ -39,6 +43,7 @@ import numpy as np
 
 from sim.budget_cli import add_budget_parser
 from sim.datasets import dataset_names, load_dataset
+from sim.devices import add_devices_parser
 from sim.errors import SimError
 from sim.partition import label_counts, mean_label_entropy, partition_dataset, save_device_file
 from sim.run_cli import BrokerUnreachableError, add_run_parser
@@ -84,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--test-fraction", type=float, default=0.2, help="local test share")
     part.set_defaults(handler=_partition_from_args)
     add_budget_parser(sub)
+    add_devices_parser(sub)
     return parser
 
 
@@ -190,10 +196,11 @@ def run_partition(
     return summary
 
 
-COMMANDS = ("run", "partition", "budget")
+COMMANDS = ("run", "partition", "budget", "devices")
 OTHER_COMMANDS = f"""other commands ({PROG} COMMAND --help for their flags):
   partition   split a dataset into per-device files (Dirichlet(alpha) label skew)
-  budget      bytes per device and round of a configuration, next to fp32 FedAvg"""
+  budget      bytes per device and round of a configuration, next to fp32 FedAvg
+  devices     only the devices of a keyring file, for a coordinator run elsewhere"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
