@@ -648,9 +648,10 @@ class RoundEngine:
             )
             return self._close_round()
         if run.phase == "waiting":
-            online = self.registry.online()
-            if len(online) >= self.config.min_devices:
-                return self._start_round(now, online)
+            # counted on every event while devices join: sorting the online devices
+            # each time made joining O(devices^2) (benchmarks/load.py)
+            if self.registry.online_count() >= self.config.min_devices:
+                return self._start_round(now, self.registry.online())
             return self._status("waiting")
         return []
 
@@ -847,7 +848,7 @@ class RoundEngine:
             strategy=self.strategy.name,
             rounds_total=self.config.rounds,
             devices_registered=len(self.registry),
-            devices_online=len(self.registry.online()),
+            devices_online=self.registry.online_count(),
         )
         self._status_sent = state
         message = Message(fleet=self.config.fleet, sender=self.config.coordinator_id, body=body)

@@ -67,5 +67,12 @@ class DeviceRegistry:
             self._online.add(device_id)
 
     def online(self) -> list[str]:
-        """Registered devices currently online, sorted."""
-        return sorted(self._online & self._entries.keys())
+        """Registered devices currently online, sorted (O(n log n): for a round's
+        selection; :meth:`online_count` to compare with a threshold)."""
+        return sorted(self._online)
+
+    def online_count(self) -> int:
+        """How many registered devices are online, in O(1): only registered devices are
+        ever marked online (an unknown device's status is ignored) and entries are never
+        removed, so the online set holds registered devices only."""
+        return len(self._online)
