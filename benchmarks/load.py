@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLEET = "load"
 _STARTED = re.compile(r"round (\d+)/\d+ started: (\d+) devices")
 _CLOSED = re.compile(r"round (\d+)/\d+ closed in ([\d.]+) s: (\d+)/(\d+) updates on time")
+_STEP = re.compile(r"round (\d+)/\d+ closed in .*server step ([\d.]+) s")
 _PEAK = re.compile(r"peak RSS ([\d.]+) MB")
 OVERHEAD = (
     "overhead_s = wall_s - devices_s; wall_s: the coordinator's round, from selection to "
@@ -109,6 +110,8 @@ class RoundFigures:
     wall_s: float
     devices_s: float
     overhead_s: float
+    server_step_s: float
+    """The coordinator's aggregation (its log's "server step"), part of the overhead."""
 
 
 @dataclass
@@ -131,6 +134,7 @@ class RunFigures:
     overhead_s_max: float = 0.0
     round_wall_s_mean: float = 0.0
     devices_s_mean: float = 0.0
+    server_step_s_mean: float = 0.0
     coordinator_peak_rss_mb: float = 0.0
     devices_peak_rss_mb: float = 0.0
     broker_messages: int = 0
@@ -310,6 +314,7 @@ def _fill(figures: RunFigures, log: str, devices_json: Path, monitor: Monitor) -
     monitor."""
     selected = {int(m.group(1)): int(m.group(2)) for m in _STARTED.finditer(log)}
     closed = {int(m.group(1)): (float(m.group(2)), int(m.group(3))) for m in _CLOSED.finditer(log)}
+    steps = {int(m.group(1)): float(m.group(2)) for m in _STEP.finditer(log)}
     work: dict[str, Any] = {}
     if devices_json.exists():
         report = json.loads(devices_json.read_text())
@@ -323,8 +328,11 @@ def _fill(figures: RunFigures, log: str, devices_json: Path, monitor: Monitor) -
         acknowledged = len(accepted.get(r, ()))
         busy = float(work.get(str(r), {}).get("busy_s", 0.0))
         figures.per_round_figures.append(
-            RoundFigures(r, selected.get(r, 0), aggregated, acknowledged, wall, busy, wall - busy)
-        )
+            RoundFigures(
+                r, selected.get(r, 0), aggregated, acknowledged, wall, busy, wall - busy,
+                steps.get(r, 0.0),
+            )
+        )  # fmt: skip
         figures.lost += max(0, acknowledged - aggregated)
         figures.twice += max(0, aggregated - acknowledged)
     rows = figures.per_round_figures
@@ -338,6 +346,7 @@ def _fill(figures: RunFigures, log: str, devices_json: Path, monitor: Monitor) -
         figures.overhead_s_max = max(overheads)
         figures.round_wall_s_mean = statistics.fmean(r.wall_s for r in rows)
         figures.devices_s_mean = statistics.fmean(r.devices_s for r in rows)
+        figures.server_step_s_mean = statistics.fmean(r.server_step_s for r in rows)
     peaks = [float(m.group(1)) for m in _PEAK.finditer(log)]
     if peaks:
         figures.coordinator_peak_rss_mb = max(peaks)

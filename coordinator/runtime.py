@@ -404,7 +404,7 @@ class Coordinator:
         acc = "-" if closed.train_accuracy is None else f"{100 * closed.train_accuracy:.1f}%"
         log.info(
             "round %d/%d closed in %.3f s: %d/%d updates on time, %d late, %d rejected; "
-            "device train loss %s, accuracy %s; server step %.1f s",
+            "device train loss %s, accuracy %s; server step %.3f s",
             closed.round,
             self.config.rounds,
             closed.duration_s,
