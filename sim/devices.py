@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import resource
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -329,6 +330,9 @@ def devices_from_args(args: argparse.Namespace) -> int:
     if args.json_out is not None:
         args.json_out.write_text(report.to_json() + "\n")
     if not report.finished:
-        print(f"devices: the run did not finish within {config.timeout_s:g} s")
+        print(
+            f"python -m sim devices: the run did not finish within {config.timeout_s:g} s",
+            file=sys.stderr,
+        )
         return 1
     return 0
