@@ -56,7 +56,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     from coordinator.config import CoordinatorConfig
     from coordinator.context import ServerContext, resolve_server_device
-    from coordinator.proxy import proxy_tensor, read_proxy_file
+    from coordinator.proxy import proxy_tensor, read_proxy_data
     from coordinator.runtime import build_models
     from coordinator.strategies import Contribution, build_strategy
     from models import build_classifier, seeded, state_arrays
@@ -83,7 +83,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
         updates.append(Contribution(f"dev-{index}", group, state_arrays(model), 100))
     proxy = None
     if strategy.needs_proxy_data:
-        images = read_proxy_file(Path(spec["proxy_file"]))  # as python -m coordinator does
+        images = read_proxy_data(Path(spec["proxy_file"]))  # as python -m coordinator does
         proxy = proxy_tensor(images, config.in_channels, config.image_size)
     current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
     context = ServerContext.for_round(device, config.seed, 1, proxy_data=proxy)

@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(
         p.add_argument_group("server"),
         CoordinatorConfig,
-        include=("server_device", "proxy_data"),
-        metavars={"proxy_data": "FILE"},
+        include=("server_device", "proxy_data", "proxy_size"),
+        metavars={"proxy_data": "PATH", "proxy_size": "N"},
     )
     flags.add(
         p.add_argument_group("security"),
@@ -125,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 def run(config: CoordinatorConfig) -> int:
     """Run the job described by ``config``; returns the exit code."""
-    from coordinator.proxy import read_proxy_file
+    from coordinator.proxy import read_proxy_data
     from coordinator.runtime import Coordinator
     from coordinator.store import FileStore, MemoryStore, Store
     from protocol.errors import BrokerError, TransportError
@@ -146,7 +146,9 @@ def run(config: CoordinatorConfig) -> int:
             if config.resume and not store.exists("run"):
                 # a supervisor restarting with --resume also starts the very first run
                 log.warning("no saved run in %s: starting a fresh run", config.state_dir)
-        proxy = None if config.proxy_data is None else read_proxy_file(config.proxy_data)
+        proxy = None
+        if config.proxy_data is not None:
+            proxy = read_proxy_data(config.proxy_data, size=config.proxy_size, seed=config.seed)
         url = settings.url
         if settings.embedded:
             from protocol.transport.broker import EmbeddedBroker

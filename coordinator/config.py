@@ -303,8 +303,13 @@ class CoordinatorConfig(FleetSettings):
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
     proxy_data: Path | None = None
-    """File (.npy) of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
-    [0, 1], for server-side distillation (feddf); no device data reaches the server."""
+    """Unlabeled images for server-side distillation (feddf): a .npy file of (N, C, H, W)
+    or (N, H, W) images, uint8 or floats in [0, 1], or a folder holding a dataset's
+    official train files (MNIST, Fashion-MNIST, EMNIST letters, CIFAR-10; labels never
+    read). No device data reaches the server."""
+    proxy_size: int | None = Field(default=None, ge=2)
+    """Proxy images to use, drawn at random (seeded by the run's seed) from proxy_data
+    (unset: all of them)."""
     server_device: ServerDevice = "auto"
     """Where server-side training (FedGen's generator, FedDF's and DENSE's distillation)
     runs: auto (a GPU where torch sees one, else the CPU), cpu or cuda."""
