@@ -295,9 +295,6 @@ class RoundEngine:
         self._counters = _RoundCounters()
         self._status_sent = ""
         self._screen = NormScreen(config.max_update_norm_ratio, config.max_update_norm, None)
-        self._screened_out: set[str] = set()
-        """Selected devices whose on-time update of this round was screened out
-        (:data:`_ANSWERED`: they do not resend it; the round does not wait for them)."""
 
     # -- properties --------------------------------------------------------------------
 
@@ -359,7 +356,11 @@ class RoundEngine:
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
-            missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
+            missing = [
+                d
+                for d in run.selected
+                if d not in run.screened_out and not self._state.has_update(d, run.round)
+            ]
             if not missing:  # the crash came after the last update, before the close
                 return actions + self._close_round()
             sets = self._server_sets()
@@ -522,8 +523,9 @@ class RoundEngine:
             self._counters.rejected += message.round == run.round
             log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
             ack = self._ack(device_id, message, False, exc.reason, exc.detail)
-            if on_time and exc.reason in _ANSWERED:
-                self._screened_out.add(device_id)
+            if on_time and exc.reason in _ANSWERED and device_id not in run.screened_out:
+                run.screened_out.append(device_id)
+                self._state.save_run(run)  # a resumed round does not wait for it either
                 return [ack, *self._close_if_answered()]
             return [ack]
         stored = StoredUpdate(
@@ -566,9 +568,7 @@ class RoundEngine:
     def _close_if_answered(self) -> list[Action]:
         """Close the round once every selected device's update is in or was rejected."""
         run = self._require_run()
-        if all(
-            d in self._screened_out or self._state.has_update(d, run.round) for d in run.selected
-        ):
+        if all(d in run.screened_out or self._state.has_update(d, run.round) for d in run.selected):
             return self._close_round()
         return []
 
@@ -638,7 +638,11 @@ class RoundEngine:
     def _on_tick(self, now: float) -> list[Action]:
         run = self._require_run()
         if run.phase == "training" and now > run.deadline:
-            missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
+            missing = [
+                d
+                for d in run.selected
+                if d not in run.screened_out and not self._state.has_update(d, run.round)
+            ]
             log.warning(
                 "round %d deadline passed; missing %d of %d devices: %s",
                 run.round,
@@ -662,10 +666,10 @@ class RoundEngine:
         run.phase, run.selected, run.started_at = "training", selected, now
         run.deadline = now + self.config.round_timeout_s
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
+        run.screened_out = []
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
         self._screen.new_round(run.norm_floor)
-        self._screened_out = set()
         self._transfers.new_round()
         sets = self._server_sets()
         actions: list[Action] = self._status("running")
