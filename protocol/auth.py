@@ -292,7 +292,7 @@ def write_secret_file(path: Path, text: str) -> None:
         os.close(folder)
 
 
-def _read_secret(path: Path, what: str) -> bytes:
+def _read_secret(path: Path, what: str, noun: str) -> bytes:
     try:
         text = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -303,7 +303,7 @@ def _read_secret(path: Path, what: str) -> bytes:
     except ValueError:
         raise ValueError(f"{what} {path} must hold 64 hex digits") from None
     if len(key) != KEY_SIZE:
-        raise ValueError(f"{what} {path} must hold {KEY_SIZE} bytes, not {len(key)}")
+        raise ValueError(f"{what} {path} must hold a {KEY_SIZE}-byte {noun}, not {len(key)}")
     return key
 
 
@@ -313,7 +313,7 @@ def read_key_file(path: Path) -> bytes:
     Raises:
         ValueError: unreadable, or not a 32-byte hex key.
     """
-    return _read_secret(path, "key file")
+    return _read_secret(path, "key file", "key")
 
 
 def read_fleet_token(path: Path) -> bytes:
@@ -323,7 +323,7 @@ def read_fleet_token(path: Path) -> bytes:
     Raises:
         ValueError: unreadable, or not a 32-byte hex token.
     """
-    return _read_secret(path, "fleet token file")
+    return _read_secret(path, "fleet token file", "token")
 
 
 def write_fleet_token(path: Path, token: bytes) -> None:
