@@ -4,8 +4,6 @@ an authenticated frame to its key source."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import queue
 import stat
 import subprocess
@@ -29,12 +27,12 @@ from protocol.channel import Channel
 from protocol.errors import DecodeError
 from protocol.messages import DeviceStatus, Message
 from protocol.transport.memory import MemoryBroker, MemoryTransport
+from tests.protocol import independent_decoder as spec
 
 
 def spec_key(token: bytes, device_id: str) -> bytes:
-    """The derivation as docs/protocol.md 2.4 writes it, spelled out independently."""
-    message = "edgefl-enrol-v1".encode("ascii") + b"\x00" + device_id.encode("utf-8")
-    return hmac.new(token, message, hashlib.sha256).digest()
+    """The derivation as docs/protocol.md 2.4 writes it (the independent decoder's)."""
+    return spec.derived_key(token, device_id)
 
 
 def test_a_derived_key_follows_the_documented_formula_and_separates_ids_and_tokens() -> None:
