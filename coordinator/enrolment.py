@@ -257,5 +257,11 @@ class FleetKeys:
         )
 
     def _save(self, enrolled: Keyring) -> None:
+        """Write the enrolled keyring (a state dir not made yet is made).
+
+        Raises:
+            OSError: it cannot be written (the previous file is left as it was).
+        """
         if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
             enrolled.save(self._path)

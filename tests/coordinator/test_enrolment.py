@@ -271,3 +271,13 @@ def test_over_a_broker_a_token_device_enrols_and_is_selected_and_a_wrong_token_n
     time.sleep(0.5)
     assert set(enrolled_file(state)) == {"dev-1", "dev-2"}
     assert "dev-3" not in coordinator.engine.registry and not third_inbox.messages
+
+
+def test_a_state_dir_not_made_yet_is_made_at_the_first_enrolment(tmp_path: Path) -> None:
+    state = tmp_path / "not" / "yet"
+    keys = FleetKeys(Keyring(), token=new_key(), state_dir=state)
+
+    keys.receive_key("dev-1")
+    keys.authenticated("dev-1")
+
+    assert set(enrolled_file(state)) == {"dev-1"}
