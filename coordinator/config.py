@@ -319,7 +319,16 @@ class CoordinatorConfig(FleetSettings):
     device_keys: Path | None = None
     """Keyring of the fleet (JSON: device id -> 64 hex digits, mode 0600): the devices
     allowed to join; every message is authenticated with its device's key
-    (docs/protocol.md, section 2.3). Required unless insecure_no_auth."""
+    (docs/protocol.md, section 2.3). Required unless fleet_token_file, devices enrolled
+    in state_dir, or insecure_no_auth."""
+    fleet_token_file: Path | None = None
+    """Fleet token (64 hex digits, mode 0600; python -m protocol keys --new-fleet-token):
+    a device not in device_keys whose frames verify under the key derived from the token
+    for its id is enrolled, its key kept in STATE_DIR/enrolled-keys.json (docs/protocol.md,
+    section 2.4). Whoever holds the token can enrol any device id: bulk and lab flashing."""
+    max_enrolled: int = Field(default=1024, ge=0)
+    """Devices enrolled with the fleet token at most (all runs of the state dir); past it
+    new ids are refused, so a leaked token cannot grow the keyring without bound."""
     insecure_no_auth: bool = False
     """Run without authentication: anyone on the broker can join, impersonate devices and
     poison the model. Tests and trusted networks only."""

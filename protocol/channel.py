@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.auth import AuthError, Keyring, seal, topic_device, verify
+from protocol.auth import KeySource, seal, topic_device, verify
 from protocol.chunking import (
     CHUNK_HEADER_SIZE,
     DEFAULT_MAX_PAYLOAD,
@@ -58,8 +58,9 @@ class Channel:
         reassembly: limits of the chunk reassembler.
         admit: which topics may hold incomplete chunked transfers (all when None); see
             :class:`~protocol.chunking.Reassembler`.
-        auth: the keys of the devices whose topics this channel authenticates; None:
-            no authentication (insecure; for tests and trusted networks only).
+        auth: the keys of the devices whose topics this channel authenticates (a
+            :class:`~protocol.auth.Keyring`, or any :class:`~protocol.auth.KeySource`);
+            None: no authentication (insecure; for tests and trusted networks only).
     """
 
     def __init__(
@@ -70,7 +71,7 @@ class Channel:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         reassembly: ReassemblyLimits | None = None,
         admit: SourceFilter | None = None,
-        auth: Keyring | None = None,
+        auth: KeySource | None = None,
     ) -> None:
         if max_payload <= CHUNK_HEADER_SIZE:
             raise ValueError(f"max_payload must exceed the {CHUNK_HEADER_SIZE}-byte chunk header")
@@ -149,7 +150,8 @@ class Channel:
         Bad input (malformed frames, failed checks, limits) never reaches ``handler``:
         it goes to ``on_error(topic, error)`` if given, else it is logged as a warning.
         With a keyring, a frame that fails authentication is an
-        :class:`~protocol.auth.AuthError` and nothing of it is decompressed.
+        :class:`~protocol.auth.AuthError` and nothing of it is decompressed; one that
+        passes is reported to the key source (``authenticated``) before it is decoded.
         """
 
         def receive(inbound: Inbound) -> None:
@@ -161,6 +163,7 @@ class Channel:
                     return
                 if key is not None:
                     verify(key, inbound.topic, frame)
+                    self._authenticated(inbound.topic)
                 message = self.codec.decode(frame)
             except DecodeError as exc:
                 if on_error is not None:
@@ -183,10 +186,12 @@ class Channel:
         device_id = topic_device(topic)
         if device_id is None:
             return None  # a fleet-wide topic: not authenticated
-        key = self.auth.get(device_id)
-        if key is None:
-            raise AuthError(f"no key for device {device_id!r} (not registered)", device_id)
-        return key
+        return self.auth.receive_key(device_id)
+
+    def _authenticated(self, topic: str) -> None:
+        device_id = topic_device(topic)
+        if self.auth is not None and device_id is not None:
+            self.auth.authenticated(device_id)
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Stop receiving on ``topic_filter``."""
