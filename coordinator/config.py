@@ -27,6 +27,7 @@ from pydantic import (
 from coordinator.dense import DenseSettings
 from coordinator.errors import ConfigError
 from coordinator.feddf import DistillSettings
+from coordinator.feddf_generated import GeneratedSettings
 from models import classifier_names
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN, WeightFormat
@@ -48,6 +49,7 @@ Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
 ServerDevice = Literal["auto", "cpu", "cuda"]
 _DISTILL = DistillSettings()
 _DENSE = DenseSettings()
+_GENERATED = GeneratedSettings()
 
 
 class _Frozen(BaseModel):
@@ -221,6 +223,17 @@ class FleetSettings(_Frozen):
     distill_patience: int = Field(default=_DISTILL.patience, ge=1)
     """feddf: held-out measurements (one every 25 steps) without improvement before the
     distillation stops."""
+    distill_data: Literal["proxy", "generator"] = "proxy"
+    """feddf: what the server distils on: ``proxy``, the run's unlabeled proxy images
+    (``proxy_data``, required), or ``generator``, images of an image generator trained
+    each round against the round's ensemble (DENSE's generator phase; no proxy data,
+    which is then refused)."""
+    distill_generator_batches: int = Field(default=_GENERATED.batches, ge=2)
+    """feddf with distill_data generator: generated batches (of 128 images, each from
+    its own generator phase) per round, a fifth of the images held out for early
+    stopping and drop-worst."""
+    distill_generator_steps: int = Field(default=_GENERATED.dense.generator_steps, ge=1)
+    """feddf with distill_data generator: generator Adam steps per generated batch."""
     dense_epochs: int = Field(default=_DENSE.epochs, ge=1)
     """dense: alternations of a generator phase and a student phase on the server (more:
     closer students, proportionally more server time)."""
@@ -364,6 +377,8 @@ class CoordinatorConfig(FleetSettings):
                 "image_size",
                 "seed",
             },
+        ) | (  # absent at the default, so that runs persisted before the option resume
+            {} if self.distill_data == "proxy" else {"distill_data": self.distill_data}
         )
 
 

@@ -62,13 +62,20 @@ def server_proxy(
     ``images``), or None without images.
 
     Raises:
-        ConfigError: images that do not fit the models, or none for a strategy that
-            distils on them.
+        ConfigError: images that do not fit the models, none for a strategy that
+            distils on them, or some for one that distils on generated images.
     """
     proxy = None if images is None else proxy_tensor(images, config.in_channels, config.image_size)
     if strategy.needs_proxy_data and proxy is None:
         raise ConfigError(
-            f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data"
+            f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data "
+            "(or --distill-data generator, to distil on generated images instead)"
+        )
+    if strategy.refuses_proxy_data and proxy is not None:
+        raise ConfigError(
+            f"strategy {strategy.name!r} with --distill-data {config.distill_data} distils on "
+            "generated images and would not read the proxy data: leave out --proxy-data, or "
+            "use --distill-data proxy"
         )
     return proxy
 
