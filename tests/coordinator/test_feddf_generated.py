@@ -5,15 +5,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from coordinator.__main__ import build_parser, config_from_args
 from coordinator.config import build_config
 from coordinator.context import ServerContext
 from coordinator.dense import DenseSettings
-from coordinator.errors import ConfigError
+from coordinator.errors import ConfigError, StateMismatchError
 from coordinator.feddf import (
     DistillSettings,
     distill,
@@ -23,9 +25,11 @@ from coordinator.feddf import (
 )
 from coordinator.feddf_generated import GeneratedSettings, generate_images
 from coordinator.proxy import server_proxy
-from coordinator.runtime import build_models
+from coordinator.runtime import Coordinator, build_models
+from coordinator.store import FileStore
 from coordinator.strategies import Aggregated, Contribution, NothingToAggregate, build_strategy
 from models import ImageGenerator, ImageGeneratorConfig, build_classifier, state_arrays
+from protocol.transport import MemoryBroker, MemoryTransport
 from tests.coordinator.helpers import config
 
 CPU = torch.device("cpu")
@@ -186,13 +190,36 @@ def test_distill_data_settings_are_checked() -> None:
     assert server_proxy(None, build_strategy(generated, build_models(generated)), generated) is None
 
 
-def test_the_distillation_source_is_part_of_the_run_fingerprint() -> None:
-    on_proxy = config(strategy="feddf").fingerprint_fields()
-    generated = config(strategy="feddf", distill_data="generator").fingerprint_fields()
+def test_a_resume_keeps_the_distillation_source(tmp_path: Path) -> None:
+    """distill_data is part of the run's fingerprint: a run started on generated images
+    resumes on them; switching to proxy images is refused, naming the change."""
+    images = np.zeros((8, 28, 28), dtype=np.uint8)
 
-    assert generated["distill_data"] == "generator"
-    assert "distill_data" not in on_proxy  # as runs persisted before the option recorded it
-    assert generated != on_proxy
+    def start(distill_data: str, resume: bool) -> None:
+        cfg = config(strategy="feddf", distill_data=distill_data, state_dir=tmp_path, resume=resume)
+        proxy = images if distill_data == "proxy" else None
+        transport = MemoryTransport(MemoryBroker(), "coordinator")
+        coordinator = Coordinator(cfg, transport, FileStore(tmp_path), proxy_data=proxy)
+        coordinator.engine.start(0.0)
+
+    start("generator", resume=False)
+    start("generator", resume=True)
+    with pytest.raises(StateMismatchError, match="distill_data 'generator' -> None"):
+        start("proxy", resume=True)
+    assert "distill_data" not in config(strategy="feddf").fingerprint_fields()
+
+
+def test_the_coordinator_command_line_takes_the_source() -> None:
+    argv = ["--embedded-broker", "--strategy", "feddf", "--distill-data", "generator"]
+    argv += ["--distill-generator-batches", "3", "--distill-generator-steps", "4"]
+
+    cfg = config_from_args(build_parser().parse_args(argv))
+
+    assert (cfg.distill_data, cfg.distill_generator_batches, cfg.distill_generator_steps) == (
+        "generator",
+        3,
+        4,
+    )
 
 
 def test_the_run_settings_drive_the_generation() -> None:
