@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from coordinator.dense import DenseSettings, frozen, generator_phase
+from coordinator.dense import DenseSettings, GeneratorPhase, frozen, generator_phase
 from models import ImageGenerator
 
 __all__ = ["GeneratedImages", "GeneratedSettings", "generate_images"]
@@ -53,12 +53,8 @@ class GeneratedImages:
 
     images: torch.Tensor
     """``(batches * batch_size, C, H, W)`` generated images, on the generator's device."""
-    ce: float
-    """The ensemble's cross entropy to the sampled labels, mean of the last phase."""
-    bn: float
-    """BatchNorm statistic matching, mean of the last phase."""
-    adv: float
-    """The boundary-support term, mean of the last phase."""
+    last: GeneratorPhase
+    """The last generator phase (its mean loss parts say how far the generator got)."""
 
 
 def generate_images(
@@ -99,4 +95,4 @@ def generate_images(
                 rng=rng,
             )
         kept.append(phase.best)
-    return GeneratedImages(images=torch.cat(kept), ce=phase.ce, bn=phase.bn, adv=phase.adv)
+    return GeneratedImages(images=torch.cat(kept), last=phase)

@@ -639,9 +639,9 @@ class FedDF(Strategy):
             len(made.images),
             len(teachers),
             self.generation.batches * self.generation.dense.generator_steps,
-            made.ce,
-            made.bn,
-            made.adv,
+            made.last.ce,
+            made.last.bn,
+            made.last.adv,
         )
         return made.images.detach()
 

@@ -95,7 +95,7 @@ def test_the_generator_learns_images_the_ensemble_recognises() -> None:
         generator(), teachers, [student], classes=10, settings=longer, rng=torch.Generator()
     )
 
-    assert trained.ce < first.ce  # same noise and labels, more steps: a lower CE
+    assert trained.last.ce < first.last.ce  # same noise and labels, more steps: a lower CE
 
 
 def fleet_update(group: str, seed: int, index: int, samples: int = 10) -> Contribution:
