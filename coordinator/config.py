@@ -228,7 +228,7 @@ class FleetSettings(_Frozen):
     (``proxy_data``, required), or ``generator``, images of an image generator trained
     each round against the round's ensemble (DENSE's generator phase; no proxy data,
     which is then refused)."""
-    distill_generator_batches: int = Field(default=_GENERATED.batches, ge=2)
+    distill_generator_batches: int = Field(default=_GENERATED.batches, ge=1)
     """feddf with distill_data generator: generated batches (of 128 images, each from
     its own generator phase) per round, a fifth of the images held out for early
     stopping and drop-worst."""
