@@ -293,7 +293,7 @@ class Coordinator:
         try:
             info = parse_topic(topic)
         except DecodeError:
-            log.warning("ignored message on unexpected topic %s", topic)
+            self._refusals.warning("topic:", "ignored message on unexpected topic %s", topic)
             return
         if info.role != "device" or info.device_id is None:
             return
@@ -321,7 +321,7 @@ class Coordinator:
         logs it); an unauthenticated payload and other bad input are logged here, once per
         device (or topic) and minute, and answered with nothing."""
         if isinstance(error, AuthError):
-            source = error.device_id or topic
+            source = error.device_id or "topic outside the layout"
             self._refusals.warning(
                 f"auth:{source}", "refused unauthenticated payload on %s: %s", topic, error
             )
@@ -329,7 +329,9 @@ class Coordinator:
         try:
             info = parse_topic(topic)
         except DecodeError:
-            log.debug("dropped bad input on unexpected topic %s: %s", topic, error)
+            self._refusals.warning(
+                "topic:", "dropped bad input on unexpected topic %s: %s", topic, error
+            )
             return
         if info.role != "device" or info.device_id is None or info.leaf != "update":
             self._refusals.warning(topic, "dropped undecodable payload on %s: %s", topic, error)
