@@ -1,0 +1,856 @@
+"""Abuse: a hostile client fuzzes a running coordinator on every topic it reads (issue 17).
+
+A private Mosquitto (anonymous, no ACL: anyone may read and write every topic), one
+``python -m coordinator`` (``-v``: every refusal leaves a log line, the first one of a
+kind and source per minute at WARNING, the others at DEBUG) and N keyed ``python -m
+edge_client`` processes run a seeded FedAvg job. A hostile MQTT client publishes, in
+seeded bursts, one category of bad input at a time on the coordinator's topics
+(``fl/{fleet}/devices/{id}/{hello,status,update}``) of the honest devices, of ids
+without a key (unregistered), of a "rogue" id whose key the keyring holds but which
+never says hello (so its bombs pass authentication and reach the decoder), and of
+garbage ids outside the topic layout. It may read everything the broker carries and
+replays what it saw (also frames it recorded during the reference run).
+
+Categories: ``random_bytes``, ``truncated``, ``bit_flipped`` (honest frames damaged),
+``zstd_bomb``, ``msgpack_bomb``, ``huge_shape``, ``wrong_version`` (and magic, frame
+type), ``oversize`` (a 64 MiB + 1 frame, chunk headers announcing too much),
+``forged_sender`` (an honest id's topic with a wrong key; the rogue's topic naming an
+honest sender), ``replay`` (captured honest frames, verbatim), ``unregistered``
+(well-formed hellos, statuses and updates of ids without a key) and ``chunk_flood``
+(first chunks of transfers that never finish).
+
+Counts per category: ``tried`` (publishes), ``rejected`` (refusal lines the coordinator
+wrote while the burst was processed: lines saying refused / rejected / dropped /
+ignored, at any level), ``logged`` (those at WARNING, what an operator sees at the
+default level). Honest figures are compared with an abuse-free reference run of the same
+seed: rounds, honest updates on time, ``lost`` (expected minus on time), round durations,
+the coordinator's peak RSS, and whether the final models are bit-identical.
+
+Run::
+
+    python -m benchmarks.abuse            # 4 devices, 200 rounds, bursts of 40
+    python -m benchmarks.abuse --quick    # 2 devices, 40 rounds, bursts of 8 (1-3 min)
+    python -m benchmarks.abuse --json     # the same figures as one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any, TextIO
+
+import msgpack
+import zstandard
+
+from benchmarks.faults import _final, _identical, _processes, _spawn
+from protocol.auth import Keyring, new_key, seal, write_key_file
+from protocol.chunking import Reassembler, split_frame
+from protocol.codec import FRAME_CHUNK, FRAME_MAGIC, FRAME_MESSAGE, MESSAGE_PREFIX_SIZE, Codec
+from protocol.errors import DecodeError
+from protocol.limits import DecodeLimits, ReassemblyLimits
+from protocol.messages import PROTOCOL_VERSION, Message, Update
+from protocol.transport.base import Inbound
+from protocol.transport.config import MqttConfig
+from protocol.transport.mqtt import MqttTransport
+from sim.datasets import load_dataset
+from sim.partition import partition_dataset, save_device_file
+
+FLEET = "abuse"
+ROGUE = "rogue-0"
+"""An id with a key in the keyring that never says hello (an insider's stolen key, or a
+device provisioned but never started): its frames pass authentication."""
+CATEGORIES = (
+    "random_bytes",
+    "truncated",
+    "bit_flipped",
+    "zstd_bomb",
+    "msgpack_bomb",
+    "huge_shape",
+    "wrong_version",
+    "oversize",
+    "forged_sender",
+    "replay",
+    "unregistered",
+    "chunk_flood",
+)
+LEAVES = ("hello", "status", "update")
+GARBAGE_IDS = ("bad id!", "x" * 80, "..", "-lead", "caf\u00e9", "a/b", "")
+_REFUSAL = re.compile(
+    r"^\S+ \S+ (WARNING|DEBUG) (?:coordinator|protocol)[\w.]*: "
+    r"(?:refused|rejected|dropped|dropping|ignored) "
+)
+_CLOSED = re.compile(r"round (\d+)/\d+ closed in ([\d.]+) s: (\d+)/(\d+) updates on time")
+_FENCE = re.compile(r"rejected update of rogue-0 for round (\d+)")
+_DROPPED = re.compile(r"(?:dropped|dropping) incomplete transfer ([0-9a-f]{32}) from ")
+FENCE = 1_000_000
+_PEAK = re.compile(r"peak RSS ([\d.]+) MB")
+
+
+@dataclass(frozen=True)
+class AbuseConfig:
+    """One benchmark run."""
+
+    devices: int = 4
+    """Honest edge-client processes."""
+    rounds: int = 200
+    """Rounds of the federated run."""
+    burst: int = 40
+    """Messages per burst of one category."""
+    seed: int = 0
+    """Seed of the run and of the hostile client's choices."""
+    oversize_frames: int = 1
+    """Frames of 64 MiB + 1 sent (each costs the broker and the coordinator a copy)."""
+    timeout_s: float = 900.0
+    """Give up on a run after this long."""
+
+
+@dataclass
+class Category:
+    tried: int = 0
+    """Messages published."""
+    rejected: int = 0
+    """Refusal lines the coordinator wrote for them (any level)."""
+    logged: int = 0
+    """Those of them at WARNING."""
+    nacks: int = 0
+    """Acknowledgements (accepted = false) the coordinator sent to honest devices meanwhile."""
+
+
+@dataclass
+class AbuseReport:
+    """What one benchmark run measured."""
+
+    devices: int
+    rounds: int
+    seed: int
+    categories: dict[str, Category] = field(default_factory=dict)
+    tried: int = 0
+    rejected: int = 0
+    logged: int = 0
+    honest_transfers_dropped: int = 0
+    """Lines saying the coordinator dropped an unfinished transfer the hostile client did
+    not start (an honest device's upload evicted by a flood on its topic)."""
+    held_at_end: int = 0
+    """Unfinished transfers still buffered when the run ended (at most 4 per topic; the
+    coordinator drops them after 120 s): tried but neither completed nor refused yet."""
+    rounds_completed: int = 0
+    reference_rounds_completed: int = 0
+    honest_expected: int = 0
+    honest_accepted: int = 0
+    lost: int = 0
+    """Honest updates expected (devices x rounds) that were not aggregated on time."""
+    round_s_median: float = 0.0
+    reference_round_s_median: float = 0.0
+    round_s_max: float = 0.0
+    reference_round_s_max: float = 0.0
+    delay_s_median: float = 0.0
+    """Median over rounds of (round duration under abuse - reference duration)."""
+    coordinator_exit: int | None = None
+    coordinator_peak_rss_mb: float | None = None
+    reference_peak_rss_mb: float | None = None
+    identical_to_reference: bool = False
+    wall_s: float = 0.0
+    reference_wall_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+
+# -- fleet and processes -------------------------------------------------------------------
+
+
+def write_fleet(root: Path, devices: int, seed: int) -> tuple[list[Path], Path]:
+    """Device data files, a key file each, and the keyring (the rogue id's key included)."""
+    root.mkdir(parents=True, exist_ok=True)
+    federation = partition_dataset(
+        load_dataset("synthetic", seed=seed), devices, float("inf"), seed=seed
+    )
+    paths, keys = [], {}
+    for split in federation.devices:
+        path = root / f"{split.device_id}.npz"
+        save_device_file(path, split)
+        keys[split.device_id] = new_key()
+        write_key_file(path.with_suffix(".key"), keys[split.device_id])
+        paths.append(path)
+    keys[ROGUE] = new_key()
+    Keyring(keys).save(root / "keys.json")
+    return paths, root / "keys.json"
+
+
+def start_devices(url: str, files: list[Path], root: Path, seed: int) -> list[Any]:
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for path in files:
+        command = [
+            sys.executable, "-m", "edge_client", "--broker", url, "--fleet", FLEET,
+            "--data", str(path), "--model", "mlp", "--init-seed", str(seed),
+            "--state-dir", str(root / path.stem), "--auth-key-file",
+            str(path.with_suffix(".key")), "--exit-when-finished",
+        ]  # fmt: skip
+        out.append(_spawn(command, root / f"{path.stem}.log"))
+    return out
+
+
+def start_coordinator(url: str, cfg: AbuseConfig, state: Path, keys: Path, log: Path) -> Any:
+    command = [
+        sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
+        "--strategy", "fedavg", "--model", "mlp", "--rounds", str(cfg.rounds),
+        "--participation", "1.0", "--min-devices", str(cfg.devices), "--round-timeout", "120",
+        "--local-steps", "2", "--batch-size", "16", "--seed", str(cfg.seed),
+        "--state-dir", str(state), "--device-keys", str(keys), "-v",
+    ]  # fmt: skip
+    return _spawn(command, log)
+
+
+# -- frames --------------------------------------------------------------------------------
+
+_ZSTD = zstandard.ZstdCompressor(level=3, write_checksum=True, write_content_size=True)
+
+
+def _frame(payload: bytes, key: bytes | None, topic: str) -> bytes:
+    """A message frame around a zstd frame of ``payload``, sealed with ``key``."""
+    frame = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE)) + bytes(32)
+    frame += _ZSTD.compress(payload)
+    return seal(key, topic, frame) if key is not None else frame
+
+
+def _envelope(frame: bytes) -> dict[str, Any] | None:
+    """The msgpack envelope of a captured frame (no key needed to read it)."""
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(frame[MESSAGE_PREFIX_SIZE:])
+        env = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    return env if isinstance(env, dict) else None
+
+
+def _fresh(env: dict[str, Any], sender: str, rng: random.Random) -> dict[str, Any]:
+    return {**env, "sender": sender, "id": rng.randbytes(16), "ts": int(time.time() * 1000)}
+
+
+def _huge_shape(env: dict[str, Any]) -> bool:
+    """Set the first tensor's shape in ``env`` to 2**31 x 2**31; False if none found."""
+
+    def visit(node: Any) -> bool:
+        if (
+            isinstance(node, list)
+            and len(node) == 7
+            and isinstance(node[0], str)
+            and isinstance(node[1], list)
+        ):
+            node[1] = [2**31, 2**31]
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        if isinstance(node, (dict, list)):
+            return any(visit(child) for child in children)
+        return False
+
+    return visit(env.get("body"))
+
+
+_BOMBS: list[bytes] = []
+
+
+def _bombs() -> list[bytes]:
+    """Two zstd frames of max_message_bytes + 1 zero bytes (a few kB each): one declaring
+    its content size, one without (as a streaming compressor writes it)."""
+    if not _BOMBS:
+        zeros = bytes(DecodeLimits().max_message_bytes + 1)
+        for declared in (True, False):
+            z = zstandard.ZstdCompressor(level=3, write_checksum=True, write_content_size=declared)
+            _BOMBS.append(z.compress(zeros) if declared else _streamed(z, zeros))
+    return _BOMBS
+
+
+def _streamed(z: zstandard.ZstdCompressor, data: bytes) -> bytes:
+    chunker = z.compressobj()
+    return chunker.compress(data) + chunker.flush()
+
+
+# -- the hostile client --------------------------------------------------------------------
+
+
+class Hostile:
+    """Reads everything on the devices' topics and publishes bad input in bursts."""
+
+    def __init__(
+        self, url: str, honest: list[str], rogue_key: bytes, seed: int, client_id: str
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.honest = honest
+        self.rogue_key = rogue_key
+        self._lock = threading.Lock()
+        self.captured: dict[str, list[bytes]] = {}  # topic -> message frames seen
+        self.chunks: list[tuple[str, bytes]] = []  # chunk frames seen
+        self._reassembler = Reassembler(
+            ReassemblyLimits(max_source_transfers=1024, max_pending_transfers=4096)
+        )
+        self.nacks: list[str] = []  # topics of nacks to honest devices
+        self._transport = MqttTransport(MqttConfig.from_url(url, client_id=client_id))
+
+    def start(self) -> None:
+        self._transport.connect()
+        self._transport.subscribe(f"fl/{FLEET}/devices/+/+", self._capture)
+        self._transport.subscribe(f"fl/{FLEET}/to/+/ack", self._ack)
+
+    def stop(self) -> None:
+        self._transport.disconnect()
+
+    def _capture(self, inbound: Inbound) -> None:
+        device = inbound.topic.split("/")[3]
+        payload = bytes(inbound.payload)
+        if device not in self.honest or payload[:2] != FRAME_MAGIC:
+            return
+        with self._lock:
+            if payload[3:4] == bytes((FRAME_CHUNK,)) and len(self.chunks) < 256:
+                self.chunks.append((inbound.topic, payload))
+            try:
+                frame = self._reassembler.feed(inbound.topic, payload)
+            except DecodeError:
+                return
+            frames = self.captured.setdefault(inbound.topic, []) if frame is not None else []
+            if frame is not None and len(frames) < 16:
+                frames.append(frame)
+
+    def _ack(self, inbound: Inbound) -> None:
+        env = _envelope(inbound.payload)
+        body = env.get("body") if env is not None else None
+        honest = inbound.topic.split("/")[3] in self.honest
+        if honest and isinstance(body, dict) and body.get("accepted") is False:
+            with self._lock:
+                self.nacks.append(inbound.topic)
+
+    def ready(self) -> bool:
+        """Whether a hello and an update of some honest device were seen."""
+        with self._lock:
+            leaves = {t.rsplit("/", 1)[1] for t in self.captured}
+        return {"hello", "update"} <= leaves
+
+    def frames(self, leaf: str | None = None) -> list[tuple[str, bytes]]:
+        with self._lock:
+            return [
+                (t, f)
+                for t, fs in self.captured.items()
+                if leaf is None or t.endswith("/" + leaf)
+                for f in fs
+            ]
+
+    # topics
+
+    def topic(self, device: str, leaf: str) -> str:
+        return f"fl/{FLEET}/devices/{device}/{leaf}"
+
+    def any_topic(self) -> str:
+        """A topic of an honest, unregistered, rogue or garbage id, any leaf."""
+        rng = self.rng
+        kind = rng.choice(("honest", "honest", "unregistered", "rogue", "garbage"))
+        leaf = rng.choice(LEAVES)
+        if kind == "honest":
+            return self.topic(rng.choice(self.honest), leaf)
+        if kind == "unregistered":
+            return self.topic(f"intruder-{rng.randrange(100)}", leaf)
+        if kind == "rogue":
+            return self.topic(ROGUE, leaf)
+        garbage = rng.choice(GARBAGE_IDS)
+        return rng.choice((self.topic(garbage, leaf), f"fl/{FLEET}/devices/{garbage}"))
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self._transport.publish(topic, payload, qos=1, timeout=60.0)
+
+    # categories: each returns the (topic, payload) pairs of one burst
+
+    def burst(self, category: str, n: int, old: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        make: Callable[[int], list[tuple[str, bytes]]] = getattr(self, f"_{category}")
+        return make(n) if category != "replay" else self._replay(n, old)
+
+    def _random_bytes(self, n: int) -> list[tuple[str, bytes]]:
+        rng = self.rng
+        out = []
+        for i in range(n):
+            head = rng.choice((b"", FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE))))
+            out.append((self.any_topic(), head + rng.randbytes(rng.randrange(i % 2, 4096))))
+        return out
+
+    def _damaged(self, n: int, damage: Callable[[bytes], bytes]) -> list[tuple[str, bytes]]:
+        frames = self.frames()
+        picks = [self.rng.choice(frames) for _ in range(n)]
+        return [(topic, damage(frame)) for topic, frame in picks]
+
+    def _truncated(self, n: int) -> list[tuple[str, bytes]]:
+        return self._damaged(n, lambda f: f[: self.rng.randrange(0, len(f))])
+
+    def _bit_flipped(self, n: int) -> list[tuple[str, bytes]]:
+        def flip(frame: bytes) -> bytes:
+            data = bytearray(frame)
+            for _ in range(self.rng.randint(1, 8)):
+                bit = self.rng.randrange(len(data) * 8)
+                data[bit // 8] ^= 1 << (bit % 8)
+            return bytes(data)
+
+        return self._damaged(n, flip)
+
+    def _sealed_targets(self, n: int) -> list[tuple[str, bytes | None]]:
+        """Topics with the key the hostile client uses there: the rogue's own key
+        (passes authentication), a wrong key on honest ids, none on unregistered ids."""
+        out: list[tuple[str, bytes | None]] = []
+        for i in range(n):
+            leaf = self.rng.choice(LEAVES)
+            if i % 3 == 0:
+                out.append((self.topic(self.rng.choice(self.honest), leaf), new_key()))
+            elif i % 3 == 1:
+                out.append((self.topic(ROGUE, leaf), self.rogue_key))
+            else:
+                out.append((self.topic(f"intruder-{self.rng.randrange(100)}", leaf), None))
+        return out
+
+    def _zstd_bomb(self, n: int) -> list[tuple[str, bytes]]:
+        bomb, streamed = _bombs()
+        out = []
+        for i, (topic, key) in enumerate(self._sealed_targets(n)):
+            body = bomb if i % 2 == 0 else streamed
+            frame = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE)) + bytes(32) + body
+            out.append((topic, seal(key, topic, frame) if key is not None else frame))
+        return out
+
+    def _msgpack_bomb(self, n: int) -> list[tuple[str, bytes]]:
+        bombs = [
+            b"\xdd\xff\xff\xff\xff",  # array32 of 4 G elements, none present
+            b"\xdf\xff\xff\xff\xff",  # map32 of 4 G pairs
+            b"\x91" * 200_000 + b"\xc0",  # arrays nested 200 000 deep
+            b"\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
+            b"\x81\xa4body" + b"\x81\xa1x" * 50_000 + b"\xc0",  # maps nested 50 000 deep
+        ]
+        return [
+            (topic, _frame(bombs[i % len(bombs)], key, topic))
+            for i, (topic, key) in enumerate(self._sealed_targets(n))
+        ]
+
+    def _huge_shape(self, n: int) -> list[tuple[str, bytes]]:
+        updates = [env for _, f in self.frames("update") if (env := _envelope(f)) is not None]
+        out = []
+        for topic, key in self._sealed_targets(n):
+            env = _fresh(self.rng.choice(updates), topic.split("/")[3], self.rng)
+            env["kind"] = "update"
+            _huge_shape(env)
+            where = topic.rsplit("/", 1)[0] + "/update"
+            out.append((where, _frame(msgpack.packb(env, use_bin_type=True), key, where)))
+        return out
+
+    def _wrong_version(self, n: int) -> list[tuple[str, bytes]]:
+        frames = self.frames()
+        out = []
+        for i in range(n):
+            topic, frame = self.rng.choice(frames)
+            if i % 3 == 0:
+                head = FRAME_MAGIC + bytes((self.rng.choice((0, 1, 2, 3, 5, 255)), frame[3]))
+            elif i % 3 == 1:
+                head = self.rng.choice((b"LF", b"\x00\x00", b"PK")) + frame[2:4]
+            else:
+                head = FRAME_MAGIC + bytes((PROTOCOL_VERSION, self.rng.choice((0, 3, 0xFF))))
+            out.append((self.rng.choice((topic, self.any_topic())), head + frame[4:]))
+        return out
+
+    def _oversize(self, n: int) -> list[tuple[str, bytes]]:
+        out = []
+        for topic, key in self._sealed_targets(n):
+            frame = _frame(b"\xc0", key, topic)
+            first = split_frame(frame + bytes(200), 128)[0]  # a valid chunk header...
+            count, total = self.rng.choice(((2, 1 << 40), (1 << 20, 1 << 21), (2, 1 << 30)))
+            head = bytearray(first[:68])
+            head[24:28] = count.to_bytes(4, "big")  # ...announcing too many chunks or bytes
+            head[28:36] = total.to_bytes(8, "big")
+            out.append((topic, bytes(head) + first[68:]))
+        return out
+
+    def fence(self, k: int) -> tuple[str, bytes]:
+        """An update of the rogue id for round FENCE + k: refused with a line naming it."""
+        topic = self.topic(ROGUE, "update")
+        body = Update(num_samples=1, sets={})
+        message = Message(fleet=FLEET, sender=ROGUE, round=FENCE + k, body=body)
+        return topic, seal(self.rogue_key, topic, Codec().encode(message))
+
+    def oversize_frame(self) -> tuple[str, bytes]:
+        """One frame one byte over the decoder's limit, sealed with the rogue's key."""
+        topic = self.topic(ROGUE, "update")
+        limit = DecodeLimits().max_frame_bytes
+        frame = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_MESSAGE)) + bytes(32)
+        frame += bytes(limit + 1 - len(frame))
+        return topic, seal(self.rogue_key, topic, frame)
+
+    def _forged_sender(self, n: int) -> list[tuple[str, bytes]]:
+        frames = self.frames()
+        out = []
+        for i in range(n):
+            topic, frame = self.rng.choice(frames)
+            env = _envelope(frame)
+            if env is None:
+                continue
+            if i % 2 == 0:  # the honest device's topic and sender, a wrong key
+                env = _fresh(env, env["sender"], self.rng)
+                out.append((topic, _frame(msgpack.packb(env, use_bin_type=True), new_key(), topic)))
+            else:  # the rogue's topic and key, an honest sender
+                leaf = topic.rsplit("/", 1)[1]
+                mine = self.topic(ROGUE, leaf)
+                env = _fresh(env, env["sender"], self.rng)
+                payload = msgpack.packb(env, use_bin_type=True)
+                out.append((mine, _frame(payload, self.rogue_key, mine)))
+        return out
+
+    def _replay(self, n: int, old: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        with self._lock:
+            chunks = list(self.chunks)
+        pool = self.frames() + chunks + old
+        return [self.rng.choice(pool) for _ in range(n)] if pool else []
+
+    def _unregistered(self, n: int) -> list[tuple[str, bytes]]:
+        frames = self.frames()
+        out = []
+        for i in range(n):
+            topic, frame = self.rng.choice(frames)
+            env = _envelope(frame)
+            if env is None:
+                continue
+            leaf = topic.rsplit("/", 1)[1]
+            who = f"intruder-{self.rng.randrange(100)}"
+            mine = self.topic(who, leaf)
+            env = _fresh(env, who, self.rng)
+            key = new_key() if i % 2 else None
+            out.append((mine, _frame(msgpack.packb(env, use_bin_type=True), key, mine)))
+        return out
+
+    def _chunk_flood(self, n: int) -> list[tuple[str, bytes]]:
+        out = []
+        for i in range(n):
+            if i % 4 == 0:
+                topic = self.topic(self.rng.choice(self.honest), "update")
+            elif i % 4 == 1:
+                topic = self.topic(ROGUE, "update")
+            elif i % 4 == 2:
+                topic = self.topic(f"intruder-{self.rng.randrange(100)}", "update")
+            else:
+                topic = self.topic(self.rng.choice(GARBAGE_IDS[:5]), "update")
+            frame = _frame(self.rng.randbytes(4096), None, topic)
+            out.append((topic, split_frame(frame, 1024)[0]))
+        return out
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def _kind(payload: bytes) -> str:
+    """What a published payload was, for the journal: chunk, a message kind, or bytes."""
+    if payload[:2] != FRAME_MAGIC or len(payload) < 4:
+        return "bytes"
+    if payload[3] == FRAME_CHUNK:
+        return "chunk"
+    env = _envelope(payload)
+    return str(env.get("kind")) if env is not None else "frame"
+
+
+class LogReader:
+    """Reads the coordinator's log as it grows and counts its refusal lines between
+    fences (a fence is an update of the rogue id for round ``FENCE + k``, refused with a
+    line naming that round, processed after everything published before it)."""
+
+    def __init__(self, log: Path) -> None:
+        self._log = log
+        self._offset = 0
+        self._partial = b""
+        self.dropped: dict[str, bool] = {}
+        """Unfinished transfers the coordinator dropped: id (hex) -> logged at WARNING."""
+
+    def skip(self) -> None:
+        """Start reading at the log's current end."""
+        self._offset, self._partial = self._log.stat().st_size, b""
+
+    def until_fence(self, k: int, server: Any, timeout: float = 60.0) -> tuple[int, int, bool]:
+        """(refusal lines, of them at WARNING, fence seen) up to fence ``k``."""
+        total = warned = 0
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._log.open("rb") as f:
+                f.seek(self._offset)
+                data = self._partial + f.read()
+            self._offset += len(data) - len(self._partial)
+            *lines, self._partial = data.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                fence = _FENCE.search(line)
+                if fence is not None and int(fence.group(1)) == FENCE + k:
+                    rest = b"\n".join(lines[lines.index(raw) + 1 :])
+                    self._partial = rest + (b"\n" if rest else b"") + self._partial
+                    return total, warned, True
+                if fence is not None:
+                    continue  # an earlier fence, seen late: not a refusal of this burst
+                dropped = _DROPPED.search(line)
+                if dropped is not None:
+                    tid = dropped.group(1)
+                    self.dropped[tid] = self.dropped.get(tid, False) or " WARNING " in line
+                    continue
+                m = _REFUSAL.match(line)
+                if m is not None:
+                    total += 1
+                    warned += m.group(1) == "WARNING"
+            if server.poll() is not None or time.monotonic() >= deadline:
+                return total, warned, False
+            time.sleep(0.05)
+
+
+def _attack(
+    hostile: Hostile,
+    cfg: AbuseConfig,
+    reader: LogReader,
+    server: Any,
+    old: list[tuple[str, bytes]],
+    report: AbuseReport,
+    journal: TextIO | None = None,
+) -> None:
+    """Bursts of one category at a time, each closed by a fence, until the coordinator
+    exits; unfinished transfers dropped later are credited to the category that started
+    them."""
+    deadline = time.monotonic() + 120
+    while not hostile.ready() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    reader.skip()  # what came before the attack is not its doing
+    rng, big_sent, k = hostile.rng, 0, 0
+    started: dict[str, str] = {}  # transfer id (hex) -> category that started it
+    mine: set[str] = set()  # every transfer id the hostile client started
+    try:
+        while server.poll() is None:
+            order = list(CATEGORIES)
+            rng.shuffle(order)
+            for category in order:
+                if server.poll() is not None:
+                    return
+                messages = hostile.burst(category, cfg.burst, old)
+                if category == "oversize" and big_sent < cfg.oversize_frames:
+                    messages.append(hostile.oversize_frame())
+                    big_sent += 1
+                nacks_before = len(hostile.nacks)
+                sent, transfers = 0, []
+                for topic, payload in messages:
+                    try:
+                        hostile.publish(topic, payload)
+                    except Exception as exc:  # a topic the broker refused: not tried
+                        report.problems.append(f"{category}: not published on {topic!r}: {exc}")
+                        continue
+                    sent += 1
+                    if payload[:2] == FRAME_MAGIC and len(payload) > 20 and payload[3] == 2:
+                        transfers.append(payload[4:20].hex())
+                        mine.add(transfers[-1])
+                k += 1
+                hostile.publish(*hostile.fence(k))
+                total, warned, seen = reader.until_fence(k, server)
+                if not seen:
+                    if server.poll() is None:
+                        report.problems.append(f"fence {k} ({category}) not seen in the log")
+                    return  # the run ended meanwhile: this burst did not meet a coordinator
+                for tid in transfers:
+                    started.setdefault(tid, category)
+                if journal is not None:
+                    kinds = [_kind(payload) for _, payload in messages]
+                    record = {"fence": k, "category": category, "tried": sent}
+                    record |= {"rejected": total, "kinds": kinds}
+                    journal.write(json.dumps(record) + "\n")
+                    journal.flush()
+                entry = report.categories.setdefault(category, Category())
+                entry.tried += sent
+                entry.rejected += total
+                entry.logged += warned
+                entry.nacks += len(hostile.nacks) - nacks_before
+    finally:
+        reader.until_fence(-1, server, timeout=0.0)  # the rest of the log
+        for tid, warned in reader.dropped.items():
+            owner = started.get(tid)
+            if owner is None:
+                report.honest_transfers_dropped += tid not in mine
+            else:
+                report.categories[owner].rejected += 1
+                report.categories[owner].logged += warned
+
+
+def one_run(
+    url: str, cfg: AbuseConfig, files: list[Path], keys: Path, work: Path, *,
+    abuse: bool, old: list[tuple[str, bytes]],
+) -> tuple[AbuseReport, str, Hostile]:  # fmt: skip
+    """One run from scratch; with ``abuse`` the hostile client attacks it (without, it
+    only listens, recording frames to replay later)."""
+    work.mkdir(parents=True)
+    report = AbuseReport(devices=cfg.devices, rounds=cfg.rounds, seed=cfg.seed)
+    honest = [f.stem for f in files]
+    rogue_key = Keyring.load(keys)[ROGUE]
+    hostile = Hostile(url, honest, rogue_key, cfg.seed, f"hostile-{work.name}")
+    hostile.start()
+    log = work / "coordinator.log"
+    start = time.monotonic()
+    try:
+        with ExitStack() as stack:
+            started = stack.enter_context(_processes())
+            started.extend(start_devices(url, files, work / "devices", cfg.seed))
+            server = start_coordinator(url, cfg, work / "state", keys, log)
+            started.append(server)
+            attacker = None
+            if abuse:
+                reader = LogReader(log)
+                journal = stack.enter_context((work / "bursts.jsonl").open("w"))
+                attacker = threading.Thread(
+                    target=_attack,
+                    args=(hostile, cfg, reader, server, old, report, journal),
+                    daemon=True,
+                )
+                attacker.start()
+            try:
+                server.wait(cfg.timeout_s)
+            except subprocess.TimeoutExpired:
+                report.problems.append("the coordinator did not finish in time")
+            if attacker is not None:
+                attacker.join(60)
+            report.coordinator_exit = server.poll()
+            for device in started[: cfg.devices]:
+                try:
+                    device.wait(30)
+                except subprocess.TimeoutExpired:
+                    report.problems.append(f"device pid {device.pid} did not exit")
+    finally:
+        hostile.stop()
+    report.wall_s = time.monotonic() - start
+    text = log.read_text(errors="replace")
+    if report.coordinator_exit != 0:
+        report.problems.append(f"the coordinator ended with {report.coordinator_exit}")
+    peaks = [float(m.group(1)) for m in _PEAK.finditer(text)]
+    report.coordinator_peak_rss_mb = max(peaks) if peaks else None
+    return report, text, hostile
+
+
+def _rounds(text: str) -> dict[int, tuple[float, int]]:
+    """Round -> (duration s, updates on time), from the coordinator's log."""
+    return {int(m[1]): (float(m[2]), int(m[3])) for m in _CLOSED.finditer(text)}
+
+
+def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
+    """Reference run (the hostile client only listens), then the same run under abuse."""
+    from tests.protocol.brokers import Mosquitto, mosquitto_binary
+
+    if mosquitto_binary() is None:
+        raise SystemExit("abuse: the mosquitto binary is not installed")
+    files, keys = write_fleet(work / "fleet", cfg.devices, cfg.seed)
+    (work / "mosquitto").mkdir()
+    with Mosquitto(work / "mosquitto") as broker:
+        reference, ref_text, listener = one_run(
+            broker.url, cfg, files, keys, work / "reference", abuse=False, old=[]
+        )
+        if reference.coordinator_exit != 0:
+            raise RuntimeError(f"the reference run failed: {reference.problems}")
+        report, text, _ = one_run(
+            broker.url, cfg, files, keys, work / "abuse", abuse=True, old=listener.frames()
+        )
+    ref_rounds, rounds = _rounds(ref_text), _rounds(text)
+    report.reference_rounds_completed = len(ref_rounds)
+    report.rounds_completed = len(rounds)
+    report.honest_expected = cfg.devices * cfg.rounds
+    report.honest_accepted = sum(on_time for _, on_time in rounds.values())
+    report.lost = report.honest_expected - report.honest_accepted
+    durations = [d for d, _ in rounds.values()] or [0.0]
+    ref_durations = [d for d, _ in ref_rounds.values()] or [0.0]
+    report.round_s_median = statistics.median(durations)
+    report.round_s_max = max(durations)
+    report.reference_round_s_median = statistics.median(ref_durations)
+    report.reference_round_s_max = max(ref_durations)
+    deltas = [rounds[r][0] - ref_rounds[r][0] for r in rounds if r in ref_rounds]
+    report.delay_s_median = statistics.median(deltas) if deltas else 0.0
+    report.reference_peak_rss_mb = reference.coordinator_peak_rss_mb
+    report.reference_wall_s = reference.wall_s
+    report.held_at_end = _held_at_end(report)
+    for entry in report.categories.values():
+        report.tried += entry.tried
+        report.rejected += entry.rejected
+        report.logged += entry.logged
+    if report.coordinator_exit == 0:
+        report.identical_to_reference = _identical(
+            _final(work / "abuse" / "state"), _final(work / "reference" / "state")
+        )
+    return report
+
+
+def _held_at_end(report: AbuseReport) -> int:
+    flood = report.categories.get("chunk_flood")
+    return 0 if flood is None else max(0, flood.tried - flood.rejected)
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def markdown(report: AbuseReport) -> str:
+    lines = ["| category | tried | rejected | logged (WARNING) | nacks to honest devices |"]
+    lines.append("|---|---|---|---|---|")
+    for name in CATEGORIES:
+        c = report.categories.get(name, Category())
+        lines.append(f"| {name} | {c.tried} | {c.rejected} | {c.logged} | {c.nacks} |")
+    lines.append(f"| **all** | {report.tried} | {report.rejected} | {report.logged} | |")
+    lines += ["", "| figure | abuse | reference |", "|---|---|---|"]
+    pairs = [
+        ("rounds completed", report.rounds_completed, report.reference_rounds_completed),
+        ("honest updates on time", f"{report.honest_accepted}/{report.honest_expected}", ""),
+        ("lost", report.lost, ""),
+        ("round s (median)", report.round_s_median, report.reference_round_s_median),
+        ("round s (max)", report.round_s_max, report.reference_round_s_max),
+        ("delay s (median per round)", report.delay_s_median, ""),
+        ("coordinator peak RSS MB", report.coordinator_peak_rss_mb,
+         report.reference_peak_rss_mb),
+        ("coordinator exit", report.coordinator_exit, 0),
+        ("final models bit-identical", report.identical_to_reference, ""),
+        ("unfinished transfers held at end", report.held_at_end, ""),
+        ("wall s", report.wall_s, report.reference_wall_s),
+    ]  # fmt: skip
+    for name, a, b in pairs:
+        fa = f"{a:.2f}" if isinstance(a, float) else a
+        fb = f"{b:.2f}" if isinstance(b, float) else b
+        lines.append(f"| {name} | {fa} | {fb} |")
+    if report.problems:
+        lines.append(f"\nproblems: {'; '.join(report.problems[:10])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="2 devices, 40 rounds, bursts of 8")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--devices", type=int, help="honest edge clients (default 4; --quick 2)")
+    p.add_argument("--rounds", type=int, help="rounds (default 200; --quick 40)")
+    p.add_argument("--burst", type=int, help="messages per burst (default 40; --quick 8)")
+    p.add_argument("--seed", type=int, default=0, help="default 0")
+    p.add_argument("--work-dir", type=Path, help="keep the files here (default: a temp dir)")
+    args = p.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    cfg = AbuseConfig(
+        devices=args.devices or (2 if args.quick else 4),
+        rounds=args.rounds or (40 if args.quick else 200),
+        burst=args.burst or (8 if args.quick else 40),
+        seed=args.seed,
+    )
+    with ExitStack() as stack:
+        work = args.work_dir or Path(stack.enter_context(TemporaryDirectory(prefix="abuse-")))
+        report = run_benchmark(cfg, work)
+    print(json.dumps(asdict(report), indent=2) if args.json else markdown(report))
+    ok = (
+        report.coordinator_exit == 0
+        and report.identical_to_reference
+        and report.lost == 0
+        and all(c.tried > 0 for c in report.categories.values())
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
