@@ -318,8 +318,11 @@ class Coordinator:
 
     def _bad_input(self, topic: str, error: DecodeError) -> None:
         """A bad update of a registered device goes to the engine, which nacks it (and
-        logs it); an unauthenticated payload and other bad input are logged here, once per
-        device (or topic) and minute, and answered with nothing."""
+        logs it); with keys only one whose tag verified gets there (the channel refuses
+        anything failing before that as unauthenticated). Unauthenticated payloads and
+        other bad input are logged here, at WARNING once per device (topics outside the
+        layout: once for all of them) and minute, the others at DEBUG, and answered with
+        nothing."""
         if isinstance(error, AuthError):
             source = error.device_id or "topic outside the layout"
             self._refusals.warning(
