@@ -84,7 +84,8 @@ def load_keys(config: CoordinatorConfig) -> FleetKeys | None:
 
 class RateLimitedLog:
     """Logs a warning at most once per key per ``interval_s`` (bounded memory), so bad
-    input from one source is logged once, and a flood of it does not flood the log."""
+    input from one source is logged once, and a flood of it does not flood the log; the
+    others are logged at DEBUG (``-v`` shows every refusal)."""
 
     def __init__(
         self,
@@ -100,13 +101,14 @@ class RateLimitedLog:
         self._clock = clock
         self._last: OrderedDict[str, float] = OrderedDict()
         self.suppressed = 0
-        """Warnings not logged because their key was logged recently."""
+        """Warnings logged at DEBUG only because their key was logged recently."""
 
     def warning(self, key: str, msg: str, *args: object) -> None:
         now = self._clock()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:
             self.suppressed += 1
+            self._log.debug(msg, *args)
             return
         self._last[key] = now
         self._last.move_to_end(key)
@@ -163,7 +165,16 @@ class ReplayGuard:
                 self._devices.popitem(last=False)
         self._devices.move_to_end(message.sender)
         if isinstance(body, DeviceStatus) and body.state == "offline":
-            pass  # a last will is made at connect time: older than what followed it
+            # a last will is made at connect time, so it is older than what followed it:
+            # only the same offline message again, or one older than an offline taken
+            # before, is known to be a replay
+            if message.message_id in seen.ids:
+                return Replayed(ReasonCode.REPLAYED, f"offline status {message.message_id} seen")
+            if ts < seen.newest.get("offline", -1):
+                return Replayed(
+                    ReasonCode.REPLAYED, "offline status older than the device's newest one"
+                )
+            seen.newest["offline"] = ts
         elif isinstance(body, (Hello, DeviceStatus)):
             if message.message_id in seen.ids:
                 return Replayed(ReasonCode.REPLAYED, f"{message.kind} {message.message_id} seen")

@@ -386,7 +386,8 @@ class RoundEngine:
             return self._on_undecodable(event)
         message = event.message
         if message.fleet != self.config.fleet or message.sender != event.topic_device:
-            log.warning(
+            self._refusals.warning(
+                f"foreign:{event.topic_device}",
                 "dropped %s on device %s's topic from %s/%s (foreign sender or fleet)",
                 message.kind,
                 event.topic_device,
@@ -411,11 +412,17 @@ class RoundEngine:
         if isinstance(body, Hello):
             return self._on_hello(message, body, event.now)
         if isinstance(body, DeviceStatus):
+            if message.sender not in self.registry:
+                # devices announce themselves online before their hello: not worth a warning
+                log.debug("ignored device_status of %s: say hello first", message.sender)
+                return []
             self.registry.set_status(message.sender, body)
             return self._on_tick(event.now)
         if isinstance(body, Update):
             return self._on_update(message, body, event.now)
-        log.warning("dropped unexpected %s from %s", message.kind, message.sender)
+        self._refusals.warning(
+            f"kind:{message.sender}", "dropped unexpected %s from %s", message.kind, message.sender
+        )
         return []
 
     # -- hello -------------------------------------------------------------------------
@@ -444,7 +451,12 @@ class RoundEngine:
         elif (refusal := self.strategy.refuse(hello)) is not None:
             problem = (ReasonCode.CONSENT_REQUIRED, refusal)
         if problem is not None:
-            log.warning("refused hello of %s: %s", device_id, problem[1])
+            self._refusals.warning(
+                f"hello:{device_id}:{problem[0].value}",
+                "refused hello of %s: %s",
+                device_id,
+                problem[1],
+            )
             return [self._ack(device_id, message, False, *problem)]
         if self.registry.register(hello):
             entry = self.registry.get(device_id)
@@ -509,6 +521,12 @@ class RoundEngine:
         try:
             on_time = self._classify(device_id, message.round, update, now)
             if self._state.has_update(device_id, message.round):
+                log.debug(
+                    "ignored update %s of %s for round %d: a duplicate, already stored",
+                    message.message_id,
+                    device_id,
+                    message.round,
+                )
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
             group = self._group_of(device_id)
             announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
@@ -521,7 +539,13 @@ class RoundEngine:
             reference = self._screen.check(norm, model_norm(sent, weights.keys()))
         except UpdateRejectedError as exc:
             self._counters.rejected += message.round == run.round
-            log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
+            self._refusals.warning(
+                f"update:{device_id}:{exc.reason.value}",
+                "rejected update of %s for round %d: %s",
+                device_id,
+                message.round,
+                exc,
+            )
             ack = self._ack(device_id, message, False, exc.reason, exc.detail)
             if on_time and exc.reason in _ANSWERED and device_id not in run.screened_out:
                 run.screened_out.append(device_id)
@@ -617,7 +641,8 @@ class RoundEngine:
             return []
         round_number = run.round if event.round is None else event.round
         self._counters.rejected += round_number == run.round
-        log.warning(
+        self._refusals.warning(
+            f"bad:{device_id}:{event.reason.value}",
             "rejected input of %s (round %d, %s): %s",
             device_id,
             round_number,

@@ -294,7 +294,7 @@ class Coordinator:
         try:
             info = parse_topic(topic)
         except DecodeError:
-            log.warning("ignored message on unexpected topic %s", topic)
+            self._refusals.warning("topic:", "ignored message on unexpected topic %s", topic)
             return
         if info.role != "device" or info.device_id is None:
             return
@@ -319,10 +319,13 @@ class Coordinator:
 
     def _bad_input(self, topic: str, error: DecodeError) -> None:
         """A bad update of a registered device goes to the engine, which nacks it (and
-        logs it); an unauthenticated payload and other bad input are logged here, once per
-        device (or topic) and minute, and answered with nothing."""
+        logs it); with keys only one whose tag verified gets there (the channel refuses
+        anything failing before that as unauthenticated). Unauthenticated payloads and
+        other bad input are logged here, at WARNING once per device (topics outside the
+        layout: once for all of them) and minute, the others at DEBUG, and answered with
+        nothing."""
         if isinstance(error, AuthError):
-            source = error.device_id or topic
+            source = error.device_id or "topic outside the layout"
             self._refusals.warning(
                 f"auth:{source}", "refused unauthenticated payload on %s: %s", topic, error
             )
@@ -330,7 +333,9 @@ class Coordinator:
         try:
             info = parse_topic(topic)
         except DecodeError:
-            log.debug("dropped bad input on unexpected topic %s: %s", topic, error)
+            self._refusals.warning(
+                "topic:", "dropped bad input on unexpected topic %s: %s", topic, error
+            )
             return
         if info.role != "device" or info.device_id is None or info.leaf != "update":
             self._refusals.warning(topic, "dropped undecodable payload on %s: %s", topic, error)
