@@ -7,8 +7,8 @@ FedDF), in-process transport, one JSON report per run and seed:
 
 - ``oneshot``: the DENSE paper's one-shot MNIST setting (Table 1): 5 devices, Dirichlet
   alpha 0.1 and 0.5, one round in which every device trains once and uploads once;
-  FedAvg, FedDF and DENSE on the same device updates (same seed: same partition, same
-  local training). Accuracy of the delivered model on the MNIST test set.
+  FedAvg, FedDF (on proxy images, and on generated ones: ``feddf-gen``) and DENSE on the
+  same device updates (same seed: same partition, same local training). Accuracy of the delivered model on the MNIST test set.
 - ``hetero``: a fleet of three architectures (a third each of resnet8, lenet5,
   fedgen_cnn); FedAvg, which can only average within an architecture group, against
   FedDF, which distils every group from the ensemble of all of them. Accuracy of each
@@ -49,6 +49,15 @@ FLEET = [
 ]
 """The heterogeneous and mixed-precision fleets: 15 devices, 6 a round, 10 rounds."""
 
+ONESHOT_KINDS: dict[str, list[str]] = {
+    "fedavg": ["--strategy", "fedavg"],
+    "feddf": ["--strategy", "feddf", *_proxy(20000)],
+    "feddf-gen": ["--strategy", "feddf", "--distill-data", "generator"],
+    "dense": ["--strategy", "dense"],
+}
+"""The one-shot runs per alpha: the server steps compared on the same device updates
+(``feddf-gen``: FedDF distilling on images of a generator instead of proxy images)."""
+
 STUDIES: dict[str, dict[str, Any]] = {
     "oneshot": {
         "args": [
@@ -64,15 +73,9 @@ STUDIES: dict[str, dict[str, Any]] = {
             "5",
         ],
         "runs": {
-            f"oneshot-a{alpha}-{strategy}": [
-                "--alpha",
-                alpha,
-                "--strategy",
-                strategy,
-                *(_proxy(20000) if strategy == "feddf" else []),
-            ]
+            f"oneshot-a{alpha}-{kind}": ["--alpha", alpha, *ONESHOT_KINDS[kind]]
             for alpha in ("0.1", "0.5")
-            for strategy in ("fedavg", "feddf", "dense")
+            for kind in ONESHOT_KINDS
         },
     },
     "hetero": {
@@ -99,7 +102,12 @@ PAPER_ONESHOT = {  # DENSE paper, Table 1, MNIST, 5 clients
     ("0.5", "feddf"): 92.18,
     ("0.5", "dense"): 95.82,
 }
-NAMES = {"fedavg": "FedAvg", "feddf": "FedDF", "dense": "DENSE"}
+NAMES = {
+    "fedavg": "FedAvg",
+    "feddf": "FedDF (proxy)",
+    "feddf-gen": "FedDF (generator)",
+    "dense": "DENSE",
+}
 
 
 def run_study(args: argparse.Namespace) -> None:
@@ -134,12 +142,12 @@ def oneshot_table(out: Path) -> None:
     print("| alpha | strategy | this runtime | seeds | DENSE paper, Table 1 |")
     print("| --- | --- | --- | --- | --- |")
     for alpha in ("0.1", "0.5"):
-        for strategy in ("fedavg", "feddf", "dense"):
-            reports = load_reports(out, f"oneshot-a{alpha}-{strategy}")
+        for kind in ONESHOT_KINDS:
+            reports = load_reports(out, f"oneshot-a{alpha}-{kind}")
             accs = [_final_acc(r, "aca") for r in reports]
-            paper = PAPER_ONESHOT[(alpha, strategy)]
+            paper = PAPER_ONESHOT.get((alpha, kind), "-")
             shown = spread(accs) if accs else "-"
-            print(f"| {alpha} | {NAMES[strategy]} | {shown} | {len(accs)} | {paper} |")
+            print(f"| {alpha} | {NAMES[kind]} | {shown} | {len(accs)} | {paper} |")
 
 
 def fleet_table(out: Path, study: str, title: str) -> None:
@@ -176,7 +184,12 @@ def main() -> None:
     run.add_argument("--data-dir", type=Path, required=True)
     run.add_argument("--seeds", type=int, nargs="+", default=[0])
     run.add_argument("--out", type=Path, default=Path("studies"))
-    run.add_argument("--only", nargs="+", metavar="STRATEGY", help="only these strategies' runs")
+    run.add_argument(
+        "--only",
+        nargs="+",
+        metavar="KIND",
+        help="only these runs (the end of their names: fedavg, feddf, feddf-gen, dense)",
+    )
     show = sub.add_parser("table", help="print the tables from the reports")
     show.add_argument("--out", type=Path, default=Path("studies"))
     args = parser.parse_args()

@@ -1,7 +1,9 @@
 """What a round's server step costs the coordinator: seconds and peak memory.
 
 FedAvg's server step is a weighted sum; FedDF distils every architecture group's model
-from the ensemble of the round's updates on proxy images; DENSE trains an image
+from the ensemble of the round's updates on proxy images (``feddf``) or on the samples
+of a generator it trains against the ensemble first (``feddf-gen``,
+``--distill-data generator``); DENSE trains an image
 generator against the ensemble and distils a fresh model per group on its samples. This
 benchmark runs one strategy's ``aggregate`` exactly as the coordinator's aggregation
 phase does (same strategy objects, same :class:`~coordinator.context.ServerContext`),
@@ -20,7 +22,7 @@ steps), so each group takes its full ``--distill-steps``; a real run stops earli
 the held-out KL stops improving (its log says after how many steps).
 
     python -m benchmarks.server_cost [--data-dir ../shared/data] [--server-device cpu]
-        [--json]
+        [--only feddf-gen ...] [--json]
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ if not __package__:  # run as a script: benchmarks/ would shadow the `models` pa
 CONFIGS: list[dict[str, Any]] = [
     {"strategy": "fedavg", "model": "lenet5", "teachers": 5},
     {"strategy": "feddf", "model": "lenet5", "teachers": 5},
+    {"strategy": "feddf-gen", "model": "lenet5", "teachers": 5},
     {"strategy": "dense", "model": "lenet5", "teachers": 5},
     {"strategy": "fedavg", "model": "resnet8,lenet5,fedgen_cnn", "teachers": 6},
     {"strategy": "feddf", "model": "resnet8,lenet5,fedgen_cnn", "teachers": 6},
+    {"strategy": "feddf-gen", "model": "resnet8,lenet5,fedgen_cnn", "teachers": 6},
     {"strategy": "dense", "model": "resnet8,lenet5,fedgen_cnn", "teachers": 6},
 ]
 
@@ -56,14 +60,16 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     from coordinator.config import CoordinatorConfig
     from coordinator.context import ServerContext, resolve_server_device
-    from coordinator.proxy import proxy_tensor, read_proxy_file
+    from coordinator.proxy import proxy_tensor, read_proxy_data
     from coordinator.runtime import build_models
     from coordinator.strategies import Contribution, build_strategy
     from models import build_classifier, seeded, state_arrays
 
     steps = int(spec["distill_steps"])
+    generated = spec["strategy"] == "feddf-gen"
     config = CoordinatorConfig(
-        strategy=spec["strategy"],
+        strategy="feddf" if generated else spec["strategy"],
+        distill_data="generator" if generated else "proxy",
         model=spec["model"],
         rounds=1,
         seed=0,
@@ -83,7 +89,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
         updates.append(Contribution(f"dev-{index}", group, state_arrays(model), 100))
     proxy = None
     if strategy.needs_proxy_data:
-        images = read_proxy_file(Path(spec["proxy_file"]))  # as python -m coordinator does
+        images = read_proxy_data(Path(spec["proxy_file"]))  # as python -m coordinator does
         proxy = proxy_tensor(images, config.in_channels, config.image_size)
     current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
     context = ServerContext.for_round(device, config.seed, 1, proxy_data=proxy)
@@ -119,6 +125,12 @@ def main() -> None:
     parser.add_argument("--proxy-size", type=int, default=20000, help="proxy images")
     parser.add_argument("--distill-steps", type=int, default=500)
     parser.add_argument("--server-device", choices=("auto", "cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted({c["strategy"] for c in CONFIGS}),
+        help="measure only these strategies' rows",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one JSON spec
     args = parser.parse_args()
@@ -130,6 +142,8 @@ def main() -> None:
         np.save(proxy_file, _proxy_images(args.data_dir, args.proxy_size))
         rows = []
         for config in CONFIGS:
+            if args.only and config["strategy"] not in args.only:
+                continue
             spec = {
                 **config,
                 "proxy_file": str(proxy_file),

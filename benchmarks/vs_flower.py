@@ -72,7 +72,8 @@ if not __package__:  # run as a script: benchmarks/ would shadow the `models` pa
 
 import numpy as np
 
-from sim.readers import read_idx_images, read_idx_labels
+from models.datafiles import find_file, read_idx_images, read_idx_labels
+from models.errors import DataFileError
 from sim.run import SimConfig, build_federation
 from sim.synthetic import make_synthetic
 
@@ -150,11 +151,10 @@ def _write_idx(folder: Path, stem: str, images: np.ndarray, labels: np.ndarray) 
 
 
 def _find_mnist(data_dir: Path, base: str) -> Path:
-    for folder in (data_dir, data_dir / "mnist"):
-        for candidate in (folder / f"{base}.gz", folder / base):
-            if candidate.is_file():
-                return candidate
-    raise BenchError(f"--data-dir {data_dir}: no {base}[.gz] (MNIST's files) there")
+    try:
+        return find_file("mnist", data_dir, base)
+    except DataFileError as exc:
+        raise BenchError(f"--data-dir {data_dir}: {exc}") from exc
 
 
 def write_dataset(folder: Path, workload: Workload, data_dir: Path | None) -> str:

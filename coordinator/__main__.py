@@ -10,8 +10,13 @@ and ``[broker]`` tables); flags given on the command line win over the file. Eve
 is derived from :class:`~coordinator.config.CoordinatorConfig`
 (:mod:`coordinator.cli_flags`): its defaults are the model's.
 
+``python -m coordinator revoke --state-dir DIR ID [ID ...]`` revokes devices: their ids go
+to DIR/revoked-devices.json, and the coordinator refuses them from its next start (stop
+it, revoke, start it again with --resume): their enrolled keys are dropped, and neither
+the fleet token nor --device-keys lets them back in (docs/protocol.md, section 2.4).
+
 Exit codes:
-    0   the run finished; final models are in STATE_DIR/final
+    0   the run finished (revoke: the ids are recorded); final models are in STATE_DIR/final
     1   runtime failure: broker unreachable, state store failure, a failed aggregation
     2   usage error: bad flags or config file, state directory of another run
     130 interrupted (SIGINT/SIGTERM); the state is consistent, resume with --resume
@@ -57,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     Flags default to "not given" so that the config file, then the settings' own
     defaults, fill what the command line leaves out (:func:`config_from_args`).
     """
-    p = _Parser(prog=PROG, description="Coordinator of the edge federated-learning runtime.")
+    p = _Parser(
+        prog=PROG,
+        description="Coordinator of the edge federated-learning runtime.",
+        epilog=f"Revoke devices: {PROG} revoke --state-dir DIR ID [ID ...].",
+    )
     p.add_argument("--config", type=Path, help="TOML file with the same settings")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     flags = ModelFlags()
@@ -78,14 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(
         p.add_argument_group("server"),
         CoordinatorConfig,
-        include=("server_device", "proxy_data"),
-        metavars={"proxy_data": "FILE"},
+        include=("server_device", "proxy_data", "proxy_size"),
+        metavars={"proxy_data": "PATH", "proxy_size": "N"},
     )
     flags.add(
         p.add_argument_group("security"),
         CoordinatorConfig,
-        include=("device_keys", "insecure_no_auth", "replay_window_s"),
-        metavars={"device_keys": "FILE"},
+        include=(
+            "device_keys",
+            "fleet_token_file",
+            "max_enrolled",
+            "insecure_no_auth",
+            "replay_window_s",
+        ),
+        metavars={"device_keys": "FILE", "fleet_token_file": "FILE", "max_enrolled": "N"},
     )
     flags.add(
         p.add_argument_group("state and outputs"),
@@ -125,7 +140,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 def run(config: CoordinatorConfig) -> int:
     """Run the job described by ``config``; returns the exit code."""
-    from coordinator.proxy import read_proxy_file
+    from coordinator.proxy import read_proxy_data
     from coordinator.runtime import Coordinator
     from coordinator.store import FileStore, MemoryStore, Store
     from protocol.errors import BrokerError, TransportError
@@ -146,7 +161,9 @@ def run(config: CoordinatorConfig) -> int:
             if config.resume and not store.exists("run"):
                 # a supervisor restarting with --resume also starts the very first run
                 log.warning("no saved run in %s: starting a fresh run", config.state_dir)
-        proxy = None if config.proxy_data is None else read_proxy_file(config.proxy_data)
+        proxy = None
+        if config.proxy_data is not None:
+            proxy = read_proxy_data(config.proxy_data, size=config.proxy_size, seed=config.seed)
         url = settings.url
         if settings.embedded:
             from protocol.transport.broker import EmbeddedBroker
@@ -200,7 +217,38 @@ def _stop_on_signals(stop: Any) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def revoke_main(argv: Sequence[str]) -> int:
+    """``python -m coordinator revoke --state-dir DIR ID [ID ...]``; returns the exit code."""
+    from coordinator.enrolment import FleetKeys, revoke
+
+    p = _Parser(
+        prog=f"{PROG} revoke",
+        description="Revoke devices: the coordinator refuses them from its next start.",
+    )
+    p.add_argument("--state-dir", type=Path, required=True, help="the coordinator's state dir")
+    p.add_argument("device_ids", nargs="+", metavar="ID", help="device id")
+    args = p.parse_args(argv)
+    try:
+        revoked = revoke(args.state_dir, args.device_ids)
+        enrolled = FleetKeys.enrolled_ids(args.state_dir)
+    except (OSError, ValueError) as exc:
+        print(f"{PROG} revoke: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for device_id in args.device_ids:
+        how = "enrolled" if device_id in enrolled else "not enrolled"
+        print(f"revoked {device_id} ({how})")
+    print(
+        f"{len(revoked)} device(s) revoked in {args.state_dir}; a running coordinator "
+        "refuses them once restarted (--resume)",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["revoke"]:
+        return revoke_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -1,9 +1,11 @@
 """Who may talk to the coordinator: the keyring, replay rules and refusal logging.
 
 The keyring (``--device-keys FILE``, :class:`~protocol.auth.Keyring`) is the operator's
-registration of the fleet: the coordinator's :class:`~protocol.channel.Channel` drops every
-frame on the topic of a device without a key, and every frame whose tag does not verify,
-before decompressing it (docs/protocol.md, section 2.3). Only authenticated messages reach
+registration of the fleet; devices flashed with the fleet token (``--fleet-token-file``)
+enrol themselves (:mod:`coordinator.enrolment`). The coordinator's
+:class:`~protocol.channel.Channel` drops every frame on the topic of a device without a
+key, and every frame whose tag does not verify, before decompressing it (docs/protocol.md,
+sections 2.3 and 2.4). Only authenticated messages reach
 the :class:`~coordinator.engine.RoundEngine`, which applies :class:`ReplayGuard` before
 anything else (section 7). Running without keys takes an explicit ``--insecure-no-auth``.
 """
@@ -17,28 +19,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.config import CoordinatorConfig
+from coordinator.enrolment import FleetKeys
 from coordinator.errors import ConfigError
-from protocol.auth import Keyring
+from protocol.auth import Keyring, read_fleet_token
 from protocol.messages import DeviceStatus, Hello, Message, ReasonCode, Update
 
-__all__ = ["RateLimitedLog", "ReplayGuard", "load_keyring"]
+__all__ = ["RateLimitedLog", "ReplayGuard", "load_keys"]
 
 log = logging.getLogger(__name__)
 
 
-def load_keyring(config: CoordinatorConfig) -> Keyring | None:
-    """The keyring ``config`` asks for; None only with ``insecure_no_auth``.
+def load_keys(config: CoordinatorConfig) -> FleetKeys | None:
+    """The keys ``config`` asks for: the operator's keyring (``device_keys``), the devices
+    enrolled in ``state_dir`` and the fleet token that enrols more
+    (:class:`~coordinator.enrolment.FleetKeys`); None only with ``insecure_no_auth``.
 
     Raises:
-        ConfigError: neither keys nor the opt-out, both, or an unreadable keyring.
+        ConfigError: keys or a token with ``insecure_no_auth``; neither keys, a token,
+            enrolled devices nor the opt-out; an unreadable keyring, token or revoked file.
     """
-    if config.device_keys is not None and config.insecure_no_auth:
-        raise ConfigError("give --device-keys or --insecure-no-auth, not both")
-    if config.device_keys is None:
-        if not config.insecure_no_auth:
+    if config.insecure_no_auth:
+        if config.device_keys is not None or config.fleet_token_file is not None:
             raise ConfigError(
-                "no device keys: give --device-keys FILE (python -m deploy device ID adds a "
-                "device's key to it), or --insecure-no-auth to accept anyone on the broker"
+                "give --device-keys / --fleet-token-file or --insecure-no-auth, not both"
             )
         log.warning(
             "--insecure-no-auth: messages are not authenticated; anyone on the "
@@ -46,16 +49,43 @@ def load_keyring(config: CoordinatorConfig) -> Keyring | None:
         )
         return None
     try:
-        keyring = Keyring.load(config.device_keys)
+        registered = Keyring() if config.device_keys is None else Keyring.load(config.device_keys)
+        token = None
+        if config.fleet_token_file is not None:
+            token = read_fleet_token(config.fleet_token_file)
+        keys = FleetKeys(
+            registered,
+            token=token,
+            state_dir=config.state_dir,
+            max_enrolled=config.max_enrolled,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    log.info("%d device key(s) from %s", len(keyring), config.device_keys)
-    return keyring
+    if config.device_keys is None and token is None and not keys.enrolled:
+        raise ConfigError(
+            "no device keys: give --device-keys FILE (python -m deploy device ID adds a "
+            "device's key to it) or --fleet-token-file FILE (devices enrol with it), or "
+            "--insecure-no-auth to accept anyone on the broker"
+        )
+    if config.device_keys is not None:
+        log.info("%d device key(s) from %s", len(registered), config.device_keys)
+    if keys.enrolled:
+        log.info("%d device(s) enrolled earlier with the fleet token", len(keys.enrolled))
+    if token is not None:
+        log.info(
+            "fleet token from %s: new devices enrol (at most %d)",
+            config.fleet_token_file,
+            config.max_enrolled,
+        )
+        if config.state_dir is None:
+            log.warning("no --state-dir: enrolments are kept in memory only, lost at exit")
+    return keys
 
 
 class RateLimitedLog:
     """Logs a warning at most once per key per ``interval_s`` (bounded memory), so bad
-    input from one source is logged once, and a flood of it does not flood the log."""
+    input from one source is logged once, and a flood of it does not flood the log; the
+    others are logged at DEBUG (``-v`` shows every refusal)."""
 
     def __init__(
         self,
@@ -71,13 +101,14 @@ class RateLimitedLog:
         self._clock = clock
         self._last: OrderedDict[str, float] = OrderedDict()
         self.suppressed = 0
-        """Warnings not logged because their key was logged recently."""
+        """Warnings logged at DEBUG only because their key was logged recently."""
 
     def warning(self, key: str, msg: str, *args: object) -> None:
         now = self._clock()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:
             self.suppressed += 1
+            self._log.debug(msg, *args)
             return
         self._last[key] = now
         self._last.move_to_end(key)
@@ -134,7 +165,16 @@ class ReplayGuard:
                 self._devices.popitem(last=False)
         self._devices.move_to_end(message.sender)
         if isinstance(body, DeviceStatus) and body.state == "offline":
-            pass  # a last will is made at connect time: older than what followed it
+            # a last will is made at connect time, so it is older than what followed it:
+            # only the same offline message again, or one older than an offline taken
+            # before, is known to be a replay
+            if message.message_id in seen.ids:
+                return Replayed(ReasonCode.REPLAYED, f"offline status {message.message_id} seen")
+            if ts < seen.newest.get("offline", -1):
+                return Replayed(
+                    ReasonCode.REPLAYED, "offline status older than the device's newest one"
+                )
+            seen.newest["offline"] = ts
         elif isinstance(body, (Hello, DeviceStatus)):
             if message.message_id in seen.ids:
                 return Replayed(ReasonCode.REPLAYED, f"{message.kind} {message.message_id} seen")

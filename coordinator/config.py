@@ -27,6 +27,7 @@ from pydantic import (
 from coordinator.dense import DenseSettings
 from coordinator.errors import ConfigError
 from coordinator.feddf import DistillSettings
+from coordinator.feddf_generated import GeneratedSettings
 from models import classifier_names
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN, WeightFormat
@@ -48,6 +49,7 @@ Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
 ServerDevice = Literal["auto", "cpu", "cuda"]
 _DISTILL = DistillSettings()
 _DENSE = DenseSettings()
+_GENERATED = GeneratedSettings()
 
 
 class _Frozen(BaseModel):
@@ -221,6 +223,17 @@ class FleetSettings(_Frozen):
     distill_patience: int = Field(default=_DISTILL.patience, ge=1)
     """feddf: held-out measurements (one every 25 steps) without improvement before the
     distillation stops."""
+    distill_data: Literal["proxy", "generator"] = "proxy"
+    """feddf: what the server distils on: ``proxy``, the run's unlabeled proxy images
+    (``proxy_data``, required), or ``generator``, images of an image generator trained
+    each round against the round's ensemble (DENSE's generator phase; no proxy data,
+    which is then refused)."""
+    distill_generator_batches: int = Field(default=_GENERATED.batches, ge=1)
+    """feddf with distill_data generator: generated batches (of 128 images, each from
+    its own generator phase) per round, a fifth of the images held out for early
+    stopping and drop-worst."""
+    distill_generator_steps: int = Field(default=_GENERATED.dense.generator_steps, ge=1)
+    """feddf with distill_data generator: generator Adam steps per generated batch."""
     dense_epochs: int = Field(default=_DENSE.epochs, ge=1)
     """dense: alternations of a generator phase and a student phase on the server (more:
     closer students, proportionally more server time)."""
@@ -303,8 +316,13 @@ class CoordinatorConfig(FleetSettings):
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
     proxy_data: Path | None = None
-    """File (.npy) of unlabeled images (N, C, H, W) or (N, H, W), uint8 or floats in
-    [0, 1], for server-side distillation (feddf); no device data reaches the server."""
+    """Unlabeled images for server-side distillation (feddf): a .npy file of (N, C, H, W)
+    or (N, H, W) images, uint8 or floats in [0, 1], or a folder holding a dataset's
+    official train files (MNIST, Fashion-MNIST, EMNIST letters, CIFAR-10; labels never
+    read). No device data reaches the server."""
+    proxy_size: int | None = Field(default=None, ge=2)
+    """Proxy images to use, drawn at random (seeded by the run's seed) from proxy_data
+    (unset: all of them)."""
     server_device: ServerDevice = "auto"
     """Where server-side training (FedGen's generator, FedDF's and DENSE's distillation)
     runs: auto (a GPU where torch sees one, else the CPU), cpu or cuda."""
@@ -314,7 +332,16 @@ class CoordinatorConfig(FleetSettings):
     device_keys: Path | None = None
     """Keyring of the fleet (JSON: device id -> 64 hex digits, mode 0600): the devices
     allowed to join; every message is authenticated with its device's key
-    (docs/protocol.md, section 2.3). Required unless insecure_no_auth."""
+    (docs/protocol.md, section 2.3). Required unless fleet_token_file, devices enrolled
+    in state_dir, or insecure_no_auth."""
+    fleet_token_file: Path | None = None
+    """Fleet token (64 hex digits, mode 0600; python -m protocol keys --new-fleet-token):
+    a device not in device_keys whose frames verify under the key derived from the token
+    for its id is enrolled, its key kept in STATE_DIR/enrolled-keys.json (docs/protocol.md,
+    section 2.4). Whoever holds the token can enrol any device id: bulk and lab flashing."""
+    max_enrolled: int = Field(default=1024, ge=0)
+    """Devices enrolled with the fleet token at most (all runs of the state dir); past it
+    new ids are refused, so a leaked token cannot grow the keyring without bound."""
     insecure_no_auth: bool = False
     """Run without authentication: anyone on the broker can join, impersonate devices and
     poison the model. Tests and trusted networks only."""
@@ -350,6 +377,8 @@ class CoordinatorConfig(FleetSettings):
                 "image_size",
                 "seed",
             },
+        ) | (  # absent at the default, so that runs persisted before the option resume
+            {} if self.distill_data == "proxy" else {"distill_data": self.distill_data}
         )
 
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from coordinator.feddf import kl_to_ensemble, teacher_logits
-from models import ImageGenerator
+from models import ImageGenerator, ImageGeneratorConfig
 from models.optim import Adam
 
 __all__ = [
@@ -68,8 +68,10 @@ __all__ = [
     "batch_norm_loss",
     "dense_distill",
     "ensemble_logits",
+    "frozen",
     "generator_loss",
     "generator_phase",
+    "image_generator_config",
     "student_phase",
 ]
 
@@ -251,6 +253,22 @@ def generator_loss(
     return GeneratorLoss(ce=ce, bn=bn, adv=adv)
 
 
+def image_generator_config(
+    settings: DenseSettings, *, channels: int, image_size: int
+) -> ImageGeneratorConfig:
+    """The image generator of ``settings`` (noise and width) for the models' images.
+
+    Raises:
+        ValueError: images it cannot make (a side that is no multiple of 4).
+    """
+    return ImageGeneratorConfig(
+        noise_dim=settings.noise_dim,
+        image_size=image_size,
+        channels=channels,
+        base_channels=settings.generator_width,
+    )
+
+
 def _draw(
     settings: DenseSettings, classes: int, rng: torch.Generator, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,7 +422,7 @@ def dense_distill(
     memory = GeneratedMemory(settings.memory_batches)
     phase = None
     for epoch in range(1, settings.epochs + 1):
-        with _frozen(students.values()):
+        with frozen(students.values()):
             phase = generator_phase(
                 generator,
                 teachers,
@@ -450,7 +468,7 @@ def dense_distill(
 
 
 @contextlib.contextmanager
-def _frozen(students: Iterable[nn.Module]) -> Iterator[None]:
+def frozen(students: Iterable[nn.Module]) -> Iterator[None]:
     """Inside: the students in eval mode with frozen parameters, so that the generator
     phase backpropagates through them to the images without keeping their gradients or
     moving their statistics; afterwards their parameters are trainable again."""

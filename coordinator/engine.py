@@ -295,9 +295,6 @@ class RoundEngine:
         self._counters = _RoundCounters()
         self._status_sent = ""
         self._screen = NormScreen(config.max_update_norm_ratio, config.max_update_norm, None)
-        self._screened_out: set[str] = set()
-        """Selected devices whose on-time update of this round was screened out
-        (:data:`_ANSWERED`: they do not resend it; the round does not wait for them)."""
 
     # -- properties --------------------------------------------------------------------
 
@@ -359,7 +356,11 @@ class RoundEngine:
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
-            missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
+            missing = [
+                d
+                for d in run.selected
+                if d not in run.screened_out and not self._state.has_update(d, run.round)
+            ]
             if not missing:  # the crash came after the last update, before the close
                 return actions + self._close_round()
             sets = self._server_sets()
@@ -385,7 +386,8 @@ class RoundEngine:
             return self._on_undecodable(event)
         message = event.message
         if message.fleet != self.config.fleet or message.sender != event.topic_device:
-            log.warning(
+            self._refusals.warning(
+                f"foreign:{event.topic_device}",
                 "dropped %s on device %s's topic from %s/%s (foreign sender or fleet)",
                 message.kind,
                 event.topic_device,
@@ -410,11 +412,17 @@ class RoundEngine:
         if isinstance(body, Hello):
             return self._on_hello(message, body, event.now)
         if isinstance(body, DeviceStatus):
+            if message.sender not in self.registry:
+                # devices announce themselves online before their hello: not worth a warning
+                log.debug("ignored device_status of %s: say hello first", message.sender)
+                return []
             self.registry.set_status(message.sender, body)
             return self._on_tick(event.now)
         if isinstance(body, Update):
             return self._on_update(message, body, event.now)
-        log.warning("dropped unexpected %s from %s", message.kind, message.sender)
+        self._refusals.warning(
+            f"kind:{message.sender}", "dropped unexpected %s from %s", message.kind, message.sender
+        )
         return []
 
     # -- hello -------------------------------------------------------------------------
@@ -443,7 +451,12 @@ class RoundEngine:
         elif (refusal := self.strategy.refuse(hello)) is not None:
             problem = (ReasonCode.CONSENT_REQUIRED, refusal)
         if problem is not None:
-            log.warning("refused hello of %s: %s", device_id, problem[1])
+            self._refusals.warning(
+                f"hello:{device_id}:{problem[0].value}",
+                "refused hello of %s: %s",
+                device_id,
+                problem[1],
+            )
             return [self._ack(device_id, message, False, *problem)]
         if self.registry.register(hello):
             entry = self.registry.get(device_id)
@@ -508,6 +521,12 @@ class RoundEngine:
         try:
             on_time = self._classify(device_id, message.round, update, now)
             if self._state.has_update(device_id, message.round):
+                log.debug(
+                    "ignored update %s of %s for round %d: a duplicate, already stored",
+                    message.message_id,
+                    device_id,
+                    message.round,
+                )
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
             group = self._group_of(device_id)
             announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
@@ -520,10 +539,17 @@ class RoundEngine:
             reference = self._screen.check(norm, model_norm(sent, weights.keys()))
         except UpdateRejectedError as exc:
             self._counters.rejected += message.round == run.round
-            log.warning("rejected update of %s for round %d: %s", device_id, message.round, exc)
+            self._refusals.warning(
+                f"update:{device_id}:{exc.reason.value}",
+                "rejected update of %s for round %d: %s",
+                device_id,
+                message.round,
+                exc,
+            )
             ack = self._ack(device_id, message, False, exc.reason, exc.detail)
-            if on_time and exc.reason in _ANSWERED:
-                self._screened_out.add(device_id)
+            if on_time and exc.reason in _ANSWERED and device_id not in run.screened_out:
+                run.screened_out.append(device_id)
+                self._state.save_run(run)  # a resumed round does not wait for it either
                 return [ack, *self._close_if_answered()]
             return [ack]
         stored = StoredUpdate(
@@ -566,9 +592,7 @@ class RoundEngine:
     def _close_if_answered(self) -> list[Action]:
         """Close the round once every selected device's update is in or was rejected."""
         run = self._require_run()
-        if all(
-            d in self._screened_out or self._state.has_update(d, run.round) for d in run.selected
-        ):
+        if all(d in run.screened_out or self._state.has_update(d, run.round) for d in run.selected):
             return self._close_round()
         return []
 
@@ -617,7 +641,8 @@ class RoundEngine:
             return []
         round_number = run.round if event.round is None else event.round
         self._counters.rejected += round_number == run.round
-        log.warning(
+        self._refusals.warning(
+            f"bad:{device_id}:{event.reason.value}",
             "rejected input of %s (round %d, %s): %s",
             device_id,
             round_number,
@@ -638,7 +663,11 @@ class RoundEngine:
     def _on_tick(self, now: float) -> list[Action]:
         run = self._require_run()
         if run.phase == "training" and now > run.deadline:
-            missing = [d for d in run.selected if not self._state.has_update(d, run.round)]
+            missing = [
+                d
+                for d in run.selected
+                if d not in run.screened_out and not self._state.has_update(d, run.round)
+            ]
             log.warning(
                 "round %d deadline passed; missing %d of %d devices: %s",
                 run.round,
@@ -663,10 +692,10 @@ class RoundEngine:
         run.phase, run.selected, run.started_at = "training", selected, now
         run.deadline = now + self.config.round_timeout_s
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
+        run.screened_out = []
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
         self._screen.new_round(run.norm_floor)
-        self._screened_out = set()
         self._transfers.new_round()
         sets = self._server_sets()
         actions: list[Action] = self._status("running")

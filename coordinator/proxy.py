@@ -1,10 +1,11 @@
 """Unlabeled proxy images for server-side distillation (FedDF), and where they come from.
 
 The coordinator never sees device data. A run may give it public, unlabeled images of the
-same shape as the devices' (``--proxy-data FILE.npy``; the lab emulator reads any dataset
-its readers know and hands the images over): strategies find them in
-:attr:`~coordinator.context.ServerContext.proxy_data`. Labels, where the source has
-them, are never read.
+same shape as the devices' (``--proxy-data PATH``: a ``.npy`` array, or a folder holding
+the official train files of any dataset :mod:`models.datafiles` reads, such as EMNIST
+letters; ``--proxy-size N`` draws N of them, seeded by the run's seed): strategies find
+them in :attr:`~coordinator.context.ServerContext.proxy_data`. Labels, where the source
+has them, are never read.
 """
 
 from __future__ import annotations
@@ -18,27 +19,40 @@ import numpy.typing as npt
 import torch
 
 from coordinator.errors import ConfigError
+from models.datafiles import load_proxy_images, subsample
+from models.errors import DataFileError
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
     from coordinator.strategies import Strategy
 
-__all__ = ["proxy_digest", "proxy_tensor", "read_proxy_file", "server_proxy"]
+__all__ = ["proxy_digest", "proxy_tensor", "read_proxy_data", "server_proxy"]
 
 
-def read_proxy_file(path: Path) -> npt.NDArray[Any]:
-    """The images of a ``.npy`` file (``np.save`` of one array; no pickle).
+def read_proxy_data(path: Path, *, size: int | None = None, seed: int = 0) -> npt.NDArray[Any]:
+    """The proxy images at ``path``: a ``.npy`` file (``np.save`` of one array; no
+    pickle), or a folder holding a dataset's official train files (its labels are never
+    read). With ``size``: that many of them, drawn at random by ``seed`` (all of them
+    where there are fewer).
 
     Raises:
-        ConfigError: the file cannot be read or is not a plain ``.npy`` array.
+        ConfigError: nothing readable there: not a plain ``.npy`` array, no dataset the
+            readers know in the folder, or corrupt files.
     """
+    if path.is_dir():
+        try:
+            return load_proxy_images(path, size=size, seed=seed)
+        except DataFileError as exc:
+            raise ConfigError(f"--proxy-data {path}: {exc}") from exc
     try:
         images = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--proxy-data {path}: not a readable .npy array: {exc}") from exc
+        raise ConfigError(
+            f"--proxy-data {path}: neither a dataset folder nor a readable .npy array: {exc}"
+        ) from exc
     if not isinstance(images, np.ndarray):
         raise ConfigError(f"--proxy-data {path}: holds several arrays; give one .npy array")
-    return images
+    return subsample(images, size, seed)
 
 
 def server_proxy(
@@ -48,13 +62,20 @@ def server_proxy(
     ``images``), or None without images.
 
     Raises:
-        ConfigError: images that do not fit the models, or none for a strategy that
-            distils on them.
+        ConfigError: images that do not fit the models, none for a strategy that
+            distils on them, or some for one that distils on generated images.
     """
     proxy = None if images is None else proxy_tensor(images, config.in_channels, config.image_size)
     if strategy.needs_proxy_data and proxy is None:
         raise ConfigError(
-            f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data"
+            f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data "
+            "(or --distill-data generator, to distil on generated images instead)"
+        )
+    if strategy.refuses_proxy_data and proxy is not None:
+        raise ConfigError(
+            f"strategy {strategy.name!r} with --distill-data {config.distill_data} distils on "
+            "generated images and would not read the proxy data: leave out --proxy-data, or "
+            "use --distill-data proxy"
         )
     return proxy
 

@@ -31,7 +31,7 @@ import numpy.typing as npt
 import torch
 
 from coordinator.aggregation import AggregationJob
-from coordinator.auth import RateLimitedLog, load_keyring
+from coordinator.auth import RateLimitedLog, load_keys
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import (
@@ -56,7 +56,7 @@ from coordinator.store import MemoryStore, Store
 from coordinator.strategies import build_strategy
 from models import Classifier, build_classifier, load_state_arrays, seeded
 from models.errors import ModelError
-from protocol.auth import AuthError, Keyring
+from protocol.auth import AuthError, KeySource
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
@@ -185,16 +185,17 @@ class Coordinator:
         codec: codec with its decode limits (defaults when None).
         tick_s: seconds between clock ticks (deadline checks, round starts).
         clock: returns Unix time in seconds.
-        keyring: the fleet's device keys; None: those of ``config.device_keys``, or none
-            with ``config.insecure_no_auth`` (:func:`~coordinator.auth.load_keyring`).
+        keyring: the fleet's device keys; None: those ``config`` names (its device keys,
+            enrolled devices and fleet token), or none with ``config.insecure_no_auth``
+            (:func:`~coordinator.auth.load_keys`).
         proxy_data: unlabeled images for server-side distillation, ``(N, C, H, W)`` or
             ``(N, H, W)``, uint8 or floats in [0, 1] (:func:`~coordinator.proxy.
             proxy_tensor`); every aggregation finds them in its context.
 
     Raises:
-        ConfigError: no device keys without ``insecure_no_auth``, an unreadable keyring,
-            unknown strategy or model, ``server_device`` cuda without a GPU,
-            proxy data that does not fit the models, or none for a strategy that
+        ConfigError: no device keys without ``insecure_no_auth``, an unreadable keyring
+            or fleet token, unknown strategy or model, ``server_device`` cuda without a
+            GPU, proxy data that does not fit the models, or none for a strategy that
             distils on it.
     """
 
@@ -208,11 +209,11 @@ class Coordinator:
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.time,
         proxy_data: npt.NDArray[Any] | None = None,
-        keyring: Keyring | None = None,
+        keyring: KeySource | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
-        self.keyring = keyring if keyring is not None else load_keyring(config)
+        self.keyring = keyring if keyring is not None else load_keys(config)
         self.channel = Channel(transport, codec, admit=self._admit, auth=self.keyring)
         self._refusals = RateLimitedLog(log)
         self._clock = clock
@@ -293,7 +294,7 @@ class Coordinator:
         try:
             info = parse_topic(topic)
         except DecodeError:
-            log.warning("ignored message on unexpected topic %s", topic)
+            self._refusals.warning("topic:", "ignored message on unexpected topic %s", topic)
             return
         if info.role != "device" or info.device_id is None:
             return
@@ -318,10 +319,13 @@ class Coordinator:
 
     def _bad_input(self, topic: str, error: DecodeError) -> None:
         """A bad update of a registered device goes to the engine, which nacks it (and
-        logs it); an unauthenticated payload and other bad input are logged here, once per
-        device (or topic) and minute, and answered with nothing."""
+        logs it); with keys only one whose tag verified gets there (the channel refuses
+        anything failing before that as unauthenticated). Unauthenticated payloads and
+        other bad input are logged here, at WARNING once per device (topics outside the
+        layout: once for all of them) and minute, the others at DEBUG, and answered with
+        nothing."""
         if isinstance(error, AuthError):
-            source = error.device_id or topic
+            source = error.device_id or "topic outside the layout"
             self._refusals.warning(
                 f"auth:{source}", "refused unauthenticated payload on %s: %s", topic, error
             )
@@ -329,7 +333,9 @@ class Coordinator:
         try:
             info = parse_topic(topic)
         except DecodeError:
-            log.debug("dropped bad input on unexpected topic %s: %s", topic, error)
+            self._refusals.warning(
+                "topic:", "dropped bad input on unexpected topic %s: %s", topic, error
+            )
             return
         if info.role != "device" or info.device_id is None or info.leaf != "update":
             self._refusals.warning(topic, "dropped undecodable payload on %s: %s", topic, error)

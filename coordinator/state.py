@@ -5,8 +5,9 @@ Layout of the :class:`~coordinator.store.Store` (one atomic record per key):
 =========================  =================================================================
 key                        record
 =========================  =================================================================
-``run``                    config fingerprint, current round, phase, selected devices, task
-                           ids, deadline, the updates a closing round aggregates
+``run``                    state format, config fingerprint, current round, phase, selected
+                           devices, task ids, deadline, the devices whose update the round
+                           screened out, the updates a closing round aggregates
                            (metadata only)
 ``registry/DEVICE``        the registry's entry of ``DEVICE``, what its hello announced
                            (metadata only; one record per device, so registering one
@@ -62,13 +63,18 @@ from coordinator.groups import GroupModels
 from coordinator.store import Store
 from protocol.messages import WeightFormat
 
-__all__ = ["Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
+__all__ = ["STATE_FORMAT", "Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
 
 log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
 Phase = Literal["waiting", "training", "aggregating", "finished"]
 _ROUND_KEY = re.compile(r"^r(\d{6,})$")
+
+STATE_FORMAT = 1
+"""The layout of the records above. A state directory written with another format (or
+by a version from before formats were numbered) is refused on ``--resume`` with a
+message saying so, never read as if it were this one."""
 
 
 def _weight_format(value: object) -> WeightFormat:
@@ -112,6 +118,11 @@ class RunMeta:
     """Phase ``aggregating``: the devices whose on-time update the round aggregates."""
     norm_floor: float | None = None
     """Norm screening's reference from the rounds before (:mod:`coordinator.screening`)."""
+    screened_out: list[str] = field(default_factory=list)
+    """Selected devices whose on-time update of this round was rejected for its values:
+    the round does not wait for them, also after a resume."""
+    state_format: int = STATE_FORMAT
+    """The :data:`STATE_FORMAT` the store was written with."""
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +140,8 @@ class RunMeta:
                 started_at=float(meta["started_at"]),
                 aggregating=[str(d) for d in meta["aggregating"]],
                 norm_floor=_optional_float(meta.get("norm_floor")),
+                screened_out=[str(d) for d in meta["screened_out"]],
+                state_format=int(meta["state_format"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"corrupt run record: {exc}") from exc
@@ -211,11 +224,24 @@ class RunState:
         """The persisted run, or None for a fresh store.
 
         Raises:
-            StateMismatchError: the store belongs to a run with other settings.
+            StateMismatchError: the store belongs to a run with other settings, or was
+                written with another state format.
         """
         meta = self.store.read_meta("run")
         if meta is None:
             return None
+        found = meta.get("state_format")
+        if found != STATE_FORMAT:
+            written = (
+                "an edgefl from before state formats were numbered"
+                if found is None
+                else f"state format {found!r}"
+            )
+            raise StateMismatchError(
+                f"the state directory was written by {written}; this version reads state "
+                f"format {STATE_FORMAT}: finish that run with the version that started it, "
+                "or use another --state-dir"
+            )
         run = RunMeta.from_meta(meta)
         if run.fingerprint != dict(fingerprint):
             differ = sorted(set(run.fingerprint) | set(fingerprint))

@@ -23,7 +23,8 @@ fedgen         FedGen: averages what devices share (``full`` model or ``head`` o
                each round; sends the generator and the label prior with the model
 feddf          FedDF: each group's model starts from the average of its group's
                updates and is distilled from the ensemble of every update, whatever
-               its architecture, on the server's unlabeled proxy data
+               its architecture, on the server's unlabeled proxy data or (``distill_data
+               generator``) on images of a generator trained against the ensemble
 dense          DENSE, one-shot: one round, one upload per device; the server trains
                an image generator against the ensemble of every update and distils
                the ensemble into a fresh model per group on its images (no data)
@@ -72,7 +73,7 @@ import torch
 from coordinator.aggregate import Accumulator, WeightedSum, accumulator
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.context import ServerContext
-from coordinator.dense import DenseSettings, dense_distill
+from coordinator.dense import DenseSettings, dense_distill, image_generator_config
 from coordinator.errors import ConfigError
 from coordinator.feddf import (
     DistillSettings,
@@ -81,6 +82,7 @@ from coordinator.feddf import (
     holdout_split,
     teacher_logits,
 )
+from coordinator.feddf_generated import GeneratedSettings, generate_images
 from coordinator.fedgen import GeneratorTraining, label_prior, train_latent_generator
 from coordinator.groups import GroupModels
 from models import (
@@ -190,8 +192,9 @@ class Strategy(abc.ABC):
     delta_sets: ClassVar[Mapping[str, str]] = {}
     """Downlink sets sent as a delta against another set of the same message, fitted into
     ``teacher_budget`` of that set's bytes (FedKF: the teacher against the student)."""
-    needs_proxy_data: ClassVar[bool] = False
-    """Whether the server step distils on proxy data (the run must give some)."""
+    distills_on_proxy: ClassVar[bool] = False
+    """Whether the strategy can distil on proxy data (FedDF: with ``distill_data
+    proxy``, see :attr:`needs_proxy_data`)."""
     head_sharing: ClassVar[bool] = False
     """Whether ``sharing head`` is supported: devices upload only the prediction head,
     the server averages the heads and sends the aggregated head back as ``head``."""
@@ -210,11 +213,27 @@ class Strategy(abc.ABC):
                 f"strategy {self.name!r} fuses the updates by distillation, not by averaging: "
                 f"aggregation {config.aggregation!r} is not supported (use mean)"
             )
+        if config.distill_data != "proxy" and not self.distills_on_proxy:
+            raise ConfigError(
+                f"distill_data {config.distill_data!r} is a feddf setting; strategy "
+                f"{self.name!r} does not distil (leave it out)"
+            )
         self.config = config
         self.head_only = config.sharing == "head"
         self.final_model: str = final
         """The global model a run delivers (``aca``, or ``oca`` where one is kept)."""
         self.training: TrainingSettings = config.training.with_defaults(self.training_defaults)
+
+    @property
+    def needs_proxy_data(self) -> bool:
+        """Whether the server step distils on proxy data (the run must give some)."""
+        return self.distills_on_proxy and self.config.distill_data == "proxy"
+
+    @property
+    def refuses_proxy_data(self) -> bool:
+        """Whether proxy data would go unused by a run that asked for another source of
+        distillation images (FedDF's ``distill_data generator``): it is refused."""
+        return self.distills_on_proxy and self.config.distill_data != "proxy"
 
     def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
         """What the task tells a device to do in ``round_number`` (1-based): the keys of
@@ -460,10 +479,14 @@ class FedDF(Strategy):
 
     One global model per architecture group. Each round a group's model starts from the
     sample-weighted average of its group's on-time updates (a group without one starts
-    from its current model) and is distilled on the server's proxy data from the
-    ensemble of every on-time update of the round (their averaged logits), across
-    groups. With ``drop_worst`` the teachers no better than chance on the held-out
-    proxy images are left out (logged). Devices train as with FedAvg.
+    from its current model) and is distilled from the ensemble of every on-time update
+    of the round (their averaged logits), across groups, on unlabeled images: the
+    server's proxy data (``distill_data proxy``), or images of a generator trained
+    against the round's ensemble (``distill_data generator``,
+    :mod:`coordinator.feddf_generated`: no data at all on the server; a new generator
+    each round, seeded by the round's RNG). With ``drop_worst`` the teachers no better
+    than chance on the held-out images are left out (logged); with generated images
+    the generator was trained against every teacher. Devices train as with FedAvg.
 
     A fleet may mix weight formats: each teacher's logits come from the weights its
     device runs (:func:`~models.weight_formats.run_weights_` of the contribution's
@@ -472,10 +495,14 @@ class FedDF(Strategy):
     distilled at float and at every format its group's updates of the round ran at (the
     mean KL; :func:`~coordinator.feddf.distill`), since the group's devices of each
     format run it at theirs.
+
+    Memory: with proxy data one teacher model at a time plus the teachers' logits; with
+    generated images every teacher as a model at once (the generator trains against the
+    whole ensemble), O(updates x model).
     """
 
     name = "feddf"
-    needs_proxy_data = True
+    distills_on_proxy = True
     robust_aggregation = False
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
@@ -488,6 +515,18 @@ class FedDF(Strategy):
             temperature=config.distill_temperature,
             patience=config.distill_patience,
         )
+        self.generation = GeneratedSettings(
+            batches=config.distill_generator_batches,
+            dense=dataclasses.replace(
+                GeneratedSettings().dense, generator_steps=config.distill_generator_steps
+            ),
+        )
+        """How the images are generated with ``distill_data generator``."""
+        self._generator_config = (
+            _image_generator(self.generation.dense, config, "feddf")
+            if config.distill_data == "generator"
+            else None
+        )
 
     def aggregate(
         self,
@@ -496,40 +535,55 @@ class FedDF(Strategy):
         round_number: int,
         context: ServerContext,
     ) -> AggregateResult:
-        if context.proxy_data is None:
-            raise ConfigError("feddf distils on proxy data: give the run some (--proxy-data)")
-        images = context.proxy_data.to(context.device)
+        images: torch.Tensor | None = None
+        if self._generator_config is None:
+            if context.proxy_data is None:
+                raise ConfigError("feddf distils on proxy data: give the run some (--proxy-data)")
+            images = context.proxy_data.to(context.device)
         sums: dict[str, WeightedSum] = {}
         teachers: list[torch.Tensor] = []
+        models: list[Classifier] = []  # generated images: every teacher, as a model
         names: list[str] = []
         formats: list[str] = []
         run_formats: dict[str, set[WeightFormat]] = {}
         for update in updates:
             sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
             run_formats.setdefault(update.group, {"float"}).add(update.weight_format)
-            teachers.append(self.teacher(update, images, context.device))
+            if images is None:
+                models.append(self._teacher_model(update, context.device))
+            else:
+                teachers.append(self.teacher(update, images, context.device))
             names.append(update.device_id)
             formats.append(update.weight_format)
-        if not teachers:
+        if not names:
             return NothingToAggregate(f"no on-time update in round {round_number}")
+        starts = {
+            group: sums[group].mean() if group in sums else models_["aca"]
+            for group, models_ in current.items()
+        }
+        if images is None:
+            images = self._generate(models, starts, round_number, context)
+            teachers = [teacher_logits(model, images) for model in models]
+            del models
         settings = self.distillation
         train, held_out = holdout_split(len(images), settings.holdout, context.rng)
+        source = "proxy" if self._generator_config is None else "generated"
         if self.config.drop_worst:
             dropped = chance_teachers(teachers, held_out)
             if dropped:
                 log.warning(
                     "round %d: drop-worst left out %s (no better than chance on the held-out "
-                    "proxy images)",
+                    "%s images)",
                     round_number,
                     ", ".join(names[i] for i in dropped),
+                    source,
                 )
             teachers = [t for i, t in enumerate(teachers) if i not in dropped]
             formats = [f for i, f in enumerate(formats) if i not in dropped]
         ensemble = torch.stack(teachers).mean(0)
         teacher_formats = ", ".join(f"{n} {name}" for name, n in sorted(Counter(formats).items()))
         out: GroupModels = {}
-        for group, models in current.items():
-            start = sums[group].mean() if group in sums else models["aca"]
+        for group, start in starts.items():
             student = self._model(group, start, context.device)
             result = distill(
                 student,
@@ -542,12 +596,14 @@ class FedDF(Strategy):
                 formats=sorted(run_formats.get(group, {"float"})),
             )
             log.info(
-                "round %d: %s distilled from %d teacher(s) (weights %s) in %d steps, held-out "
-                "KL %.4f -> %.4f",
+                "round %d: %s distilled from %d teacher(s) (weights %s) on %d %s images in %d "
+                "steps, held-out KL %.4f -> %.4f",
                 round_number,
                 group,
                 len(teachers),
                 teacher_formats,
+                len(images),
+                source,
                 result.steps,
                 result.kl_before,
                 result.kl_after,
@@ -555,19 +611,80 @@ class FedDF(Strategy):
             out[group] = {"aca": state_arrays(student)}
         return Aggregated(out)
 
+    def _generate(
+        self,
+        teachers: list[Classifier],
+        starts: Mapping[str, Arrays],
+        round_number: int,
+        context: ServerContext,
+    ) -> torch.Tensor:
+        """Images of a new generator (seeded by ``context.rng``) trained against the
+        ensemble of ``teachers``, the boundary-support term against the students as they
+        start (``starts``: group -> weights)."""
+        assert self._generator_config is not None
+        students = [self._model(group, start, context.device) for group, start in starts.items()]
+        generator = _new_generator(self._generator_config, context.rng).to(context.device)
+        made = generate_images(
+            generator,
+            teachers,
+            students,
+            classes=self.config.num_classes,
+            settings=self.generation,
+            rng=context.rng,
+        )
+        log.info(
+            "round %d: FedDF generated %d images against %d teacher(s) in %d generator steps "
+            "(last phase: CE %.4f, BN %.4f, adv %.4f)",
+            round_number,
+            len(made.images),
+            len(teachers),
+            self.generation.batches * self.generation.dense.generator_steps,
+            made.last.ce,
+            made.last.bn,
+            made.last.adv,
+        )
+        return made.images.detach()
+
     def teacher(
         self, update: Contribution, images: torch.Tensor, device: torch.device
     ) -> torch.Tensor:
         """The logits (N, classes) of ``update``'s model on ``images`` (on ``device``), at
         the weights its device runs (:func:`~models.weight_formats.run_weights_`)."""
-        model = self._model(update.group, update.weights, device)
-        return teacher_logits(run_weights_(model, update.weight_format), images)
+        return teacher_logits(self._teacher_model(update, device), images)
+
+    def _teacher_model(self, update: Contribution, device: torch.device) -> Classifier:
+        """A new model of ``update``'s group holding its weights as its device runs them."""
+        model = copy.deepcopy(self._templates[update.group])
+        load_arrays(model, update.weights)
+        return run_weights_(model, update.weight_format).to(device)
 
     def _model(self, group: str, arrays: Arrays, device: torch.device) -> Classifier:
         """The group's architecture with ``arrays`` loaded, on ``device``."""
         model = self._templates[group]
         load_arrays(model, arrays)
         return model.to(device)
+
+
+def _image_generator(
+    settings: DenseSettings, config: CoordinatorConfig, who: str
+) -> ImageGeneratorConfig:
+    """The image generator of ``settings`` for the run's images.
+
+    Raises:
+        ConfigError: the models' images are none it can make.
+    """
+    try:
+        return image_generator_config(
+            settings, channels=config.in_channels, image_size=config.image_size
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{who} cannot generate the models' images: {exc}") from exc
+
+
+def _new_generator(config: ImageGeneratorConfig, rng: torch.Generator) -> ImageGenerator:
+    """A new image generator, its initial weights seeded by a draw of ``rng``."""
+    with seeded(int(torch.randint(2**62, (), generator=rng))):
+        return ImageGenerator(config)
 
 
 class Dense(Strategy):
@@ -606,15 +723,7 @@ class Dense(Strategy):
                 f"dense is one-shot: run it with --rounds 1 (the default for dense), "
                 f"not {config.rounds}"
             )
-        try:
-            self._generator_config = ImageGeneratorConfig(
-                noise_dim=self.settings.noise_dim,
-                image_size=config.image_size,
-                channels=config.in_channels,
-                base_channels=self.settings.generator_width,
-            )
-        except ValueError as exc:
-            raise ConfigError(f"dense cannot generate the models' images: {exc}") from exc
+        self._generator_config = _image_generator(self.settings, config, "dense")
         self._templates = {name: copy.deepcopy(t) for name, t in templates.items()}
 
     def aggregate(
@@ -632,8 +741,7 @@ class Dense(Strategy):
         if not teachers:
             return NothingToAggregate(f"no on-time update in round {round_number}")
         students = {group: self._fresh(group) for group in current}
-        with seeded(int(torch.randint(2**62, (), generator=context.rng))):
-            generator = ImageGenerator(self._generator_config)
+        generator = _new_generator(self._generator_config, context.rng)
         log.info(
             "round %d: DENSE distils %d teacher(s) into %s over %d epochs",
             round_number,

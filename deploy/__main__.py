@@ -11,6 +11,8 @@ Commands:
     device     issue a key and client certificate (CN = the device id) to each device
     passwords  give each device a random password (its file, and its hash in the broker's
                password file) instead
+               (both: ``--fleet-token FILE`` derives each device's message key from the
+               fleet token and leaves it out of the coordinator's keyring, for enrolment)
 
 Nothing that would invalidate credentials (a CA, a certificate, a password) is replaced
 without ``--force``. Every file written is listed on stdout, relative to ``--out``;
@@ -33,8 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deploy.errors import KitError
+from deploy.errors import KitError, KitUsageError
 from deploy.settings import KitSettings, make_settings
+from protocol.auth import read_fleet_token
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -118,6 +121,14 @@ def _parser() -> argparse.ArgumentParser:
     ):
         command = commands.add_parser(name, parents=[out], help=text, description=text)
         command.add_argument("device_ids", nargs="+", metavar="ID", help="device id")
+        command.add_argument(
+            "--fleet-token",
+            type=Path,
+            metavar="FILE",
+            help="derive the message keys from this fleet token (python -m protocol keys "
+            "--new-fleet-token) and leave the devices out of the coordinator's keyring: "
+            "the coordinator run with --fleet-token-file enrols them",
+        )
     return parser
 
 
@@ -145,9 +156,15 @@ def _run(args: argparse.Namespace) -> list[Path]:
     if args.command == "init":
         settings = make_settings(**_init_settings(args))
         return kit.init_kit(layout, settings, force=args.force)
+    token = None
+    if args.fleet_token is not None:
+        try:
+            token = read_fleet_token(args.fleet_token)
+        except ValueError as exc:
+            raise KitUsageError(str(exc)) from exc
     if args.command == "device":
-        return kit.issue_devices(layout, args.device_ids, force=args.force)
-    return kit.issue_passwords(layout, args.device_ids, force=args.force)
+        return kit.issue_devices(layout, args.device_ids, force=args.force, fleet_token=token)
+    return kit.issue_passwords(layout, args.device_ids, force=args.force, fleet_token=token)
 
 
 _NEXT = {

@@ -16,7 +16,9 @@
 Every device issued (``device`` or ``passwords``) gets a 32-byte message key
 (docs/protocol.md, section 2.3): ``devices/ID/device.key`` for the device, and the same
 key in ``coordinator/device-keys.json`` for the coordinator (both 0600). A device that has
-a key keeps it unless ``force`` issues a new one.
+a key keeps it unless ``force`` issues a new one. With a fleet token (``--fleet-token``)
+the device's key is derived from it instead and left out of the keyring: the coordinator
+run with ``--fleet-token-file`` enrols the device (docs/protocol.md, section 2.4).
 
 Private keys, passwords, the password file and the ACL are written with mode 0600, folders
 0700.
@@ -41,7 +43,7 @@ from deploy.mosquitto import render_acl, render_config
 from deploy.passwords import hash_password, new_password, parse_password_file
 from deploy.passwords import render_password_file as _render_passwords
 from deploy.settings import KitSettings
-from protocol.auth import Keyring, new_key
+from protocol.auth import Keyring, derive_device_key, new_key
 from protocol.topics import valid_identifier
 
 DEVICE_KEY = "device.key"
@@ -180,10 +182,15 @@ def init_kit(layout: KitLayout, settings: KitSettings, *, force: bool = False) -
 
 
 def issue_devices(
-    layout: KitLayout, device_ids: Sequence[str], *, force: bool = False
+    layout: KitLayout,
+    device_ids: Sequence[str],
+    *,
+    force: bool = False,
+    fleet_token: bytes | None = None,
 ) -> list[Path]:
     """Issue a key and client certificate (CN = device id) to each device; returns the
     files written. The broker needs no change: it trusts every certificate of the CA.
+    With ``fleet_token`` the message keys are derived from it (:func:`_issue_message_keys`).
 
     Raises:
         KitUsageError: an invalid or repeated id, the coordinator's id, or a kit without a
@@ -210,16 +217,21 @@ def issue_devices(
     for device_id in ids:
         issued = pki.issue_client(ca, device_id, days=settings.days)
         written += _write_certificate(layout.device(device_id), ca_pem, issued, replace=force)
-    written += _issue_message_keys(layout, ids, force=force)
+    written += _issue_message_keys(layout, ids, force=force, fleet_token=fleet_token)
     return written
 
 
 def issue_passwords(
-    layout: KitLayout, device_ids: Sequence[str], *, force: bool = False
+    layout: KitLayout,
+    device_ids: Sequence[str],
+    *,
+    force: bool = False,
+    fleet_token: bytes | None = None,
 ) -> list[Path]:
     """Give each device a random password: its ``password`` file, and its hash in the
     broker's password file; returns the files written. The broker reads the new password
-    file on SIGHUP (or a restart).
+    file on SIGHUP (or a restart). With ``fleet_token`` the message keys are derived from
+    it (:func:`_issue_message_keys`).
 
     Raises:
         KitUsageError: an invalid or repeated id, the coordinator's id, or a kit without a
@@ -248,13 +260,18 @@ def issue_passwords(
     for device_id in ids:
         entries[device_id] = _new_password(layout.device(device_id), ca_pem, device_id, written)
     written.append(_write_passwords(layout, entries))
-    written += _issue_message_keys(layout, ids, force=force)
+    written += _issue_message_keys(layout, ids, force=force, fleet_token=fleet_token)
     return written
 
 
-def _issue_message_keys(layout: KitLayout, ids: Sequence[str], *, force: bool) -> list[Path]:
+def _issue_message_keys(
+    layout: KitLayout, ids: Sequence[str], *, force: bool, fleet_token: bytes | None = None
+) -> list[Path]:
     """Give each device without a message key (every one with ``force``) a new one:
-    ``devices/ID/device.key``, and the same in the coordinator's keyring."""
+    ``devices/ID/device.key``, and the same in the coordinator's keyring. With
+    ``fleet_token`` the key is the one derived from the token for the device's id
+    (docs/protocol.md, section 2.4) and the device is left out of the keyring (dropped
+    from it where it was): the coordinator run with the token enrols it."""
     keyring_path = layout.coordinator / DEVICE_KEYS
     try:
         keyring = Keyring.load(keyring_path) if keyring_path.exists() else Keyring()
@@ -263,10 +280,16 @@ def _issue_message_keys(layout: KitLayout, ids: Sequence[str], *, force: bool) -
     written: list[Path] = []
     for device_id in ids:
         key_file = layout.device(device_id) / DEVICE_KEY
-        if key_file.exists() and device_id in keyring and not force:
-            continue
-        key = new_key()
-        keyring = keyring.with_key(device_id, key)
+        if fleet_token is not None:
+            if key_file.exists() and not force:
+                continue
+            key = derive_device_key(fleet_token, device_id)
+            keyring = keyring.without({device_id})
+        else:
+            if key_file.exists() and device_id in keyring and not force:
+                continue
+            key = new_key()
+            keyring = keyring.with_key(device_id, key)
         data = key.hex().encode() + b"\n"
         written.append(write_file(key_file, data, private=True, replace=True))
     if written:

@@ -145,6 +145,13 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
         "it); every message is authenticated with it",
     )
     p.add_argument(
+        "--fleet-token-file",
+        type=Path,
+        help="instead of --auth-key-file: file holding the fleet token, 64 hex digits "
+        "(python -m protocol keys --new-fleet-token); this device's key is derived from it "
+        "and the coordinator enrols the device on first contact (docs/protocol.md, 2.4)",
+    )
+    p.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="run without a key (tests and trusted networks only)",
@@ -364,15 +371,25 @@ def _password(args: argparse.Namespace) -> str | None:
     return None if password is None else password.get_secret_value()
 
 
-def _auth_key(args: argparse.Namespace) -> str | None:
-    from protocol.auth import read_key_file
+def _auth_key(args: argparse.Namespace, device_id: str) -> str | None:
+    """This device's key as hex: read from --auth-key-file, or derived from the fleet
+    token of --fleet-token-file for ``device_id``; None without either.
 
-    if args.auth_key_file is None:
-        return None
+    Raises:
+        _CliError: both given, or a file that is unreadable or not a 32-byte hex secret.
+    """
+    from protocol.auth import derive_device_key, read_fleet_token, read_key_file
+
+    if args.auth_key_file is not None and args.fleet_token_file is not None:
+        raise _CliError("give --auth-key-file or --fleet-token-file, not both")
     try:
-        return read_key_file(args.auth_key_file).hex()
+        if args.auth_key_file is not None:
+            return read_key_file(args.auth_key_file).hex()
+        if args.fleet_token_file is not None:
+            return derive_device_key(read_fleet_token(args.fleet_token_file), device_id).hex()
     except ValueError as exc:
         raise _CliError(str(exc)) from exc
+    return None
 
 
 def _client_config(args: argparse.Namespace, device_id: str, **fields: Any) -> ClientConfig:
@@ -418,7 +435,7 @@ def _client_config(args: argparse.Namespace, device_id: str, **fields: Any) -> C
             connect_retry_s=args.connect_retry,
             serve_onnx=args.serve_onnx,
             onnx_template=args.onnx_template,
-            auth_key=_auth_key(args),
+            auth_key=_auth_key(args, device_id),
             insecure_no_auth=args.insecure_no_auth,
             **fields,
         )

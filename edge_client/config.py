@@ -140,7 +140,7 @@ class ClientConfig(BaseModel):
                 return None
             raise ConfigError(
                 f"device {self.device_id} has no key: give --auth-key-file FILE (python -m "
-                "deploy device writes it) or --insecure-no-auth"
+                "deploy device writes it), --fleet-token-file FILE or --insecure-no-auth"
             )
         return Keyring({self.device_id: bytes.fromhex(self.auth_key.get_secret_value())})
 

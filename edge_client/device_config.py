@@ -63,6 +63,7 @@ class DeviceFile(BaseModel):
     password_file: Path | None = None
     password_env: str | None = Field(default=None, pattern=_ENV_NAME)
     auth_key_file: Path | None = None
+    fleet_token_file: Path | None = None
     insecure_no_auth: bool | None = None
     tls_ca: Path | None = None
     tls_cert: Path | None = None

@@ -4,7 +4,8 @@ Classifiers split into ``features`` and ``head`` (see :class:`Classifier`) and a
 by name with :func:`build_classifier`; generators with :func:`build_generator`.
 :func:`state_arrays` and :func:`load_state_arrays` convert a module's state to and from
 the ``dict[str, numpy.ndarray]`` that :mod:`protocol` puts on the wire. Modules take a
-device as a parameter; nothing here does I/O or keeps global state.
+device as a parameter; nothing here keeps global state, and only
+:mod:`models.datafiles` (public datasets' files) does I/O.
 """
 
 from __future__ import annotations

@@ -11,10 +11,13 @@ errors from model configurations are converted where they occur and never escape
     ├── ModelInputError (also ValueError)     an argument does not fit the model: a state
     │                                          subset the module has not, an input tensor
     │                                          of the wrong shape.
-    └── StateMismatchError (also ValueError)  a set of arrays does not match a module's
-                                               state: missing or unexpected names, shape
-                                               mismatches, non-numeric or non-finite
-                                               values. The module is left unchanged.
+    ├── StateMismatchError (also ValueError)  a set of arrays does not match a module's
+    │                                          state: missing or unexpected names, shape
+    │                                          mismatches, non-numeric or non-finite
+    │                                          values. The module is left unchanged.
+    └── DataFileError (also ValueError)       a dataset file is missing, truncated or
+                                               malformed (models.datafiles); the message
+                                               names the file and what was expected.
 
 Callers can catch the package base class or the builtin one (``except ValueError``).
 """
@@ -22,6 +25,7 @@ Callers can catch the package base class or the builtin one (``except ValueError
 from __future__ import annotations
 
 __all__ = [
+    "DataFileError",
     "ModelConfigError",
     "ModelError",
     "ModelInputError",
@@ -57,3 +61,7 @@ class StateMismatchError(ModelError, ValueError):
 
     Raised before anything is copied: the module is unchanged when this is raised.
     """
+
+
+class DataFileError(ModelError, ValueError):
+    """A dataset file cannot be read: missing, truncated, malformed or not allowed."""

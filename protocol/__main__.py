@@ -12,6 +12,13 @@ Commands:
                                 for the device (--auth-key-file), the same in the
                                 coordinator's keyring FILE (--device-keys), both 0600;
                                 ``python -m deploy device`` does this within its kit.
+    keys --new-fleet-token FILE a new 32-byte fleet token (0600) for enrolment: the
+                                coordinator's --fleet-token-file, and the devices'
+                                (--fleet-token-file) or, better, their derived keys:
+    keys ID [ID ...] --fleet-token FILE --out DIR
+                                DIR/ID.key holds the key derived from the token for ID
+                                (--auth-key-file); the coordinator enrols it on first
+                                contact (docs/protocol.md, section 2.4).
 
 Exit codes: 0 success, 2 bad input or usage (one line on stderr), 3 broker failure.
 """
@@ -83,10 +90,21 @@ def _keys(args: argparse.Namespace) -> int:
     from protocol.auth import Keyring, new_key, write_key_file
     from protocol.topics import valid_identifier
 
+    if args.new_fleet_token is not None:
+        return _new_fleet_token(args)
+    if not args.devices or args.out is None or (args.keyring is None) == (args.fleet_token is None):
+        print(
+            "error: give ID ... --out DIR with --keyring FILE (new keys) or --fleet-token FILE "
+            "(derived keys), or --new-fleet-token FILE",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     bad = [d for d in args.devices if not valid_identifier(d)]
     if bad:
         print(f"error: invalid device id(s): {', '.join(bad)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.fleet_token is not None:
+        return _derived_keys(args)
     try:
         keyring = Keyring.load(args.keyring) if args.keyring.exists() else Keyring()
         args.out.mkdir(parents=True, exist_ok=True)
@@ -99,6 +117,49 @@ def _keys(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"{len(args.devices)} key(s) in {args.out}; keyring {args.keyring}: {len(keyring)}")
+    return 0
+
+
+def _new_fleet_token(args: argparse.Namespace) -> int:
+    from protocol.auth import new_key, write_fleet_token
+
+    if args.devices or args.keyring is not None or args.fleet_token is not None:
+        print(
+            "error: --new-fleet-token takes no device ids, --keyring or --fleet-token",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    if args.new_fleet_token.exists() and not args.force:
+        print(
+            f"error: {args.new_fleet_token} exists (replacing a fleet token changes every "
+            "derived key; --force to do it)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    try:
+        write_fleet_token(args.new_fleet_token, new_key())
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"new fleet token in {args.new_fleet_token} (mode 0600): keep it secret")
+    return 0
+
+
+def _derived_keys(args: argparse.Namespace) -> int:
+    from protocol.auth import derive_device_key, read_fleet_token, write_key_file
+
+    try:
+        token = read_fleet_token(args.fleet_token)
+        args.out.mkdir(parents=True, exist_ok=True)
+        for device_id in args.devices:
+            write_key_file(args.out / f"{device_id}.key", derive_device_key(token, device_id))
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(
+        f"{len(args.devices)} derived key(s) in {args.out}: the coordinator with the fleet "
+        "token enrols each device on first contact"
+    )
     return 0
 
 
@@ -120,10 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-payload", type=int, default=128 * 1024, help="chunk size in bytes")
     d.add_argument("--json", action="store_true", help="print one JSON array")
     d.set_defaults(run=_demo)
-    k = sub.add_parser("keys", help="new message keys for devices, and the coordinator's keyring")
-    k.add_argument("devices", nargs="+", metavar="ID", help="device ids")
-    k.add_argument("--keyring", type=Path, required=True, help="coordinator's keyring (JSON)")
-    k.add_argument("--out", type=Path, required=True, help="folder of the devices' key files")
+    k = sub.add_parser("keys", help="device message keys, the coordinator's keyring, fleet tokens")
+    k.add_argument("devices", nargs="*", metavar="ID", help="device ids")
+    k.add_argument("--keyring", type=Path, help="coordinator's keyring (JSON) to add new keys to")
+    k.add_argument("--out", type=Path, help="folder of the devices' key files")
+    k.add_argument(
+        "--fleet-token",
+        type=Path,
+        metavar="FILE",
+        help="derive each device's key from this fleet token instead (no keyring: the "
+        "coordinator run with --fleet-token-file enrols the devices)",
+    )
+    k.add_argument(
+        "--new-fleet-token", type=Path, metavar="FILE", help="write a new fleet token (0600)"
+    )
+    k.add_argument("--force", action="store_true", help="replace an existing fleet token")
     k.set_defaults(run=_keys)
     return parser
 

@@ -19,7 +19,14 @@ frames carry 32 zero bytes and are not authenticated (docs/protocol.md, section 
 A :class:`Keyring` maps device ids to keys; the coordinator's holds the fleet's devices
 (the operator's registration), a device's its own key. Checking happens in
 :class:`~protocol.channel.Channel` after chunk reassembly and before decompression, with
-:func:`hmac.compare_digest`; a failure raises :class:`AuthError` (a ``DecodeError``).
+:func:`hmac.compare_digest`; a failure raises :class:`AuthError` (a ``DecodeError``). A
+channel asks a :class:`KeySource` for its keys: a :class:`Keyring` is one, and so is the
+coordinator's enrolling keyring (:mod:`coordinator.enrolment`).
+
+Enrolment with a fleet token (docs/protocol.md, section 2.4): a 32-byte fleet secret from
+which each device's key is derived, ``key = HMAC-SHA256(token, b"edgefl-enrol-v1" || 0x00
+|| device id (UTF-8))`` (:func:`derive_device_key`). The wire does not change: a device so
+provisioned signs its frames with its derived key like any other.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import secrets
 import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Protocol
 
 from protocol.codec import FRAME_HEADER_SIZE, TAG_SIZE
 from protocol.errors import DecodeError
@@ -44,13 +52,18 @@ __all__ = [
     "TAG_SIZE",
     "ZERO_TAG",
     "AuthError",
+    "KeySource",
     "Keyring",
+    "derive_device_key",
     "frame_tag",
     "new_key",
+    "read_fleet_token",
     "read_key_file",
     "seal",
     "topic_device",
     "verify",
+    "write_fleet_token",
+    "write_secret_file",
     "write_key_file",
 ]
 
@@ -62,6 +75,8 @@ TAG_OFFSET = FRAME_HEADER_SIZE
 ZERO_TAG = bytes(TAG_SIZE)
 """The tag of a frame that is not authenticated (fleet-wide topics, insecure mode)."""
 _DOMAIN = b"edgefl-auth-v4"
+_ENROL_DOMAIN = b"edgefl-enrol-v1\x00"
+"""The label before the device id in a derived key's HMAC input (section 2.4)."""
 
 
 class AuthError(DecodeError):
@@ -77,6 +92,20 @@ class AuthError(DecodeError):
 def new_key() -> bytes:
     """32 random bytes from the operating system's CSPRNG."""
     return secrets.token_bytes(KEY_SIZE)
+
+
+def derive_device_key(token: bytes, device_id: str) -> bytes:
+    """The 32-byte key of ``device_id`` derived from a fleet ``token``:
+    ``HMAC-SHA256(token, b"edgefl-enrol-v1" || 0x00 || device_id (UTF-8))``.
+
+    Raises:
+        ValueError: ``token`` is not 32 bytes, or ``device_id`` is not a valid identifier.
+    """
+    if len(token) != KEY_SIZE:
+        raise ValueError(f"a fleet token is {KEY_SIZE} bytes, not {len(token)}")
+    if not valid_identifier(device_id):
+        raise ValueError(f"invalid device id {device_id!r}")
+    return hmac.new(token, _ENROL_DOMAIN + device_id.encode("utf-8"), hashlib.sha256).digest()
 
 
 def frame_tag(key: bytes, topic: str, frame: bytes) -> bytes:
@@ -140,8 +169,35 @@ def _warn_if_readable(path: Path) -> None:
         log.warning("%s holds secret keys but is readable by others (chmod 600 it)", path)
 
 
+class KeySource(Protocol):
+    """Where a :class:`~protocol.channel.Channel` gets its keys (a :class:`Keyring`, or the
+    coordinator's enrolling keyring). Called from the transport's thread and the sender's:
+    implementations are thread-safe."""
+
+    def key_for(self, topic: str) -> bytes | None:
+        """The key to seal a frame on ``topic`` with; None: ``topic`` names no device
+        this source has a key of (or none at all)."""
+
+    def receive_key(self, device_id: str) -> bytes:
+        """The key to check a frame of ``device_id``'s topics with.
+
+        Raises:
+            AuthError: no key for ``device_id`` (the frame is refused before any work).
+        """
+
+    def authenticated(self, device_id: str) -> None:
+        """Called once a frame of ``device_id`` verified under :meth:`receive_key`'s key,
+        before it is decoded.
+
+        Raises:
+            AuthError: the frame must still be refused (nothing of it is kept).
+        """
+
+
 class Keyring(Mapping[str, bytes]):
-    """Device id -> 32-byte key. Read from / written to a JSON file ``{"id": "hex"}``."""
+    """Device id -> 32-byte key. Read from / written to a JSON file ``{"id": "hex"}``.
+
+    A :class:`KeySource` of fixed keys: a device id without a key is refused."""
 
     def __init__(self, keys: Mapping[str, bytes] | None = None) -> None:
         self._keys: dict[str, bytes] = {}
@@ -162,6 +218,24 @@ class Keyring(Mapping[str, bytes]):
         fleet-wide topic)."""
         device_id = topic_device(topic)
         return None if device_id is None else self._keys.get(device_id)
+
+    def receive_key(self, device_id: str) -> bytes:
+        """``device_id``'s key.
+
+        Raises:
+            AuthError: no key for ``device_id`` (not registered).
+        """
+        key = self._keys.get(device_id)
+        if key is None:
+            raise AuthError(f"no key for device {device_id!r} (not registered)", device_id)
+        return key
+
+    def authenticated(self, device_id: str) -> None:
+        """Nothing to do: a keyring's keys are fixed."""
+
+    def without(self, device_ids: set[str] | frozenset[str]) -> Keyring:
+        """A copy without the keys of ``device_ids``."""
+        return Keyring({k: v for k, v in self._keys.items() if k not in device_ids})
 
     def with_key(self, device_id: str, key: bytes) -> Keyring:
         """A copy with ``device_id``'s key set."""
@@ -189,10 +263,16 @@ class Keyring(Mapping[str, bytes]):
     def save(self, path: Path) -> None:
         """Write the keyring atomically with mode 0600."""
         text = json.dumps({k: v.hex() for k, v in sorted(self._keys.items())}, indent=2)
-        _write_secret(path, text + "\n")
+        write_secret_file(path, text + "\n")
 
 
-def _write_secret(path: Path, text: str) -> None:
+def write_secret_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename, fsync of the
+    folder), mode 0600.
+
+    Raises:
+        OSError: the file cannot be written (the old one, if any, is left as it was).
+    """
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -202,6 +282,29 @@ def _write_secret(path: Path, text: str) -> None:
         os.close(fd)
     os.chmod(tmp, 0o600)
     tmp.replace(path)
+    try:
+        folder = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return  # a platform without directory handles: the rename is what counts
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _read_secret(path: Path, what: str, noun: str) -> bytes:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+    _warn_if_readable(path)
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{what} {path} must hold 64 hex digits") from None
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"{what} {path} must hold a {KEY_SIZE}-byte {noun}, not {len(key)}")
+    return key
 
 
 def read_key_file(path: Path) -> bytes:
@@ -210,20 +313,31 @@ def read_key_file(path: Path) -> bytes:
     Raises:
         ValueError: unreadable, or not a 32-byte hex key.
     """
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read key file {path}: {exc}") from None
-    _warn_if_readable(path)
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(f"key file {path} must hold 64 hex digits") from None
-    if len(key) != KEY_SIZE:
-        raise ValueError(f"key file {path} must hold a {KEY_SIZE}-byte key, not {len(key)}")
-    return key
+    return _read_secret(path, "key file", "key")
+
+
+def read_fleet_token(path: Path) -> bytes:
+    """Read a fleet token file: 64 hex digits (surrounding whitespace ignored); warns when
+    the file is readable by group or others.
+
+    Raises:
+        ValueError: unreadable, or not a 32-byte hex token.
+    """
+    return _read_secret(path, "fleet token file", "token")
+
+
+def write_fleet_token(path: Path, token: bytes) -> None:
+    """Write a fleet token file (64 hex digits and a newline) atomically, mode 0600.
+
+    Raises:
+        ValueError: ``token`` is not 32 bytes.
+        OSError: the file cannot be written.
+    """
+    if len(token) != KEY_SIZE:
+        raise ValueError(f"a fleet token is {KEY_SIZE} bytes, not {len(token)}")
+    write_secret_file(path, token.hex() + "\n")
 
 
 def write_key_file(path: Path, key: bytes) -> None:
     """Write a device's key file (64 hex digits and a newline) atomically, mode 0600."""
-    _write_secret(path, key.hex() + "\n")
+    write_secret_file(path, key.hex() + "\n")

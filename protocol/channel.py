@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.auth import AuthError, Keyring, seal, topic_device, verify
+from protocol.auth import AuthError, KeySource, seal, topic_device, verify
 from protocol.chunking import (
     CHUNK_HEADER_SIZE,
     DEFAULT_MAX_PAYLOAD,
@@ -25,6 +25,7 @@ from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError
 from protocol.limits import ReassemblyLimits
 from protocol.messages import Message
+from protocol.topics import parse_topic
 from protocol.transport.base import Inbound, Transport
 from protocol.transport.wire import publish_packet_size
 
@@ -58,8 +59,9 @@ class Channel:
         reassembly: limits of the chunk reassembler.
         admit: which topics may hold incomplete chunked transfers (all when None); see
             :class:`~protocol.chunking.Reassembler`.
-        auth: the keys of the devices whose topics this channel authenticates; None:
-            no authentication (insecure; for tests and trusted networks only).
+        auth: the keys of the devices whose topics this channel authenticates (a
+            :class:`~protocol.auth.Keyring`, or any :class:`~protocol.auth.KeySource`);
+            None: no authentication (insecure; for tests and trusted networks only).
     """
 
     def __init__(
@@ -70,7 +72,7 @@ class Channel:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         reassembly: ReassemblyLimits | None = None,
         admit: SourceFilter | None = None,
-        auth: Keyring | None = None,
+        auth: KeySource | None = None,
     ) -> None:
         if max_payload <= CHUNK_HEADER_SIZE:
             raise ValueError(f"max_payload must exceed the {CHUNK_HEADER_SIZE}-byte chunk header")
@@ -149,18 +151,23 @@ class Channel:
         Bad input (malformed frames, failed checks, limits) never reaches ``handler``:
         it goes to ``on_error(topic, error)`` if given, else it is logged as a warning.
         With a keyring, a frame that fails authentication is an
-        :class:`~protocol.auth.AuthError` and nothing of it is decompressed.
+        :class:`~protocol.auth.AuthError` and nothing of it is decompressed; so is input
+        that fails before its tag can be checked (a bad frame header, a bad chunk, a
+        transfer without room) on a device's topic, and any input on a topic outside the
+        layout (:func:`~protocol.topics.parse_topic`). Input that passes is reported to
+        the key source (``authenticated``) before it is decoded.
         """
 
         def receive(inbound: Inbound) -> None:
             try:
                 key = self._receive_key(inbound.topic)
                 with self._lock:
-                    frame = self._reassembler.feed(inbound.topic, inbound.payload)
+                    frame = self._feed(inbound.topic, inbound.payload, key)
                 if frame is None:
                     return
                 if key is not None:
                     verify(key, inbound.topic, frame)
+                    self._authenticated(inbound.topic)
                 message = self.codec.decode(frame)
             except DecodeError as exc:
                 if on_error is not None:
@@ -172,21 +179,42 @@ class Channel:
 
         self.transport.subscribe(topic_filter, receive, qos=qos)
 
+    def _feed(self, topic: str, payload: bytes, key: bytes | None) -> bytes | None:
+        """Reassemble; on an authenticated topic a frame that fails before its tag can be
+        checked (bad header, bad chunk, no room) is unauthenticated input: AuthError.
+
+        Raises:
+            DecodeError: as :meth:`Reassembler.feed`, AuthError where ``key`` is set.
+        """
+        try:
+            return self._reassembler.feed(topic, payload)
+        except DecodeError as exc:
+            if key is None:
+                raise
+            raise AuthError(f"unauthenticated input: {exc}", topic_device(topic)) from exc
+
     def _receive_key(self, topic: str) -> bytes | None:
         """The key to check a frame on ``topic`` with; None where none is checked.
 
         Raises:
-            AuthError: the topic names a device this channel has no key for.
+            AuthError: the topic names a device this channel has no key for, or (with a
+                keyring) is not a topic of the layout at all.
         """
         if self.auth is None:
             return None
         device_id = topic_device(topic)
         if device_id is None:
+            try:
+                parse_topic(topic)
+            except DecodeError:
+                raise AuthError(f"topic {topic!r} is outside the layout") from None
             return None  # a fleet-wide topic: not authenticated
-        key = self.auth.get(device_id)
-        if key is None:
-            raise AuthError(f"no key for device {device_id!r} (not registered)", device_id)
-        return key
+        return self.auth.receive_key(device_id)
+
+    def _authenticated(self, topic: str) -> None:
+        device_id = topic_device(topic)
+        if self.auth is not None and device_id is not None:
+            self.auth.authenticated(device_id)
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Stop receiving on ``topic_filter``."""

@@ -221,6 +221,13 @@ class Reassembler:
         data = frame[CHUNK_HEADER_SIZE:]
         key = (source, head.transfer_id)
         if key in self._done or key in self._dropped:
+            log.debug(
+                "ignored chunk %d of transfer %s from %s: the transfer is %s",
+                head.index,
+                head.transfer_id.hex(),
+                source,
+                "complete" if key in self._done else "dropped",
+            )
             return None
         transfer = self._pending.get(key)
         if transfer is None:
@@ -241,6 +248,12 @@ class Reassembler:
         ):
             raise DecodeError("chunk disagrees with earlier chunks of its transfer")
         if head.index in transfer.parts:
+            log.debug(
+                "ignored chunk %d of transfer %s from %s: a duplicate",
+                head.index,
+                head.transfer_id.hex(),
+                source,
+            )
             return None
         if transfer.size + len(data) > head.total_size:
             raise DecodeError("chunks carry more bytes than the transfer's total size")

@@ -6,26 +6,29 @@ holding its official files (``"mnist"``, ``"fashion-mnist"``, ``"emnist-letters"
 ``"cifar10"``). Readers use numpy only; torch is imported only by the optional
 torchvision downloader (``download=True`` with torchvision installed).
 
-The types live in :mod:`sim.arrays`, the file readers in :mod:`sim.readers` and the
-generator in :mod:`sim.synthetic`; all are re-exported here.
+The types live in :mod:`sim.arrays`, the generator in :mod:`sim.synthetic`; the file
+readers and the releases' layouts in :mod:`models.datafiles` (the coordinator reads
+proxy data with them too), whose errors come out of this module as
+:class:`~sim.errors.DatasetError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from models import datafiles
+from models.datafiles import RELEASES, Release
+from models.errors import DataFileError
 from sim.arrays import ArrayDataset, DatasetSplits
 from sim.errors import DatasetError
-from sim.readers import read_cifar_batch, read_idx_images, read_idx_labels
 from sim.synthetic import make_synthetic
 
 __all__ = [
@@ -35,9 +38,6 @@ __all__ = [
     "load_dataset",
     "load_proxy_images",
     "make_synthetic",
-    "read_cifar_batch",
-    "read_idx_images",
-    "read_idx_labels",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,34 +45,16 @@ logger = logging.getLogger(__name__)
 # -------------------------------------------------------------------- file datasets
 
 
-@dataclass(frozen=True)
-class _FileLayout:
-    """Where a standard release's files sit, what they are called, how to decode them."""
-
-    train: tuple[str, ...]  # file names without .gz: (images, labels) or CIFAR batches
-    test: tuple[str, ...]
-    num_classes: int
-    subdirs: tuple[str, ...]  # looked in under data_dir, after data_dir itself
-    torchvision: str  # the torchvision.datasets class whose downloader fetches them
-    cifar: bool = False  # python pickle batches instead of IDX (images, labels)
-    emnist: bool = False  # images stored transposed, labels 1..num_classes
+@contextmanager
+def _as_dataset_error() -> Iterator[None]:
+    """The file readers' errors as this package's."""
+    try:
+        yield
+    except DataFileError as exc:
+        raise DatasetError(str(exc)) from exc
 
 
-def _find(name: str, layout: _FileLayout, data_dir: Path, base: str) -> Path:
-    for folder in (data_dir, *(data_dir / s for s in layout.subdirs)):
-        for candidate in (folder / f"{base}.gz", folder / base):
-            if candidate.is_file():
-                return candidate
-    wanted = ", ".join(layout.train + layout.test)
-    raise DatasetError(
-        f"{name}: {base}[.gz] not found in {data_dir} or its subfolders "
-        f"{', '.join(layout.subdirs)}; put the official files there ({wanted}; gzipped or "
-        "not), or fetch them where torchvision and a network exist: python -m sim partition "
-        f"--dataset {name} --data-dir {data_dir} --download ..."
-    )
-
-
-def _torchvision_download(layout: _FileLayout, data_dir: Path) -> None:
+def _torchvision_download(layout: Release, data_dir: Path) -> None:
     """Fetch the files with torchvision's downloader (imports torch; network needed)."""
     try:
         tv = importlib.import_module("torchvision.datasets")
@@ -86,86 +68,35 @@ def _torchvision_download(layout: _FileLayout, data_dir: Path) -> None:
         raise DatasetError(f"torchvision download into {data_dir} failed: {exc}") from exc
 
 
-def _read_split(name: str, layout: _FileLayout, data_dir: Path, split: str) -> ArrayDataset:
-    names = layout.train if split == "train" else layout.test
-    files = [_find(name, layout, data_dir, b) for b in names]
-    if layout.cifar:
-        parts = [read_cifar_batch(f) for f in files]
-        images, labels = (
-            np.concatenate([p[0] for p in parts]),
-            np.concatenate([p[1] for p in parts]),
-        )
-    else:
-        images, raw_labels = read_idx_images(files[0]), read_idx_labels(files[1])
-        if len(images) != len(raw_labels):
-            raise DatasetError(
-                f"{files[0]} has {len(images)} images but {files[1]} has {len(raw_labels)} labels"
-            )
-        labels = raw_labels.astype(np.int64)
-        if layout.emnist:
-            images, labels = images.transpose(0, 2, 1), labels - 1
-        images = images[:, None]  # (N, 1, H, W)
-    bad = (labels < 0) | (labels >= layout.num_classes)
-    if bad.any():
-        raise DatasetError(f"{files[-1]}: label {int(labels[bad][0])} outside the expected range")
-    x = np.multiply(images, np.float32(1 / 255), dtype=np.float32, order="C")  # one allocation
-    return ArrayDataset(x, labels, layout.num_classes, f"{name}/{split}")
+def _read_split(name: str, data_dir: Path, split: str) -> ArrayDataset:
+    with _as_dataset_error():
+        x, labels = datafiles.read_release(name, data_dir, split)
+    return ArrayDataset(x, labels, RELEASES[name].num_classes, f"{name}/{split}")
 
 
 def _load_files(
-    name: str, layout: _FileLayout, data_dir: Path | None, seed: int, download: bool = False
+    name: str, data_dir: Path | None, seed: int, download: bool = False
 ) -> DatasetSplits:
     del seed  # the official splits are used as stored
+    release = RELEASES[name]
     if data_dir is None:
-        wanted = ", ".join(layout.train + layout.test)
+        wanted = ", ".join(release.train + release.test)
         raise DatasetError(
             f"{name}: needs a data folder (--data-dir) holding {wanted} (gzipped or not)"
         )
     try:
-        _find(name, layout, data_dir, layout.train[0])
-    except DatasetError:
+        datafiles.find_file(name, data_dir, release.train[0])
+    except DataFileError as exc:
         if not download:
-            raise
-        _torchvision_download(layout, data_dir)
-    splits = DatasetSplits(*(_read_split(name, layout, data_dir, s) for s in ("train", "test")))
+            raise DatasetError(
+                f"{exc}; or fetch them where torchvision and a network exist: python -m sim "
+                f"partition --dataset {name} --data-dir {data_dir} --download ..."
+            ) from exc
+        _torchvision_download(release, data_dir)
+    splits = DatasetSplits(*(_read_split(name, data_dir, s) for s in ("train", "test")))
     logger.info("loaded %s from %s", name, data_dir)
     return splits
 
-
-_MNIST_TRAIN = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")
-_MNIST_TEST = ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-_LAYOUTS: dict[str, _FileLayout] = {
-    "mnist": _FileLayout(
-        _MNIST_TRAIN,
-        _MNIST_TEST,
-        num_classes=10,
-        subdirs=("mnist", "MNIST/raw"),
-        torchvision="MNIST",
-    ),
-    "fashion-mnist": _FileLayout(
-        _MNIST_TRAIN,
-        _MNIST_TEST,
-        num_classes=10,
-        subdirs=("fashion-mnist", "FashionMNIST/raw"),
-        torchvision="FashionMNIST",
-    ),
-    "emnist-letters": _FileLayout(
-        train=("emnist-letters-train-images-idx3-ubyte", "emnist-letters-train-labels-idx1-ubyte"),
-        test=("emnist-letters-test-images-idx3-ubyte", "emnist-letters-test-labels-idx1-ubyte"),
-        num_classes=26,
-        subdirs=("emnist-letters", "EMNIST/raw"),
-        torchvision="EMNIST",
-        emnist=True,
-    ),
-    "cifar10": _FileLayout(
-        train=tuple(f"data_batch_{i}" for i in range(1, 6)),
-        test=("test_batch",),
-        num_classes=10,
-        subdirs=("cifar-10-batches-py", "cifar10/cifar-10-batches-py"),
-        torchvision="CIFAR10",
-        cifar=True,
-    ),
-}
 
 # ------------------------------------------------------------------------- registry
 
@@ -179,7 +110,7 @@ def _synthetic_loader(data_dir: Path | None, seed: int, **options: Any) -> Datas
 
 def _file_loader(name: str) -> _Loader:
     def load(data_dir: Path | None, seed: int, *, download: bool = False) -> DatasetSplits:
-        return _load_files(name, _LAYOUTS[name], data_dir, seed, download)
+        return _load_files(name, data_dir, seed, download)
 
     return load
 
@@ -200,7 +131,7 @@ _REGISTRY: dict[str, tuple[_Loader, frozenset[str]]] = {
             }
         ),
     ),
-    **{name: (_file_loader(name), frozenset({"download"})) for name in _LAYOUTS},
+    **{name: (_file_loader(name), frozenset({"download"})) for name in RELEASES},
 }
 
 
@@ -212,27 +143,15 @@ def dataset_names() -> list[str]:
 def load_proxy_images(
     folder: str | os.PathLike[str], *, size: int | None = None, seed: int = 0
 ) -> np.ndarray:
-    """The train images of the dataset whose official files sit in ``folder`` itself
-    (any file dataset of :func:`dataset_names`; MNIST and Fashion-MNIST files read
-    alike), as unlabeled proxy data: float32 ``(N, C, H, W)`` in [0, 1]. Their labels
-    are never used. With ``size``: that many of them, drawn at random (seeded by
-    ``seed``) without replacement, in file order; all of them where the file has fewer.
+    """:func:`models.datafiles.load_proxy_images`: the train images of the release
+    whose files sit in ``folder`` itself, unlabeled (``size`` of them, seeded, where
+    given).
 
     Raises:
         DatasetError: ``folder`` holds no known dataset, or its files are corrupt.
     """
-    data_dir = Path(folder)
-    for name, layout in _LAYOUTS.items():
-        base = layout.train[0]
-        if (data_dir / base).is_file() or (data_dir / f"{base}.gz").is_file():
-            flat = dataclasses.replace(layout, subdirs=())
-            images = _read_split(name, flat, data_dir, "train").x
-            if size is None or size >= len(images):
-                return images
-            pick = np.random.default_rng(seed).choice(len(images), size, replace=False)
-            return images[np.sort(pick)]
-    wanted = ", ".join(sorted({layout.train[0] for layout in _LAYOUTS.values()}))
-    raise DatasetError(f"{data_dir}: no dataset's train images in it (looked for {wanted})")
+    with _as_dataset_error():
+        return datafiles.load_proxy_images(folder, size=size, seed=seed)
 
 
 def load_dataset(

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import hmac
 import logging
 import math
-import os
 import resource
 import threading
 import time
@@ -37,6 +34,7 @@ from pydantic import Field, SecretStr, field_serializer, field_validator, model_
 
 from coordinator.config import CoordinatorConfig, FleetSettings, run_weight_format
 from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
+from coordinator.enrolment import FleetKeys
 from coordinator.errors import ConfigError
 from coordinator.groups import Models
 from coordinator.runtime import Coordinator, save_group_models
@@ -48,7 +46,7 @@ from models import Classifier, build_classifier, load_state_arrays, state_arrays
 from models.classifiers import HEAD_PREFIX
 from models.devices import resolve_device
 from models.weight_formats import run_weights_
-from protocol.auth import Keyring
+from protocol.auth import Keyring, KeySource, derive_device_key, new_key
 from protocol.errors import BrokerError
 from protocol.messages import Ack, CoordinatorStatus, ReasonCode, WeightFormat
 from protocol.tensors import Precision
@@ -134,6 +132,10 @@ class SimConfig(FleetSettings):
     received minus poison_scale x the honest delta)."""
     poison_scale: float = Field(default=3.0, allow_inf_nan=False)
     """Attack emulation: the constant, or the sign-flipped delta's factor."""
+    enrol: bool = False
+    """Devices enrol with a fleet token (docs/protocol.md, section 2.4): each one's key is
+    derived from a token only the coordinator is given, and it enrols the devices as they
+    say hello; off: the coordinator is given every device's key (operator registration)."""
 
     @field_serializer("alpha", when_used="json")
     def _alpha_as_json(self, alpha: float) -> float | str:
@@ -588,7 +590,11 @@ def run_simulation(
         log.warning("attack emulation: %d device(s) poison their uploads", len(poisoned))
         trainer = _poisoning(trainer, poisoned, config.poison, config.poison_scale)
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
-    keyring = fleet_keyring(ids, shard)
+    token = fleet_token(shard)
+    keyring = fleet_keyring(ids, token=token)
+    coordinator_keys: KeySource = keyring
+    if config.enrol:
+        coordinator_keys = FleetKeys(Keyring(), token=token, max_enrolled=len(ids))
     proxy = config.proxy_images()
     scratch = {
         name: build_classifier(
@@ -625,7 +631,7 @@ def run_simulation(
                 make_transport(f"{config.fleet}-coordinator"),
                 store,
                 proxy_data=proxy,
-                keyring=keyring,
+                keyring=coordinator_keys,
             )
             fleet = Fleet(
                 devices, make_transport, trainer=trainer, options=config.fleet_options(shard)
@@ -702,16 +708,23 @@ def run_simulation(
     return RunReport(config=config_dict, rounds=records, final=final)
 
 
-def fleet_keyring(device_ids: Sequence[str], shard: Shard | None = None) -> Keyring:
-    """Keys for the emulated devices, provisioned as ``python -m deploy device`` would:
-    each device's key is HMAC-SHA256(secret, device id) of a fresh random secret (rank 0's,
-    shared with the other ranks of a sharded run), so every rank derives the same keys
-    and nobody outside the run knows them."""
-    secret = os.urandom(32) if shard is None or shard.leader else None
+def fleet_token(shard: Shard | None = None) -> bytes:
+    """A fresh random fleet token for a run (rank 0's, shared with the other ranks of a
+    sharded run, so every rank derives the same keys and nobody outside the run knows
+    them)."""
+    token = new_key() if shard is None or shard.leader else None
     if shard is not None:
-        secret = broadcast(secret)
-    assert secret is not None
-    return Keyring({d: hmac.new(secret, d.encode(), hashlib.sha256).digest() for d in device_ids})
+        token = broadcast(token)
+    assert token is not None
+    return token
+
+
+def fleet_keyring(device_ids: Sequence[str], token: bytes | None = None) -> Keyring:
+    """Keys for the emulated devices, as a fleet token provisions them: each device's key
+    is derived from ``token`` for its id (:func:`~protocol.auth.derive_device_key`; a
+    fresh token when None)."""
+    token = new_key() if token is None else token
+    return Keyring({d: derive_device_key(token, d) for d in device_ids})
 
 
 def _poisoning(

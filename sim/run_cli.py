@@ -90,6 +90,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         include=("poisoned", "poison", "poison_scale"),
         metavars={"poisoned": "FRACTION"},
     )
+    flags.add(run.add_argument_group("security"), SimConfig, include=("enrol",))
     outputs = run.add_argument_group("outputs")
     flags.add(outputs, SimConfig, include=("state_dir",))
     outputs.add_argument("--json-out", type=Path, help="write the run's JSON report here")

@@ -20,6 +20,7 @@ import pytest
 
 from coordinator.engine import Event, Finished, Received, RoundEngine, Tick
 from coordinator.errors import StateMismatchError
+from coordinator.state import STATE_FORMAT
 from coordinator.store import FileStore, Record, Store
 from tests.coordinator.helpers import (
     GROUP,
@@ -194,3 +195,25 @@ def test_resume_refuses_a_state_dir_of_another_run(tmp_path: Path) -> None:
 
     with pytest.raises(StateMismatchError, match="another run"):
         other.start(0.0)
+
+
+@pytest.mark.parametrize("found", [None, 0, 2])
+def test_resume_refuses_a_state_dir_of_another_state_format(
+    tmp_path: Path, found: int | None
+) -> None:
+    engine = make_engine(config(state_dir=tmp_path), FileStore(tmp_path))
+    engine.start(0.0)
+    store = FileStore(tmp_path)
+    meta = store.read_meta("run")
+    assert meta is not None and meta["state_format"] == STATE_FORMAT
+    if found is None:
+        del meta["state_format"]  # written before formats were numbered
+    else:
+        meta["state_format"] = found
+    store.write("run", meta)
+
+    resumed = make_engine(config(state_dir=tmp_path, resume=True), FileStore(tmp_path))
+
+    with pytest.raises(StateMismatchError, match=f"reads state format {STATE_FORMAT}"):
+        resumed.start(0.0)
+    assert store.read_meta("run") == meta  # nothing rewritten

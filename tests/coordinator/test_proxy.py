@@ -1,4 +1,5 @@
-"""Proxy data for server-side distillation: read from a .npy file, shaped for the models."""
+"""Proxy data for server-side distillation: read from a .npy file or a dataset folder,
+shaped for the models."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from coordinator.__main__ import build_parser, config_from_args, run
 from coordinator.errors import ConfigError, StateMismatchError
-from coordinator.proxy import proxy_tensor, read_proxy_file
+from coordinator.proxy import proxy_tensor, read_proxy_data
 from coordinator.runtime import Coordinator
 from coordinator.store import FileStore
 from protocol.transport import MemoryBroker, MemoryTransport
@@ -53,9 +54,69 @@ def test_a_npy_file_is_read_without_pickle(tmp_path: Path) -> None:
     np.save(good, np.ones((2, 8, 8), np.uint8))
     np.save(bad, np.array([{"a": 1}], dtype=object), allow_pickle=True)
 
-    assert read_proxy_file(good).shape == (2, 8, 8)
-    with pytest.raises(ConfigError, match=r"not a readable \.npy array"):
-        read_proxy_file(bad)
+    assert read_proxy_data(good).shape == (2, 8, 8)
+    with pytest.raises(ConfigError, match=r"nor a readable \.npy array"):
+        read_proxy_data(bad)
+
+
+def _idx(path: Path, magic: int, array: np.ndarray) -> None:
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(header + array.tobytes())
+
+
+def _letters_folder(folder: Path, count: int) -> np.ndarray:
+    """A folder with EMNIST-letters-named train files (stored transposed, as EMNIST is);
+    returns the upright images."""
+    folder.mkdir()
+    upright = np.random.default_rng(3).integers(0, 256, (count, 28, 28), dtype=np.uint8)
+    _idx(folder / "emnist-letters-train-images-idx3-ubyte", 2051, upright.transpose(0, 2, 1))
+    _idx(folder / "emnist-letters-train-labels-idx1-ubyte", 2049, np.ones(count, np.uint8))
+    return upright
+
+
+def test_a_dataset_folder_gives_its_train_images_and_a_size_draws_some(tmp_path: Path) -> None:
+    upright = _letters_folder(tmp_path / "letters", 12)
+
+    every = read_proxy_data(tmp_path / "letters")
+    some = read_proxy_data(tmp_path / "letters", size=5, seed=7)
+
+    assert every.shape == (12, 1, 28, 28) and every.dtype == np.float32
+    np.testing.assert_allclose(every[:, 0] * 255, upright, atol=1e-3)  # upright, in [0, 1]
+    assert some.shape == (5, 1, 28, 28)
+    assert np.array_equal(some, read_proxy_data(tmp_path / "letters", size=5, seed=7))
+    assert not np.array_equal(some, read_proxy_data(tmp_path / "letters", size=5, seed=8))
+    assert all(any(np.array_equal(s, e) for e in every) for s in some)  # drawn from them
+
+
+def test_a_npy_file_is_subsampled_like_a_folder(tmp_path: Path) -> None:
+    images = np.arange(10 * 4, dtype=np.uint8).reshape(10, 2, 2)
+    np.save(tmp_path / "p.npy", images)
+
+    some = read_proxy_data(tmp_path / "p.npy", size=4, seed=1)
+
+    assert some.shape == (4, 2, 2)
+    assert np.array_equal(some, images[np.sort(np.unique(some[:, 0, 0]) // 4)])  # in order
+
+
+def test_a_folder_without_a_known_dataset_or_with_corrupt_files_is_refused(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no dataset's train images"):
+        read_proxy_data(tmp_path / "empty")
+    _letters_folder(tmp_path / "cut", 4)
+    images = tmp_path / "cut" / "emnist-letters-train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:-1])
+    with pytest.raises(ConfigError, match="truncated"):
+        read_proxy_data(tmp_path / "cut")
+
+
+def test_the_coordinator_cli_takes_a_dataset_folder_and_a_size(tmp_path: Path) -> None:
+    argv = ["--embedded-broker", "--proxy-data", str(tmp_path), "--proxy-size", "300"]
+
+    config = config_from_args(build_parser().parse_args(argv))
+
+    assert config.proxy_data == tmp_path and config.proxy_size == 300
 
 
 def test_unreadable_proxy_data_is_a_usage_error(

@@ -40,6 +40,22 @@ def test_a_replayed_hello_or_status_is_dropped_and_an_older_one_too() -> None:
     assert guard.check(will, 0) is None
 
 
+def test_a_replayed_offline_status_is_refused() -> None:
+    # Prepare: a device's offline status (its last will, or its clean goodbye) taken once
+    guard = ReplayGuard(600)
+    engine = make_engine(config(), MemoryStore())
+    assert guard.check(hello(engine, "dev-0"), 0) is None
+    will = status("dev-0", "offline").model_copy(update={"sent_at_ms": 5})
+    assert guard.check(will, 0) is None
+    older = will.model_copy(update={"sent_at_ms": 4, "message_id": "2" * 32})
+    # Execute, Assert: the same one again, or an older one, is a replay
+    for replay in (will, older):
+        refused = guard.check(replay, 0)
+        assert refused is not None and refused.reason == ReasonCode.REPLAYED
+    # a newer one (the next session's will) is taken
+    assert guard.check(will.model_copy(update={"sent_at_ms": 6, "message_id": "3" * 32}), 0) is None
+
+
 def test_hellos_and_updates_outside_the_window_are_refused_statuses_are_not() -> None:
     guard = ReplayGuard(600)
     engine = make_engine(config(), MemoryStore())
@@ -85,3 +101,8 @@ def test_refusals_are_logged_once_per_source_and_interval(caplog: pytest.LogCapt
         limited.warning("dev-x", "refused %s", "dev-x")
     assert caplog.text.count("refused dev-x") == 2 and caplog.text.count("refused dev-y") == 1
     assert limited.suppressed == 99
+    # each of the others leaves a DEBUG line (-v shows every refusal)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="test.refusals"):
+        limited.warning("dev-x", "refused %s", "dev-x")
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]

@@ -334,3 +334,24 @@ def test_flags_of_the_sim_reach_its_coordinator() -> None:
     cfg = sim.coordinator_config(10, 1, 28)
     assert (cfg.max_update_norm_ratio, cfg.max_update_norm) == (5.0, 100.0)
     assert (cfg.aggregation, cfg.trim_fraction) == ("trimmed_mean", 0.1)
+
+
+def test_a_resumed_round_does_not_wait_for_a_device_it_screened_out(tmp_path: Path) -> None:
+    """The screened-out set is part of the run record: after a crash, the round closes
+    on the last honest update, not at its deadline."""
+    cfg = screened(rounds=1, min_devices=3, state_dir=tmp_path)
+    engine = make_engine(cfg, FileStore(tmp_path))
+    begin(engine, 1.0)
+    w0 = engine.models()[GROUP]["aca"]
+    attack = {k: np.full_like(v, 3.0) for k, v in w0.items()}
+    first = acks(engine.handle(received(update("dev-1", 1, attack, 100), 5.0)))
+    engine.handle(received(update("dev-0", 1, moved(w0, 0.5, 0), 100), 6.0))
+    assert first[0].reason is ReasonCode.UPDATE_NORM
+    del engine  # a crash: nothing more is written
+
+    resumed = make_engine(cfg.model_copy(update={"resume": True}), FileStore(tmp_path))
+    begin(resumed, 9.0)
+    actions = resumed.handle(received(update("dev-2", 1, moved(w0, 0.5, 2), 100), 10.0))
+
+    closed = [a for a in actions if isinstance(a, RoundClosed)]
+    assert len(closed) == 1 and closed[0].on_time == 2  # dev-0 and dev-2; dev-1 not awaited

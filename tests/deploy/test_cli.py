@@ -14,7 +14,7 @@ from cryptography.x509.oid import NameOID
 
 from deploy.__main__ import EXIT_OK, EXIT_USAGE, main
 from deploy.passwords import parse_password_file, verify
-from protocol.auth import Keyring, read_key_file
+from protocol.auth import Keyring, derive_device_key, new_key, read_key_file, write_fleet_token
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -297,3 +297,32 @@ def test_each_device_gets_a_message_key_the_coordinators_keyring_holds(kit: Path
     renewed = Keyring.load(kit / "coordinator/device-keys.json")
     assert renewed["dev-1"] != keys["dev-1"] and renewed["dev-2"] == keys["dev-2"]
     assert renewed["dev-1"] == read_key_file(kit / "devices/dev-1/device.key")
+
+
+def test_with_a_fleet_token_device_keys_are_derived_and_left_out_of_the_keyring(
+    kit: Path, tmp_path: Path
+) -> None:
+    # Prepare: dev-1 issued a random key first; a fleet token
+    assert run("device", "dev-1", "--out", kit) == EXIT_OK
+    token = new_key()
+    write_fleet_token(tmp_path / "fleet.token", token)
+    (tmp_path / "bad.token").write_text("short\n")
+    # Execute: dev-2 and dev-3 get derived keys; dev-1 keeps its key without --force
+    done = run("device", "dev-2", "--out", kit, "--fleet-token", tmp_path / "fleet.token")
+    kept = run(
+        "passwords", "dev-1", "dev-3", "--out", kit, "--fleet-token", tmp_path / "fleet.token"
+    )
+    first = read_key_file(kit / "devices/dev-1/device.key")
+    forced = run(
+        "device", "dev-1", "--out", kit, "--force", "--fleet-token", tmp_path / "fleet.token"
+    )
+    bad = run("device", "dev-4", "--out", kit, "--fleet-token", tmp_path / "bad.token")
+    # Assert
+    assert (done, kept, forced, bad) == (EXIT_OK, EXIT_OK, EXIT_OK, EXIT_USAGE)
+    for device_id in ("dev-1", "dev-2", "dev-3"):
+        key = read_key_file(kit / "devices" / device_id / "device.key")
+        assert key == derive_device_key(token, device_id)
+        assert mode(kit / "devices" / device_id / "device.key") == 0o600
+    assert first != derive_device_key(token, "dev-1")  # the random one, kept until --force
+    assert dict(Keyring.load(kit / "coordinator/device-keys.json")) == {}  # all enrol
+    assert not (kit / "devices/dev-4").exists()

@@ -150,3 +150,27 @@ def test_the_password_comes_from_the_named_environment_variable(
     args = parse(["run", "--config", str(config), "--password-file", str(secret)])
     password = _client_config(args, "pi-1").broker.password
     assert password is not None and password.get_secret_value() == "from-file"
+
+
+def test_a_fleet_token_gives_the_device_its_derived_key_and_excludes_a_key_file(
+    tmp_path: Path,
+) -> None:
+    from edge_client.__main__ import _client_config, _CliError
+    from protocol.auth import derive_device_key, new_key, write_fleet_token, write_key_file
+
+    token = new_key()
+    write_fleet_token(tmp_path / "fleet.token", token)
+    write_key_file(tmp_path / "pi-1.key", new_key())
+    (tmp_path / "bad.token").write_text("short\n")
+    config = write(tmp_path, 'device_id = "pi-1"\nfleet_token_file = "fleet.token"\n')
+
+    client = _client_config(parse(["run", "--config", str(config)]), "pi-1")
+    both = parse(["run", "--config", str(config), "--auth-key-file", str(tmp_path / "pi-1.key")])
+    bad = parse(["run", "--fleet-token-file", str(tmp_path / "bad.token")])
+
+    keyring = client.keyring()
+    assert keyring is not None and dict(keyring) == {"pi-1": derive_device_key(token, "pi-1")}
+    with pytest.raises(_CliError, match="not both"):
+        _client_config(both, "pi-1")
+    with pytest.raises(_CliError, match="fleet token file"):
+        _client_config(bad, "pi-1")

@@ -128,6 +128,14 @@ def tag(key: bytes, topic: str, frame: bytes) -> bytes:
     return hmac.new(key, data, hashlib.sha256).digest()
 
 
+def derived_key(token: bytes, device_id: str) -> bytes:
+    """Section 2.4: a device's key derived from the fleet token: HMAC-SHA256 over the
+    15-byte label, one zero byte and the device id (UTF-8)."""
+    return hmac.new(
+        token, b"edgefl-enrol-v1\x00" + device_id.encode("utf-8"), hashlib.sha256
+    ).digest()
+
+
 def check_tag(key: bytes, topic: str, frame: bytes) -> None:
     """Section 2.3: a frame on a device's topic is refused unless its tag verifies."""
     if len(frame) < 36 or not hmac.compare_digest(frame[4:36], tag(key, topic, frame)):

@@ -133,6 +133,46 @@ def test_a_chunked_message_is_authenticated_once_as_a_whole() -> None:
     assert receiver.errors.empty()
 
 
+def test_input_failing_before_its_tag_is_checked_is_unauthenticated() -> None:
+    # Prepare: a receiver holding dev-1's key; an attacker without it
+    broker = MemoryBroker()
+    receiver = Receiver(broker, Keyring({"dev-1": new_key()}))
+    attacker = sender(broker, None)
+    frame = attacker.codec.encode(status())
+    chunk = bytearray(split_frame(frame + bytes(100), 128)[0])
+    chunk[28:36] = (1 << 40).to_bytes(8, "big")  # a chunk announcing a terabyte
+    bad = [b"", b"XX" + frame[2:], frame[:2] + b"\x03" + frame[3:], frame[:3] + b"\x09", chunk]
+    # Execute: on dev-1's topic
+    for payload in bad:
+        attacker.transport.publish(UP, bytes(payload))
+    # Assert: AuthErrors naming the device, whatever failed first; nothing held
+    errors = [receiver.errors.get(timeout=5) for _ in bad]
+    assert all(isinstance(e, AuthError) and e.device_id == "dev-1" for e in errors)
+    assert "unauthenticated input" in str(errors[1]) and "bad magic" in str(errors[1])
+    assert receiver.channel._reassembler.pending_transfers == 0
+    assert receiver.messages.empty()
+
+
+def test_with_a_keyring_a_topic_outside_the_layout_is_refused_before_decoding() -> None:
+    # Prepare: a well-formed, unsealed message on topics no device id can name
+    broker = MemoryBroker()
+    receiver = Receiver(broker, Keyring({"dev-1": new_key()}))
+    attacker = sender(broker, None)
+    frame = attacker.codec.encode(status())
+    topics = ["fl/lab/devices/bad id!/status", "fl/lab/devices/dev-1/status/x", "fl/lab/x"]
+    # Execute
+    for topic in topics:
+        attacker.transport.publish(topic, frame)
+    # Assert
+    errors = [receiver.errors.get(timeout=5) for _ in topics]
+    assert all(isinstance(e, AuthError) and "outside the layout" in str(e) for e in errors)
+    assert receiver.messages.empty()
+    # without a keyring (insecure) the same message is decoded as before
+    insecure = Receiver(broker, None)
+    attacker.transport.publish(topics[0], frame)
+    assert insecure.messages.get(timeout=5).kind == "device_status"
+
+
 def test_fleet_wide_topics_are_not_authenticated_and_device_topics_need_a_key() -> None:
     # Prepare
     broker = MemoryBroker()

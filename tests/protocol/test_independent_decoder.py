@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from protocol.arrays import content_fingerprint
-from protocol.auth import AuthError, Keyring, new_key, seal, verify
+from protocol.auth import AuthError, Keyring, derive_device_key, new_key, seal, verify
 from protocol.chunking import split_frame
 from protocol.codec import Codec
 from protocol.errors import DecodeError
@@ -298,3 +298,19 @@ def test_the_spec_and_the_reference_agree_on_tags_of_random_keys_and_topics() ->
         with pytest.raises(AuthError):
             verify(key, topic, tampered)
     assert len(Keyring({"d0": new_key()})) == 1
+
+
+def test_a_frame_sealed_with_a_derived_key_verifies_under_the_spec_derivation() -> None:
+    # Prepare: a fleet token; the reference derives each device's key and seals with it
+    frame = (GOLDEN_DIR / "update.frame").read_bytes()
+    token = new_key()
+    for device_id in ("d0", "dev-001", "a.b_c-9"):
+        topic = f"fl/lab/devices/{device_id}/update"
+        # Execute
+        sealed = seal(derive_device_key(token, device_id), topic, frame)
+        # Assert: the key by section 2.4 verifies it; another id's or token's does not
+        spec.check_tag(spec.derived_key(token, device_id), topic, sealed)
+        with pytest.raises(spec.RejectedError):
+            spec.check_tag(spec.derived_key(token, device_id + "x"), topic, sealed)
+        with pytest.raises(spec.RejectedError):
+            spec.check_tag(spec.derived_key(new_key(), device_id), topic, sealed)

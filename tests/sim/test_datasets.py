@@ -1,4 +1,5 @@
-"""Dataset readers, the synthetic dataset and the registry, on tiny files made here."""
+"""Dataset readers (models.datafiles), the synthetic dataset and the registry, on tiny
+files made here."""
 
 from __future__ import annotations
 
@@ -14,15 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from models.datafiles import read_cifar_batch, read_idx_images, read_idx_labels
+from models.errors import DataFileError
 from sim.datasets import (
     ArrayDataset,
     dataset_names,
     load_dataset,
     load_proxy_images,
     make_synthetic,
-    read_cifar_batch,
-    read_idx_images,
-    read_idx_labels,
 )
 from sim.errors import DatasetError, SimError
 from sim.partition import partition_dataset
@@ -77,7 +77,7 @@ def test_idx_readers_return_stored_arrays(tmp_path: Path, gz: bool) -> None:
 def test_idx_wrong_magic_is_rejected(tmp_path: Path, gz: bool) -> None:
     path = write(tmp_path / "labels", idx_bytes(2049, np.zeros(4, np.uint8)), gz)
 
-    with pytest.raises(DatasetError, match="magic 2049, expected 2051"):
+    with pytest.raises(DataFileError, match="magic 2049, expected 2051"):
         read_idx_images(path)
 
 
@@ -92,16 +92,16 @@ def test_idx_truncated_or_padded_data_is_rejected(
     data = data + b"\x00" if cut is None else data[:cut]
     path = write(tmp_path / "images", data, gz)
 
-    with pytest.raises(DatasetError, match=message):
+    with pytest.raises(DataFileError, match=message):
         read_idx_images(path)
 
 
-def test_corrupt_gzip_is_a_dataset_error(tmp_path: Path) -> None:
+def test_corrupt_gzip_is_a_data_file_error(tmp_path: Path) -> None:
     good = gzip.compress(idx_bytes(2049, np.arange(200, dtype=np.uint8)))
     path = tmp_path / "labels.gz"
     path.write_bytes(good[:20] + b"garbage" * 5)
 
-    with pytest.raises(DatasetError, match=str(path)):
+    with pytest.raises(DataFileError, match=str(path)):
         read_idx_labels(path)
 
 
@@ -255,7 +255,7 @@ def test_cifar_reader_refuses_pickles_that_would_run_code(tmp_path: Path) -> Non
     path = tmp_path / "data_batch_1"
     path.write_bytes(pickle.dumps({b"data": _Evil(marker), b"labels": [1]}, protocol=2))
 
-    with pytest.raises(DatasetError, match="system is not allowed"):
+    with pytest.raises(DataFileError, match="system is not allowed"):
         read_cifar_batch(path)
     assert not marker.exists()
 
@@ -264,7 +264,7 @@ def test_cifar_reader_refuses_builtins_eval(tmp_path: Path) -> None:
     path = tmp_path / "test_batch"
     path.write_bytes(b"cbuiltins\neval\n(S'1+1'\ntR.")  # protocol-0 call of eval("1+1")
 
-    with pytest.raises(DatasetError, match=r"builtins\.eval is not allowed"):
+    with pytest.raises(DataFileError, match=r"builtins\.eval is not allowed"):
         read_cifar_batch(path)
 
 
@@ -272,7 +272,7 @@ def test_cifar_reader_rejects_wrong_contents(tmp_path: Path) -> None:
     path = tmp_path / "data_batch_1"
     path.write_bytes(pickle.dumps({b"data": np.zeros((2, 10), np.uint8), b"labels": [0, 1]}))
 
-    with pytest.raises(DatasetError, match="3072"):
+    with pytest.raises(DataFileError, match="3072"):
         read_cifar_batch(path)
 
 

@@ -97,6 +97,46 @@ def test_feddf_fuses_a_fleet_of_several_architectures_on_proxy_data(tmp_path: Pa
         run_simulation(quick(strategy="feddf", transport="inproc"))
 
 
+def test_feddf_distils_on_generated_images_end_to_end_without_proxy_data(
+    tmp_path: Path,
+) -> None:
+    config = quick(
+        strategy="feddf",
+        distill_data="generator",
+        distill_generator_batches=2,
+        distill_generator_steps=2,
+        distill_steps=20,
+        drop_worst=True,
+        devices=4,
+        rounds=1,
+        model="mlp,lenet5",
+        participation=1.0,
+        transport="inproc",
+    )
+
+    report = run_simulation(config, final_models_dir=tmp_path / "first")
+    again = run_simulation(config, final_models_dir=tmp_path / "again")
+
+    assert config.proxy_data is None
+    assert [r.round for r in report.rounds] == [1]
+    for record in report.rounds:
+        assert record.active_devices == 4
+        assert set(record.models) == {"mlp/aca", "lenet5/aca"}
+        assert 0 < record.aggregate_s < record.wall_s  # the generator and distillation, timed
+    for name in ("mlp", "lenet5"):  # same seed, same models
+        first = torch.load(tmp_path / "first" / name / "model.pt", weights_only=True)
+        second = torch.load(tmp_path / "again" / name / "model.pt", weights_only=True)
+        template = build_classifier(name, num_classes=report.final["num_classes"])
+        assert {k: v.shape for k, v in first.items()} == {
+            k: v.shape for k, v in template.state_dict().items()
+        }
+        assert all(torch.equal(first[k], second[k]) for k in first), name
+    assert report.rounds[-1].models["mlp/aca"].amp == again.rounds[-1].models["mlp/aca"].amp
+    write_mnist_like(tmp_path / "proxy", n_train=20, n_test=1)
+    with pytest.raises(SimError, match="leave out --proxy-data"):
+        run_simulation(config.model_copy(update={"proxy_data": tmp_path / "proxy"}))
+
+
 def test_embedded_broker_counts_the_same_bytes_as_the_inproc_twin() -> None:
     inproc = run_simulation(quick(transport="inproc"))
     mqtt = run_simulation(quick(transport="mqtt"))

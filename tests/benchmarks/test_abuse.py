@@ -1,0 +1,41 @@
+"""benchmarks/abuse.py on a short run: a hostile client fuzzing every topic the
+coordinator reads, in every category, gets every message refused (each leaves a log
+line), while the honest devices lose no update and end bit-identical to a run without
+abuse (issue 17)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.abuse import CATEGORIES, AbuseConfig, markdown, run_benchmark
+from tests.protocol.brokers import require_mosquitto
+
+pytestmark = [pytest.mark.mosquitto, pytest.mark.slow]
+
+
+def test_every_bad_input_is_refused_and_the_honest_run_is_unchanged(tmp_path: Path) -> None:
+    require_mosquitto()
+    cfg = AbuseConfig(devices=2, rounds=30, burst=4, seed=3)
+
+    report = run_benchmark(cfg, tmp_path)
+
+    assert report.coordinator_exit == 0, report.problems
+    assert report.rounds_completed == report.reference_rounds_completed == 30
+    assert report.lost == 0 and report.honest_accepted == 2 * 30
+    assert report.identical_to_reference
+    assert report.honest_transfers_dropped == 0
+    assert set(report.categories) == set(CATEGORIES), report.problems
+    for name, c in report.categories.items():
+        assert c.tried > 0, name
+        if name == "chunk_flood":  # at most 4 unfinished transfers held per honest topic
+            assert c.rejected + report.held_at_end == c.tried
+            assert report.held_at_end <= 4 * cfg.devices
+        else:
+            assert c.rejected == c.tried, (name, c)
+    assert 0 < report.logged < report.rejected  # the first of a kind per source, not all
+    bursts = [json.loads(line) for line in (tmp_path / "abuse" / "bursts.jsonl").open()]
+    assert {b["category"] for b in bursts} == set(CATEGORIES)
+    assert "| lost | 0 |" in markdown(report)
