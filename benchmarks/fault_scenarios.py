@@ -280,7 +280,7 @@ class CraftedDevice:
             task = self.tasks[round_number]
             assert isinstance(task.body, RoundTask)
             model = self.models[task.body.model_message or next(reversed(self.models))]
-        (weights,) = model.sets.values() if len(model.sets) == 1 else (model.sets["weights"],)
+        weights = model.sets.get("weights") or next(iter(model.sets.values()))
         moved = {
             name: (value + 1e-3 * self._rng.standard_normal(value.shape)).astype(value.dtype)
             for name, value in weights.to_arrays().items()
@@ -473,6 +473,7 @@ def cut_upload(work: Path, seed: int = 0) -> ScenarioReport:
         finally:
             link.close()
         report.faults["cut_upload"] = 1
+        time.sleep(0.5)  # whatever was on its way has arrived
         report.notes["transfer_at_kill"] = run.monitor.transfers(victim)
         run.start_device(1)  # back, on a good link, with its state dir
         run.finish(report, {honest})
