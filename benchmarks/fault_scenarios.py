@@ -487,16 +487,19 @@ def cut_upload(work: Path, seed: int = 0) -> ScenarioReport:
 
 
 def chunks(work: Path, seed: int = 0) -> ScenarioReport:
-    """Duplicated and shuffled chunks of a crafted device's update, and late ones."""
+    """Duplicated and shuffled chunks of a crafted device's update, and late ones: after
+    round 1 closed, its chunks again (the same transfer, and a new one), and the chunks of
+    a second crafted device's round-1 update that missed the deadline."""
     report = ScenarioReport("chunks", rounds=2)
-    with FaultRun(work, 1, crafted=("crafted-0",), seed=seed) as run:
-        run.start_coordinator(report.rounds, min_devices=2, timeout_s=30)
-        device = run.crafted("crafted-0")
+    timeout_s = 5.0
+    with FaultRun(work, 1, crafted=("crafted-0", "crafted-1"), seed=seed) as run:
+        run.start_coordinator(report.rounds, min_devices=3, timeout_s=timeout_s)
+        device, tardy = run.crafted("crafted-0"), run.crafted("crafted-1")
         run.start_device(0)
         rng = random.Random(seed)
-        if not device.wait_task(1, 90):
+        if not (device.wait_task(1, 90) and tardy.wait_task(1, 10)):
             report.problems.append("no task for round 1")
-            run.finish(report, set(run.ids))
+            run.finish(report, {*run.ids, device.device_id})
             return report
         first = device.update(1)
         frames = device.chunks(first, 16 * 1024)
@@ -507,21 +510,30 @@ def chunks(work: Path, seed: int = 0) -> ScenarioReport:
         ack = device.wait_ack(first.message_id, 30)
         report.notes["chunks"] = len(frames)
         report.notes["burst_ack"] = None if ack is None else ack.reason.value
-        if not device.wait_task(2, 60):  # round 1 closed
+        missed = tardy.update(1)  # held back until round 1 closed at its deadline
+        if not (device.wait_task(2, 60) and tardy.wait_task(2, 10)):
             report.problems.append("no task for round 2")
-        late = frames[::-1] + device.chunks(first, 16 * 1024)  # the same transfer, a new one
-        device.publish(late)
-        report.faults["late"] = 1
-        time.sleep(1.0)  # the same transfer's chunks are dropped silently: nothing to wait for
-        report.notes["late_acks"] = [
+        device.publish(frames[::-1] + device.chunks(first, 16 * 1024))  # same transfer, new one
+        late = tardy.chunks(missed, 16 * 1024)
+        rng.shuffle(late)
+        tardy.publish(late)
+        report.faults["late"] = 2
+        tardy.wait_ack(missed.message_id, 30)
+        time.sleep(0.5)  # the same transfer's chunks are dropped silently: nothing to wait for
+        report.notes["late_copy_acks"] = [
             (a.accepted, a.reason.value) for a in device.acks_of(first.message_id)
         ][1:]
-        second = device.update(2)
-        device.channel.send(device.update_topic, second)
-        run.finish(report, set(run.ids))
-        report.notes["crafted_taken"] = sorted(
-            r for r, ds in run.monitor.taken().items() if "crafted-0" in ds
-        )
+        report.notes["late_acks"] = [
+            (a.accepted, a.reason.value) for a in tardy.acks_of(missed.message_id)
+        ]
+        for crafted in (device, tardy):
+            crafted.channel.send(crafted.update_topic, crafted.update(2))
+        run.finish(report, {*run.ids, device.device_id})
+        report.notes["timeout_s"] = timeout_s
+        taken = run.monitor.taken()
+        for crafted in (device, tardy):
+            name = crafted.device_id
+            report.notes[f"{name}_taken"] = sorted(r for r, ds in taken.items() if name in ds)
     return report
 
 

@@ -45,11 +45,15 @@ def test_duplicated_shuffled_and_late_chunks_count_once_and_late_ones_are_refuse
     assert report.finished, report.problems
     assert report.notes["chunks"] > 2
     assert report.notes["burst_ack"] == "ok"  # reassembled from 2 x N chunks in no order
-    # the late copies: the same transfer is dropped without an answer, the new transfer
-    # of the same update is refused as late; nothing else was said about that update
+    # the copies after the round closed: the same transfer is dropped without an answer,
+    # a new transfer of the same update is acknowledged as the duplicate it is
+    assert report.notes["late_copy_acks"] == [(True, "duplicate")]
+    assert report.notes["crafted-0_taken"] == [1, 2]
+    # an update that missed its round, sent in shuffled chunks after the close: refused
     assert report.notes["late_acks"] == [(False, "late")]
-    assert report.notes["crafted_taken"] == [1, 2]
-    assert {r: c["on_time"] for r, c in report.notes["closes"].items()} == {1: 2, 2: 2}
+    assert report.notes["crafted-1_taken"] == [2]
+    closes = report.notes["closes"]
+    assert {r: (c["on_time"], c["selected"]) for r, c in closes.items()} == {1: (2, 3), 2: (3, 3)}
     assert report.lost == 0 and report.twice == 0 and report.delayed == 0
     assert report.updates_rejected == 1
 
