@@ -14,8 +14,10 @@ likes. The kinds:
     later one if the round closed meanwhile), the partial transfer must harm nobody.
 ``chunks``
     A crafted device publishes its update's chunks duplicated and shuffled, then, after
-    the round closed, again (the same transfer, and a new one): counted once, and the
-    late copy is refused with a reason (``late``).
+    the round closed, again (the same transfer: dropped unanswered; a new one:
+    acknowledged ``duplicate``): counted once. A second crafted device holds its update
+    past the deadline and sends its chunks shuffled after the round closed: refused
+    ``late``, nothing changes.
 ``churn``
     A crafted device is selected every round and never uploads: each round closes at its
     deadline with the others' updates. Meanwhile a keyed device starts mid-run and is
@@ -361,13 +363,21 @@ class FaultRun:
     and the processes of one scenario; everything is stopped on the way out."""
 
     def __init__(self, work: Path, devices: int, crafted: tuple[str, ...] = (), seed: int = 0):
-        from tests.protocol.brokers import Mosquitto
-
         self.work, self.seed = work, seed
         self._stack = ExitStack()
+        try:
+            self._start(devices, crafted)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, devices: int, crafted: tuple[str, ...]) -> None:
+        from tests.protocol.brokers import Mosquitto
+
+        work = self.work
         (work / "mosquitto").mkdir(parents=True)
         self.broker = self._stack.enter_context(Mosquitto(work / "mosquitto"))
-        self.files, self.keys_path = write_fleet(work / "fleet", devices, seed)
+        self.files, self.keys_path = write_fleet(work / "fleet", devices, self.seed)
         keyring = Keyring.load(self.keys_path)
         self.crafted_keys = {name: new_key() for name in crafted}
         for name, key in self.crafted_keys.items():
