@@ -13,12 +13,18 @@ Checks, against an uninterrupted reference run of the same seed on the same data
 * per round, the updates the coordinator aggregated (its "round N/R closed: K/S updates on
   time" log line) equal the distinct updates it acknowledged as accepted: ``lost`` counts
   acknowledged-accepted updates missing from a round, ``twice`` updates counted beyond
-  those acknowledged.
+  those acknowledged, ``delayed`` updates a round lacked.
+
+Then the device and broker scenarios of :mod:`benchmarks.fault_scenarios` run (a device
+cut mid chunked upload, duplicated / shuffled / late chunks, a silent device, devices
+joining and leaving; skip them with ``--no-scenarios``), and one table gives a row per run
+(faults injected by kind, rounds completed, updates tried, acknowledged, rejected, lost,
+counted twice, honest updates delayed) and their totals.
 
 Run::
 
-    python -m benchmarks.faults            # 4 devices, 30 rounds, 20 kills
-    python -m benchmarks.faults --quick    # 4 devices, 8 rounds, 5 kills
+    python -m benchmarks.faults            # 4 devices, 30 rounds, 20 kills; the scenarios
+    python -m benchmarks.faults --quick    # 4 devices, 8 rounds, 5 kills; the scenarios
     python -m benchmarks.faults --json     # the same figures as one JSON object
 """
 
@@ -35,12 +41,12 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +58,9 @@ from protocol.transport.config import MqttConfig
 from protocol.transport.mqtt import MqttTransport
 from sim.datasets import load_dataset
 from sim.partition import partition_dataset, save_device_file
+
+if TYPE_CHECKING:
+    from benchmarks.fault_scenarios import ScenarioReport
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEET = "faults"
@@ -104,6 +113,8 @@ class FaultReport:
     """Acknowledged-accepted updates missing from their round's aggregate."""
     twice: int = 0
     """Updates a round aggregated beyond the distinct ones it acknowledged."""
+    delayed: int = 0
+    """Updates the checked rounds lacked (every device is selected every round)."""
     rounds_unchecked: int = 0
     """Rounds whose close left no log line (the kill came between commit and log)."""
     identical_to_reference: bool = False
@@ -353,6 +364,7 @@ def check(report: FaultReport, monitor: AckLog, logs: list[str], cfg: FaultConfi
             continue
         report.lost += max(0, acked - aggregated[r])
         report.twice += max(0, aggregated[r] - acked)
+        report.delayed += max(0, cfg.devices - aggregated[r])
 
 
 def run_benchmark(cfg: FaultConfig, work: Path) -> FaultReport:
@@ -385,12 +397,59 @@ def run_benchmark(cfg: FaultConfig, work: Path) -> FaultReport:
     return report
 
 
-def markdown(report: FaultReport) -> str:
-    rows = [(k, v) for k, v in asdict(report).items() if k != "problems"]
-    lines = ["| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {f'{v:.1f}' if isinstance(v, float) else v} |" for k, v in rows]
-    if report.problems:
-        lines.append(f"| problems | {'; '.join(report.problems)} |")
+_COLUMNS = (
+    "rounds_completed", "updates_tried", "updates_acknowledged", "updates_rejected", "lost",
+    "twice", "delayed",
+)  # fmt: skip
+
+
+def kill_faults(report: FaultReport) -> dict[str, int]:
+    """The faults of the coordinator-kill run, by kind."""
+    return {"coordinator_kill": report.kills, "broker_restart": report.broker_restarts}
+
+
+def summary(report: FaultReport, scenarios: Sequence[ScenarioReport] = ()) -> dict[str, Any]:
+    """Faults injected by kind, and the counts of every run added up."""
+    faults: dict[str, int] = dict(kill_faults(report))
+    for scenario in scenarios:
+        for kind, n in scenario.faults.items():
+            faults[kind] = faults.get(kind, 0) + n
+    rows = [asdict(report), *(asdict(s) for s in scenarios)]
+    totals: dict[str, Any] = {"faults": faults}
+    totals |= {column: sum(row[column] for row in rows) for column in _COLUMNS}
+    totals["all_finished"] = all(row["finished"] for row in rows)
+    return totals
+
+
+def markdown(report: FaultReport, scenarios: Sequence[ScenarioReport] = ()) -> str:
+    """One table: a row for the coordinator-kill run, one per scenario, and the totals."""
+    head = ["run", "faults injected", *_COLUMNS, "finished", "notes"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+
+    def row(name: str, faults: dict[str, int], counts: dict[str, Any], notes: str) -> None:
+        injected = ", ".join(f"{kind} {n}" for kind, n in faults.items() if n)
+        cells = [name, injected, *(str(counts[c]) for c in _COLUMNS)]
+        lines.append("| " + " | ".join([*cells, str(counts["finished"]), notes]) + " |")
+
+    phases = ", ".join(f"{n} {phase}" for phase, n in sorted(report.kill_phases.items()))
+    notes = [
+        f"kills by phase: {phases or 'none'}",
+        f"bit-identical to the reference: {report.identical_to_reference}",
+        f"{report.wall_s:.0f} s (reference {report.reference_wall_s:.0f} s)",
+    ]
+    if report.coordinator_peak_rss_mb is not None:
+        notes.append(f"coordinator peak RSS {report.coordinator_peak_rss_mb:.0f} MB")
+    if report.rounds_unchecked:
+        notes.append(f"{report.rounds_unchecked} round(s) unchecked")
+    notes += report.problems
+    row("coordinator_kill", kill_faults(report), asdict(report), "; ".join(notes))
+    for scenario in scenarios:
+        row(scenario.kind, scenario.faults, asdict(scenario), "; ".join(
+            [f"{scenario.wall_s:.0f} s", *scenario.problems]
+        ))  # fmt: skip
+    if scenarios:
+        totals = summary(report, scenarios)
+        row("total", totals["faults"], {**totals, "finished": totals["all_finished"]}, "")
     return "\n".join(lines)
 
 
@@ -404,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--broker-restarts", type=int, default=0, help="Mosquitto restarts (0)")
     p.add_argument("--seed", type=int, default=0, help="default 0")
     p.add_argument("--work-dir", type=Path, help="keep the files here (default: a temp dir)")
+    p.add_argument(
+        "--no-scenarios",
+        action="store_true",
+        help="skip the device and broker fault scenarios (benchmarks/fault_scenarios.py)",
+    )
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     cfg = FaultConfig(
@@ -416,8 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         work = args.work_dir or Path(stack.enter_context(TemporaryDirectory(prefix="faults-")))
         report = run_benchmark(cfg, work)
-    print(json.dumps(asdict(report), indent=2) if args.json else markdown(report))
+        from benchmarks.fault_scenarios import run_scenarios  # it imports this module
+
+        scenarios = [] if args.no_scenarios else run_scenarios(work / "scenarios", args.seed)
+    if args.json:
+        out = asdict(report) | {"scenarios": [asdict(s) for s in scenarios]}
+        print(json.dumps(out | {"totals": summary(report, scenarios)}, indent=2))
+    else:
+        print(markdown(report, scenarios))
     ok = report.finished and report.identical_to_reference and not (report.lost or report.twice)
+    ok = ok and all(s.finished and not (s.lost or s.twice or s.delayed) for s in scenarios)
     return 0 if ok else 1
 
 

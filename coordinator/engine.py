@@ -518,6 +518,10 @@ class RoundEngine:
     def _on_update(self, message: Message, update: Update, now: float) -> list[Action]:
         device_id, run = message.sender, self._require_run()
         on_time = False
+        if message.round == run.round - 1 and device_id in run.counted:
+            # its update of the round just closed is in the model; the ack was lost
+            detail = f"counted in round {message.round}"
+            return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, detail)]
         try:
             on_time = self._classify(device_id, message.round, update, now)
             if self._state.has_update(device_id, message.round):
@@ -801,6 +805,7 @@ class RoundEngine:
             fingerprint=run.fingerprint,
             round=closing + 1,
             phase="finished" if finished else "waiting",
+            counted=list(run.aggregating),
             norm_floor=self._screen.next_floor(),
         )
         self._state.save_run(next_run)  # the commit point of the round

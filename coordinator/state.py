@@ -116,6 +116,9 @@ class RunMeta:
     started_at: float = 0.0
     aggregating: list[str] = field(default_factory=list)
     """Phase ``aggregating``: the devices whose on-time update the round aggregates."""
+    counted: list[str] = field(default_factory=list)
+    """The devices whose update of round ``round - 1`` the current model holds (so that a
+    resend of one, whose ack a crash lost, is answered ``duplicate``, not ``late``)."""
     norm_floor: float | None = None
     """Norm screening's reference from the rounds before (:mod:`coordinator.screening`)."""
     screened_out: list[str] = field(default_factory=list)
@@ -139,6 +142,7 @@ class RunMeta:
                 deadline=float(meta["deadline"]),
                 started_at=float(meta["started_at"]),
                 aggregating=[str(d) for d in meta["aggregating"]],
+                counted=[str(d) for d in meta["counted"]],
                 norm_floor=_optional_float(meta.get("norm_floor")),
                 screened_out=[str(d) for d in meta["screened_out"]],
                 state_format=int(meta["state_format"]),

@@ -205,6 +205,31 @@ def test_duplicate_update_is_acknowledged_and_changes_nothing() -> None:
     assert store.read("updates/dev-0/r000001").meta == before.read("updates/dev-0/r000001").meta
 
 
+def test_a_resend_of_an_update_the_closed_round_counted_is_a_duplicate_not_late() -> None:
+    # Prepare: round 1 closes with dev-0's update only (dev-1 misses the deadline); the
+    # coordinator then crashes and resumes, so dev-0 never saw its ack
+    engine, store, actions = started(2)
+    w = global_weights(actions)
+    counted = update("dev-0", 1, shifted(w, 1.0), 100)
+    engine.handle(received(counted, 5.0))
+    engine.handle(Tick(62.0))
+    resumed = make_engine(engine.config, store)
+    resumed.start(63.0)
+    before, models = store.snapshot(), resumed.models()
+
+    # Execute: dev-0 sends its update again; dev-1 sends one for the closed round
+    again = only(acks(resumed.handle(received(counted, 64.0))))
+    late = only(acks(resumed.handle(received(update("dev-1", 1, shifted(w, 2.0), 200), 64.0))))
+
+    # Assert: the first is acknowledged as counted, the second refused; nothing changed
+    assert again.accepted and again.reason is ReasonCode.DUPLICATE
+    assert again.ref == counted.message_id
+    assert not late.accepted and late.reason is ReasonCode.LATE
+    assert store.keys() == before.keys()
+    for name, value in resumed.models()[GROUP]["aca"].items():
+        np.testing.assert_array_equal(value, models[GROUP]["aca"][name])
+
+
 @pytest.mark.parametrize(
     ("mutate", "reason"),
     [
