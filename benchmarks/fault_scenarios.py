@@ -54,7 +54,7 @@ from benchmarks.faults import FLEET, _processes, _spawn, _wait_for, write_fleet
 from models.registry import build_classifier
 from protocol.auth import Keyring, new_key
 from protocol.channel import Channel
-from protocol.chunking import read_chunk_header, split_frame
+from protocol.chunking import read_chunk_header
 from protocol.errors import DecodeError
 from protocol.messages import (
     Ack,
@@ -299,7 +299,7 @@ class CraftedDevice:
     ) -> list[bytes]:
         """The chunk frames of ``message`` (sealed with the device's key)."""
         frame = self.channel.encode(self.update_topic, message)
-        return split_frame(frame, max_payload, transfer_id=transfer_id)
+        return self.channel.split(self.update_topic, frame, max_payload, transfer_id=transfer_id)
 
     def publish(self, frames: list[bytes]) -> None:
         for frame in frames:

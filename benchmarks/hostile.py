@@ -16,7 +16,7 @@ import msgpack
 import zstandard
 
 from protocol.auth import new_key, seal
-from protocol.chunking import Reassembler, split_frame
+from protocol.chunking import CHUNK_HEADER_SIZE, Reassembler, split_frame
 from protocol.codec import FRAME_CHUNK, FRAME_MAGIC, FRAME_MESSAGE, MESSAGE_PREFIX_SIZE, Codec
 from protocol.errors import DecodeError
 from protocol.limits import DecodeLimits, ReassemblyLimits
@@ -298,10 +298,10 @@ class Hostile:
             frame = _frame(b"\xc0", key, topic)
             first = split_frame(frame + bytes(200), 128)[0]  # a valid chunk header...
             count, total = self.rng.choice(((2, 1 << 40), (1 << 20, 1 << 21), (2, 1 << 30)))
-            head = bytearray(first[:68])
-            head[24:28] = count.to_bytes(4, "big")  # ...announcing too many chunks or bytes
-            head[28:36] = total.to_bytes(8, "big")
-            out.append((topic, bytes(head) + first[68:]))
+            head = bytearray(first[:CHUNK_HEADER_SIZE])
+            head[56:60] = count.to_bytes(4, "big")  # ...announcing too many chunks or bytes
+            head[60:68] = total.to_bytes(8, "big")
+            out.append((topic, bytes(head) + first[CHUNK_HEADER_SIZE:]))
         return out
 
     def fence(self, k: int) -> tuple[str, bytes]:

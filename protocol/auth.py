@@ -109,7 +109,8 @@ def derive_device_key(token: bytes, device_id: str) -> bytes:
 
 
 def frame_tag(key: bytes, topic: str, frame: bytes) -> bytes:
-    """The HMAC-SHA256 tag of message ``frame`` on ``topic`` (whatever its tag bytes)."""
+    """The HMAC-SHA256 tag of ``frame`` (a message or a chunk frame) on ``topic``
+    (whatever its tag bytes)."""
     name = topic.encode("utf-8")
     mac = hmac.new(key, _DOMAIN, hashlib.sha256)
     mac.update(len(name).to_bytes(2, "big"))
@@ -125,7 +126,7 @@ def seal(key: bytes, topic: str, frame: bytes) -> bytes:
 
 
 def verify(key: bytes, topic: str, frame: bytes) -> None:
-    """Check the tag of message ``frame`` on ``topic``.
+    """Check the tag of ``frame`` (a message or a chunk frame) on ``topic``.
 
     Raises:
         AuthError: the tag does not verify (wrong key, other topic, any byte changed).

@@ -21,7 +21,7 @@ from protocol.chunking import (
     SourceFilter,
     split_frame,
 )
-from protocol.codec import Codec
+from protocol.codec import FRAME_CHUNK, Codec, read_frame_header
 from protocol.errors import DecodeError, EncodeError
 from protocol.limits import ReassemblyLimits
 from protocol.messages import Message
@@ -114,13 +114,27 @@ class Channel:
             TransportError: publishing failed.
         """
         frame = self.encode(topic, message)
-        frames = split_frame(frame, self.max_payload_for(topic, qos))
+        frames = self.split(topic, frame, self.max_payload_for(topic, qos))
         if retain and len(frames) > 1:
             raise EncodeError("a retained message must fit in one frame")
         retain = retain or (latest and len(frames) == 1)
         for part in frames:
             self.transport.publish(topic, part, qos=qos, retain=retain)
         return Sent(len(frames), sum(len(f) for f in frames), len(frame))
+
+    def split(
+        self, topic: str, frame: bytes, max_payload: int, *, transfer_id: bytes | None = None
+    ) -> list[bytes]:
+        """``frame`` (from :meth:`encode`) as the payloads to publish on ``topic``:
+        itself where it fits in ``max_payload``, else its chunk frames, each sealed where
+        the channel has a key for the topic (protocol version 5).
+
+        Raises:
+            EncodeError: ``max_payload`` leaves no room for chunk data.
+        """
+        parts = split_frame(frame, max_payload, transfer_id=transfer_id)
+        key = None if self.auth is None or len(parts) == 1 else self.auth.key_for(topic)
+        return parts if key is None else [seal(key, topic, part) for part in parts]
 
     def encode(self, topic: str, message: Message) -> bytes:
         """The message frame of ``message`` for ``topic``, sealed where the channel has a
@@ -187,7 +201,11 @@ class Channel:
             DecodeError: as :meth:`Reassembler.feed`, AuthError where ``key`` is set.
         """
         try:
+            if key is not None and read_frame_header(payload).frame_type == FRAME_CHUNK:
+                verify(key, topic, payload)  # a forged chunk never takes a buffer
             return self._reassembler.feed(topic, payload)
+        except AuthError:
+            raise
         except DecodeError as exc:
             if key is None:
                 raise

@@ -1,21 +1,24 @@
 """Chunking of large frames and their idempotent, bounded reassembly.
 
 A frame larger than the maximum payload (default 128 KiB, the AWS IoT Core limit; or
-what an MQTT 5 broker negotiates) is split into chunk frames, each a 68-byte header
+what an MQTT 5 broker negotiates) is split into chunk frames, each a 100-byte header
 followed by a slice of the original frame. The maximum bounds whole chunk frames, header
-included: each chunk but the last carries ``max_payload - 68`` data bytes::
+included: each chunk but the last carries ``max_payload - 100`` data bytes::
 
     offset  size  field
     0       4     frame header: b"FL", version, type 0x02 (see protocol.codec)
-    4       16    transfer id (random)
-    20      4     chunk index, uint32 big-endian, 0-based
-    24      4     chunk count, uint32 big-endian, >= 2
-    28      8     total size of the original frame, uint64 big-endian
-    36      32    SHA-256 of the original frame
-    68      ...   the slice: bytes [index * n, index * n + len) of the original frame,
+    4       32    authentication tag of this chunk frame (protocol.auth; zeros unsealed)
+    36      16    transfer id (random)
+    52      4     chunk index, uint32 big-endian, 0-based
+    56      4     chunk count, uint32 big-endian, >= 2
+    60      8     total size of the original frame, uint64 big-endian
+    68      32    SHA-256 of the original frame
+    100     ...   the slice: bytes [index * n, index * n + len) of the original frame,
                   n being the length of every chunk but the last
 
-Chunks travel on the topic the whole frame would have used. :class:`Reassembler` takes
+Chunks travel on the topic the whole frame would have used. Every chunk carries its own
+tag, so a receiver with keys refuses a forged chunk before it takes any buffer: only the
+device itself can start a transfer on its topic (protocol version 5). :class:`Reassembler` takes
 frames in any order, ignores duplicates and redeliveries (also after completion),
 bounds the memory it holds, drops transfers that stall, and checks the SHA-256.
 
@@ -40,7 +43,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.codec import FRAME_CHUNK, FRAME_HEADER_SIZE, FRAME_MAGIC, read_frame_header
+from protocol.codec import (
+    FRAME_CHUNK,
+    FRAME_MAGIC,
+    MESSAGE_PREFIX_SIZE,
+    TAG_SIZE,
+    read_frame_header,
+)
 from protocol.errors import DecodeError, EncodeError, QuotaError
 from protocol.limits import ReassemblyLimits
 from protocol.messages import PROTOCOL_VERSION
@@ -64,7 +73,7 @@ DEFAULT_MAX_PAYLOAD = 128 * 1024
 """Default largest MQTT payload in bytes (AWS IoT Core's message size limit)."""
 
 _CHUNK_FIELDS = struct.Struct(">16sIIQ32s")
-CHUNK_HEADER_SIZE = FRAME_HEADER_SIZE + _CHUNK_FIELDS.size  # 68
+CHUNK_HEADER_SIZE = MESSAGE_PREFIX_SIZE + _CHUNK_FIELDS.size  # 100: header, tag, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +92,11 @@ def split_frame(
 ) -> list[bytes]:
     """Split a frame into chunk frames of at most ``max_payload`` bytes each.
 
-    ``max_payload`` includes the 68-byte chunk header (:data:`CHUNK_HEADER_SIZE`): every
-    chunk but the last carries ``max_payload - 68`` data bytes, the last the rest.
+    ``max_payload`` includes the 100-byte chunk header (:data:`CHUNK_HEADER_SIZE`): every
+    chunk but the last carries ``max_payload - 100`` data bytes, the last the rest.
     Returns ``[frame]`` unchanged when it already fits (``len(frame) <= max_payload``).
+    Each chunk's tag is zero bytes: a sender with a key seals every chunk
+    (:func:`protocol.auth.seal`), as it sealed the message frame.
 
     Raises:
         EncodeError: ``max_payload`` leaves no room for data after the chunk header.
@@ -100,7 +111,7 @@ def split_frame(
         raise EncodeError("transfer id must be 16 bytes")
     count = math.ceil(len(frame) / room)
     digest = hashlib.sha256(frame).digest()
-    header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_CHUNK))
+    header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_CHUNK)) + bytes(TAG_SIZE)
     view = memoryview(frame)
     return [
         header
@@ -120,7 +131,7 @@ def read_chunk_header(frame: bytes) -> ChunkHeader:
         raise DecodeError("not a chunk frame")
     if len(frame) < CHUNK_HEADER_SIZE:
         raise DecodeError(f"chunk frame too short ({len(frame)} bytes)")
-    tid, index, count, total, digest = _CHUNK_FIELDS.unpack_from(frame, FRAME_HEADER_SIZE)
+    tid, index, count, total, digest = _CHUNK_FIELDS.unpack_from(frame, MESSAGE_PREFIX_SIZE)
     if count < 2 or index >= count:
         raise DecodeError(f"bad chunk index {index} of {count}")
     return ChunkHeader(tid, index, count, total, digest)

@@ -4,12 +4,13 @@ A *frame* is what travels as one MQTT payload. Two frame types share a 4-byte he
 
     offset  size  field
     0       2     magic b"FL" (0x46 0x4C)
-    2       1     version (PROTOCOL_VERSION, 4)
+    2       1     version (PROTOCOL_VERSION, 5)
     3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking)
+    4       32    authentication tag (HMAC-SHA256, see protocol.auth; zero bytes where the
+                  frame is not authenticated: the codec and the splitter write zeros,
+                  :class:`~protocol.channel.Channel` seals and checks it)
 
-A message frame continues with a 32-byte authentication tag (HMAC-SHA256, see
-protocol.auth; zero bytes where the frame is not authenticated: the codec writes zeros,
-:class:`~protocol.channel.Channel` seals and checks it) and then exactly one zstd frame
+A message frame continues with exactly one zstd frame
 (content size and content checksum present, no dictionary; a decoder rejects any other)
 whose content is one msgpack map, the envelope::
 

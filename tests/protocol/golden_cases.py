@@ -192,11 +192,16 @@ def write_all() -> None:  # pragma: no cover - run by hand with a version bump
     for name, message in cases().items():
         (GOLDEN_DIR / f"{name}.msgpack").write_bytes(codec.pack(message))
         (GOLDEN_DIR / f"{name}.frame").write_bytes(sealed_frame(codec, name, message))
+    for i, chunk in enumerate(golden_chunks(sealed_frame(codec, "model", cases()["model"]))):
+        (GOLDEN_DIR / f"model.chunk{i}").write_bytes(chunk)
+
+
+def golden_chunks(frame: bytes) -> list[bytes]:
+    """The golden model frame's chunks (200-byte payloads), each sealed for its topic."""
     from protocol.chunking import split_frame
 
-    frame = sealed_frame(codec, "model", cases()["model"])
-    for i, chunk in enumerate(split_frame(frame, 200, transfer_id=TRANSFER_ID)):
-        (GOLDEN_DIR / f"model.chunk{i}").write_bytes(chunk)
+    parts = split_frame(frame, 200, transfer_id=TRANSFER_ID)
+    return [seal(GOLDEN_KEY, GOLDEN_TOPICS["model"], part) for part in parts]
 
 
 if __name__ == "__main__":  # pragma: no cover

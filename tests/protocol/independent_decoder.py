@@ -20,11 +20,11 @@ import msgpack
 import numpy as np
 import zstandard
 
-VERSION = 4  # section 2: the version byte; section 3: the envelope's "v"
+VERSION = 5  # section 2: the version byte; section 3: the envelope's "v"
 MAGIC = b"FL"
 MESSAGE_FRAME, CHUNK_FRAME = 0x01, 0x02
 ZSTD_MAGIC = bytes.fromhex("28b52ffd")  # section 2.1
-CHUNK_HEADER = struct.Struct(">2sBB16sIIQ32s")  # section 2.2: 68 bytes, big-endian
+CHUNK_HEADER = struct.Struct(">2sBB32s16sIIQ32s")  # section 2.2: 100 bytes, big-endian
 ENVELOPE_KEYS = {"v", "kind", "fleet", "round", "sender", "id", "ts", "body"}  # section 3
 KINDS = {"hello", "task", "model", "update", "ack", "device_status", "coord_status"}
 RAW = {  # section 5: dtype -> little-endian layout (itemsize); bool is one byte, 0 or 1
@@ -181,7 +181,7 @@ def tensor_sets(env: dict[str, Any]) -> dict[str, Any]:
 def read_chunk(payload: bytes) -> Chunk:
     if frame_type(payload) != CHUNK_FRAME or len(payload) < CHUNK_HEADER.size:
         raise RejectedError("not a chunk frame")
-    _, _, _, tid, index, count, total, digest = CHUNK_HEADER.unpack_from(payload)
+    _, _, _, _tag, tid, index, count, total, digest = CHUNK_HEADER.unpack_from(payload)
     if count < 2 or index >= count:
         raise RejectedError("chunk index")
     return Chunk(tid, index, count, total, digest, payload[CHUNK_HEADER.size :])

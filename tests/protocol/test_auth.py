@@ -133,6 +133,36 @@ def test_a_chunked_message_is_authenticated_once_as_a_whole() -> None:
     assert receiver.errors.empty()
 
 
+def test_every_chunk_is_sealed_and_forged_chunks_never_take_a_buffer() -> None:
+    """Protocol v5: a chunk verifies on its own, so a flood of forged transfers on a
+    device's own topic (more than its quota of 4) cannot evict its upload in flight."""
+    # Prepare: dev-1's chunked model, its first chunk delivered; a forger without its key
+    broker, key = MemoryBroker(), new_key()
+    receiver = Receiver(broker, Keyring({"dev-1": key}))
+    honest = sender(broker, Keyring({"dev-1": key}))
+    message = model()
+    frame = honest.encode(DOWN, message)
+    chunks = [seal(key, DOWN, c) for c in split_frame(frame, 32 * 1024)]
+    assert len(chunks) > 1 and all(verify(key, DOWN, c) is None for c in chunks)
+    honest.transport.publish(DOWN, chunks[0])
+    forger = honest.transport  # anyone on the broker: the client does not matter
+    forged = [split_frame(honest.codec.encode(model()), 32 * 1024)[0] for _ in range(8)]
+    forged.append(seal(new_key(), DOWN, forged[0]))  # sealed, with another key
+    # Execute
+    for chunk in forged:
+        forger.publish(DOWN, chunk)
+    errors = [receiver.errors.get(timeout=5) for _ in forged]
+    held = receiver.channel._reassembler.pending_transfers
+    for chunk in chunks[1:]:
+        honest.transport.publish(DOWN, chunk)
+    # Assert: every forged chunk refused on its tag; the honest transfer alone was held,
+    # and completes
+    assert all(isinstance(e, AuthError) and "bad authentication tag" in str(e) for e in errors)
+    assert held == 1
+    assert receiver.messages.get(timeout=5) == message
+    assert receiver.errors.empty()
+
+
 def test_input_failing_before_its_tag_is_checked_is_unauthenticated() -> None:
     # Prepare: a receiver holding dev-1's key; an attacker without it
     broker = MemoryBroker()
@@ -140,7 +170,7 @@ def test_input_failing_before_its_tag_is_checked_is_unauthenticated() -> None:
     attacker = sender(broker, None)
     frame = attacker.codec.encode(status())
     chunk = bytearray(split_frame(frame + bytes(100), 128)[0])
-    chunk[28:36] = (1 << 40).to_bytes(8, "big")  # a chunk announcing a terabyte
+    chunk[60:68] = (1 << 40).to_bytes(8, "big")  # a chunk announcing a terabyte
     bad = [b"", b"XX" + frame[2:], frame[:2] + b"\x03" + frame[3:], frame[:3] + b"\x09", chunk]
     # Execute: on dev-1's topic
     for payload in bad:

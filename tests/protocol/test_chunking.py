@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from protocol.chunking import CHUNK_HEADER_SIZE, Reassembler, read_chunk_header, split_frame
 from protocol.errors import DecodeError, EncodeError
 
-HEADER = b"FL\x04\x01"
+HEADER = b"FL\x05\x01"
 
 
 def frame_of(size: int, seed: int = 0) -> bytes:
@@ -40,13 +40,14 @@ def test_chunks_respect_the_maximum_and_carry_the_header_fields() -> None:
 def test_the_maximum_includes_the_chunk_header() -> None:
     # Prepare
     fits, over = frame_of(1000 - len(HEADER)), frame_of(1001 - len(HEADER))
-    frame = frame_of(2 * 932 + 10 - len(HEADER))
+    frame = frame_of(2 * 900 + 10 - len(HEADER))
     # Execute
     chunks = split_frame(frame, 1000)
-    # Assert: 1000 - 68 = 932 data bytes per chunk but the last
+    # Assert: 1000 - 100 = 900 data bytes per chunk but the last
+    assert CHUNK_HEADER_SIZE == 100
     assert split_frame(fits, 1000) == [fits]
-    assert [len(c) for c in split_frame(over, 1000)] == [1000, 68 + 1001 - 932]
-    assert [len(c) for c in chunks] == [1000, 1000, 68 + 10]
+    assert [len(c) for c in split_frame(over, 1000)] == [1000, 100 + 1001 - 900]
+    assert [len(c) for c in chunks] == [1000, 1000, 100 + 10]
     assert [read_chunk_header(c).count for c in chunks] == [3, 3, 3]
 
 
@@ -121,12 +122,12 @@ def test_inconsistent_chunks_are_refused_without_changing_state() -> None:
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda c: c[:30],  # truncated header
+        lambda c: c[:62],  # truncated header
         lambda c: (
-            c[:20] + (5).to_bytes(4, "big") + (3).to_bytes(4, "big") + c[28:]
+            c[:52] + (5).to_bytes(4, "big") + (3).to_bytes(4, "big") + c[60:]
         ),  # index >= count
-        lambda c: c[:24] + (1).to_bytes(4, "big") + c[28:],  # count 1
-        lambda c: c[:28] + (2).to_bytes(8, "big") + c[36:],  # total smaller than count
+        lambda c: c[:56] + (1).to_bytes(4, "big") + c[60:],  # count 1
+        lambda c: c[:60] + (2).to_bytes(8, "big") + c[68:],  # total smaller than count
     ],
 )
 def test_malformed_chunk_headers(mutate: object) -> None:

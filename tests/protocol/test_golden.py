@@ -10,7 +10,7 @@ import pytest
 
 from protocol.arrays import content_fingerprint, fingerprint_bytes
 from protocol.auth import ZERO_TAG, frame_tag, topic_device, verify
-from protocol.chunking import Reassembler, split_frame
+from protocol.chunking import Reassembler
 from protocol.codec import Codec
 from protocol.errors import DecodeError
 from tests.protocol.golden_cases import (
@@ -20,6 +20,7 @@ from tests.protocol.golden_cases import (
     STUDENT_FINGERPRINT,
     TRANSFER_ID,
     cases,
+    golden_chunks,
 )
 
 CASES = cases()
@@ -45,7 +46,7 @@ def test_golden_frames_still_decode(name: str) -> None:
     # Assert
     assert message == CASES[name]
     assert codec.decompress(frame) == (GOLDEN_DIR / f"{name}.msgpack").read_bytes()
-    assert frame[:4] == b"FL\x04\x01"
+    assert frame[:4] == b"FL\x05\x01"
     # the zstd frame: magic, then a descriptor with Frame_Content_Size present (bits 6-7
     # or Single_Segment), Content_Checksum_flag (bit 2) set and no Dictionary_ID (bits 0-1)
     assert frame[36:40] == bytes.fromhex("28b52ffd")
@@ -77,14 +78,26 @@ def test_golden_frames_carry_their_tag(name: str) -> None:
 def test_chunk_frames_are_frozen_and_reassemble() -> None:
     # Prepare
     frame = (GOLDEN_DIR / "model.frame").read_bytes()
-    golden = sorted(GOLDEN_DIR.glob("model.chunk*"))
-    # Execute
-    chunks = split_frame(frame, 200, transfer_id=TRANSFER_ID)
-    # Assert
-    assert [p.read_bytes() for p in golden] == chunks
-    assert chunks[1][:36] == b"FL\x04\x02" + TRANSFER_ID + bytes.fromhex(
-        "0000000100000004" + f"{len(frame):016x}"
+    golden = sorted(
+        GOLDEN_DIR.glob("model.chunk*"), key=lambda p: int(p.name[len("model.chunk") :])
     )
+    topic = GOLDEN_TOPICS["model"]
+    # Execute
+    chunks = golden_chunks(frame)
+    # Assert: the bytes, the documented layout, every chunk's own tag
+    assert [p.read_bytes() for p in golden] == chunks
+    count = len(chunks)
+    assert count == -(-len(frame) // (200 - 100))
+    assert chunks[1][:4] == b"FL\x05\x02"
+    assert (
+        chunks[1][36:100]
+        == TRANSFER_ID
+        + bytes.fromhex(f"00000001{count:08x}{len(frame):016x}")
+        + hashlib.sha256(frame).digest()
+    )
+    for chunk in chunks:
+        verify(GOLDEN_KEY, topic, chunk)
+        assert chunk[4:36] == frame_tag(GOLDEN_KEY, topic, chunk)
     reassembler = Reassembler()
     outputs = [reassembler.feed("t", c) for c in reversed(chunks)]
     assert outputs[:-1] == [None] * (len(chunks) - 1) and outputs[-1] == frame

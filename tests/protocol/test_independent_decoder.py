@@ -133,17 +133,22 @@ def test_every_golden_tensor_decodes_as_the_reference_does() -> None:
 def test_golden_chunks_reassemble_in_any_order_with_duplicates() -> None:
     # Prepare
     frame = (GOLDEN_DIR / "model.frame").read_bytes()
-    chunks = [p.read_bytes() for p in sorted(GOLDEN_DIR.glob("model.chunk*"))]
+    chunks = [(GOLDEN_DIR / f"model.chunk{i}").read_bytes() for i in range(5)]
+    topic = GOLDEN_TOPICS["model"]
     # Execute
     heads = [spec.read_chunk(c) for c in chunks]
     rebuilt = spec.reassemble([*reversed(chunks), chunks[1]])
     # Assert
     assert rebuilt == frame
-    assert {(h.transfer_id, h.count, h.total_size) for h in heads} == {(TRANSFER_ID, 4, len(frame))}
-    assert [h.index for h in heads] == [0, 1, 2, 3]
-    # the maximum (200 here) includes the 68-byte chunk header (section 2.2)
-    assert [len(c) for c in chunks] == [200, 200, 200, len(frame) - 3 * 132 + 68]
-    assert chunks == split_frame(frame, 200, transfer_id=TRANSFER_ID)
+    assert {(h.transfer_id, h.count, h.total_size) for h in heads} == {(TRANSFER_ID, 5, len(frame))}
+    assert [h.index for h in heads] == [0, 1, 2, 3, 4]
+    # the maximum (200 here) includes the 100-byte chunk header (section 2.2)
+    assert [len(c) for c in chunks] == [200, 200, 200, 200, len(frame) - 4 * 100 + 100]
+    # every chunk carries its own tag (section 2.3), on its topic only
+    for chunk in chunks:
+        spec.check_tag(GOLDEN_KEY, topic, chunk)
+        with pytest.raises(spec.RejectedError):
+            spec.check_tag(GOLDEN_KEY, topic.replace("dev-001", "dev-002"), chunk)
 
 
 def test_the_content_fingerprint_by_the_spec_matches_the_reference() -> None:
@@ -228,7 +233,7 @@ def _with_tensor_data(data: bytes, tensor: list[object]) -> bytes:
     )
     env["body"]["sets"]["m"]["tensors"] = [[*tensor[:5], data, *tensor[6:]]]  # type: ignore[index]
     raw = msgpack.packb(env, use_bin_type=True)
-    return b"FL\x04\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    return b"FL\x05\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
 
 
 def _streamed(raw: bytes) -> bytes:
@@ -246,8 +251,8 @@ def _bad_frames() -> dict[str, bytes]:
     assert isinstance(int4_data, bytes)
     return {
         "version 3": b"FL\x03\x01" + ack[36:],
-        "no checksum": b"FL\x04\x01" + bytes(32) + zstandard.ZstdCompressor().compress(raw),
-        "no content size": b"FL\x04\x01" + bytes(32) + _streamed(raw),
+        "no checksum": b"FL\x05\x01" + bytes(32) + zstandard.ZstdCompressor().compress(raw),
+        "no content size": b"FL\x05\x01" + bytes(32) + _streamed(raw),
         "corrupt checksum": ack[:-1] + bytes([ack[-1] ^ 1]),
         # Dictionary_ID_flag 1 with a 1-byte Dictionary_ID of 0: zstd itself would accept it
         "dictionary flag": ack[:40] + bytes([ack[40] | 1, 0]) + ack[41:],
