@@ -105,6 +105,10 @@ def _streamed(z: zstandard.ZstdCompressor, data: bytes) -> bytes:
 # -- the hostile client --------------------------------------------------------------------
 
 
+_OTHER_VERSIONS = tuple(v for v in (0, 1, 2, 3, 4, 5, 6, 255) if v != PROTOCOL_VERSION)
+"""Version bytes this build refuses: every earlier one, the next, and 255."""
+
+
 class Hostile:
     """Reads everything on the devices' topics and publishes bad input in bursts."""
 
@@ -284,7 +288,8 @@ class Hostile:
         for i in range(n):
             topic, frame = self.rng.choice(frames)
             if i % 3 == 0:
-                head = FRAME_MAGIC + bytes((self.rng.choice((0, 1, 2, 3, 5, 255)), frame[3]))
+                version = self.rng.choice(_OTHER_VERSIONS)
+                head = FRAME_MAGIC + bytes((version, frame[3]))
             elif i % 3 == 1:
                 head = self.rng.choice((b"LF", b"\x00\x00", b"PK")) + frame[2:4]
             else:
