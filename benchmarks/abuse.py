@@ -54,7 +54,9 @@ from typing import Any, TextIO
 from benchmarks.faults import _final, _identical, _processes, _spawn
 from benchmarks.hostile import FENCE, FLEET, ROGUE, Hostile, envelope
 from protocol.auth import Keyring, new_key, write_key_file
+from protocol.chunking import read_chunk_header
 from protocol.codec import FRAME_CHUNK, FRAME_MAGIC
+from protocol.errors import DecodeError
 from sim.datasets import load_dataset
 from sim.partition import partition_dataset, save_device_file
 
@@ -297,9 +299,11 @@ def _attack(
                         report.problems.append(f"{category}: not published on {topic!r}: {exc}")
                         continue
                     sent += 1
-                    if payload[:2] == FRAME_MAGIC and len(payload) > 20 and payload[3] == 2:
-                        transfers.append(payload[4:20].hex())
-                        mine.add(transfers[-1])
+                    try:
+                        transfers.append(read_chunk_header(payload).transfer_id.hex())
+                    except DecodeError:
+                        continue  # not a well-formed chunk: starts no transfer
+                    mine.add(transfers[-1])
                 k += 1
                 hostile.publish(*hostile.fence(k))
                 total, warned, seen = reader.until_fence(k, server)

@@ -521,6 +521,13 @@ class RoundEngine:
         if message.round == run.round - 1 and device_id in run.counted:
             # its update of the round just closed is in the model; the ack was lost
             detail = f"counted in round {message.round}"
+            log.debug(
+                "ignored update %s of %s for round %d: a duplicate, %s",
+                message.message_id,
+                device_id,
+                message.round,
+                detail,
+            )
             return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, detail)]
         try:
             on_time = self._classify(device_id, message.round, update, now)

@@ -205,7 +205,9 @@ def test_duplicate_update_is_acknowledged_and_changes_nothing() -> None:
     assert store.read("updates/dev-0/r000001").meta == before.read("updates/dev-0/r000001").meta
 
 
-def test_a_resend_of_an_update_the_closed_round_counted_is_a_duplicate_not_late() -> None:
+def test_a_resend_of_an_update_the_closed_round_counted_is_a_duplicate_not_late(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # Prepare: round 1 closes with dev-0's update only (dev-1 misses the deadline); the
     # coordinator then crashes and resumes, so dev-0 never saw its ack
     engine, store, actions = started(2)
@@ -218,12 +220,16 @@ def test_a_resend_of_an_update_the_closed_round_counted_is_a_duplicate_not_late(
     before, models = store.snapshot(), resumed.models()
 
     # Execute: dev-0 sends its update again; dev-1 sends one for the closed round
+    caplog.set_level(logging.DEBUG, logger="coordinator.engine")
     again = only(acks(resumed.handle(received(counted, 64.0))))
     late = only(acks(resumed.handle(received(update("dev-1", 1, shifted(w, 2.0), 200), 64.0))))
 
     # Assert: the first is acknowledged as counted, the second refused; nothing changed
     assert again.accepted and again.reason is ReasonCode.DUPLICATE
     assert again.ref == counted.message_id
+    assert any(  # every input refused or ignored leaves a line
+        "a duplicate, counted in round 1" in r.getMessage() for r in caplog.records
+    )
     assert not late.accepted and late.reason is ReasonCode.LATE
     assert store.keys() == before.keys()
     for name, value in resumed.models()[GROUP]["aca"].items():
