@@ -353,7 +353,11 @@ def check(report: FaultReport, monitor: AckLog, logs: list[str], cfg: FaultConfi
         for m in _CLOSED.finditer(text):
             aggregated[int(m.group(1))] = int(m.group(2))  # the last close of a round wins
     accepted = monitor.accepted()
-    report.rounds_completed = max((r for r in aggregated), default=0)
+    # a finished run (exit 0, final models saved) completed every round, also one whose
+    # last close left no log line (a kill between the round's commit and its log line)
+    report.rounds_completed = (
+        cfg.rounds if report.finished else max((r for r in aggregated), default=0)
+    )
     report.updates_tried = len(monitor.update_rounds)
     report.updates_acknowledged = sum(len(devices) for devices in accepted.values())
     report.updates_rejected = sum(1 for *_, ok in monitor.update_acks() if not ok)
