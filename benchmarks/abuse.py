@@ -51,14 +51,12 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any, TextIO
 
-from benchmarks.faults import _final, _identical, _processes, _spawn
+from benchmarks.faults import final_models, identical, processes, spawn, start_devices, write_fleet
 from benchmarks.hostile import FENCE, FLEET, ROGUE, Hostile, envelope
-from protocol.auth import Keyring, new_key, write_key_file
+from protocol.auth import Keyring
 from protocol.chunking import read_chunk_header
 from protocol.codec import FRAME_CHUNK, FRAME_MAGIC
 from protocol.errors import DecodeError
-from sim.datasets import load_dataset
-from sim.partition import partition_dataset, save_device_file
 
 CATEGORIES = (
     "random_bytes",
@@ -155,38 +153,6 @@ class AbuseReport:
 # -- fleet and processes -------------------------------------------------------------------
 
 
-def write_fleet(root: Path, devices: int, seed: int) -> tuple[list[Path], Path]:
-    """Device data files, a key file each, and the keyring (the rogue id's key included)."""
-    root.mkdir(parents=True, exist_ok=True)
-    federation = partition_dataset(
-        load_dataset("synthetic", seed=seed), devices, float("inf"), seed=seed
-    )
-    paths, keys = [], {}
-    for split in federation.devices:
-        path = root / f"{split.device_id}.npz"
-        save_device_file(path, split)
-        keys[split.device_id] = new_key()
-        write_key_file(path.with_suffix(".key"), keys[split.device_id])
-        paths.append(path)
-    keys[ROGUE] = new_key()
-    Keyring(keys).save(root / "keys.json")
-    return paths, root / "keys.json"
-
-
-def start_devices(url: str, files: list[Path], root: Path, seed: int) -> list[Any]:
-    root.mkdir(parents=True, exist_ok=True)
-    out = []
-    for path in files:
-        command = [
-            sys.executable, "-m", "edge_client", "--broker", url, "--fleet", FLEET,
-            "--data", str(path), "--model", "mlp", "--init-seed", str(seed),
-            "--state-dir", str(root / path.stem), "--auth-key-file",
-            str(path.with_suffix(".key")), "--exit-when-finished",
-        ]  # fmt: skip
-        out.append(_spawn(command, root / f"{path.stem}.log"))
-    return out
-
-
 def start_coordinator(url: str, cfg: AbuseConfig, state: Path, keys: Path, log: Path) -> Any:
     command = [
         sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
@@ -195,7 +161,7 @@ def start_coordinator(url: str, cfg: AbuseConfig, state: Path, keys: Path, log: 
         "--local-steps", "2", "--batch-size", "16", "--seed", str(cfg.seed),
         "--state-dir", str(state), "--device-keys", str(keys), "-v",
     ]  # fmt: skip
-    return _spawn(command, log)
+    return spawn(command, log)
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -351,8 +317,8 @@ def one_run(
     start = time.monotonic()
     try:
         with ExitStack() as stack:
-            started = stack.enter_context(_processes())
-            started.extend(start_devices(url, files, work / "devices", cfg.seed))
+            started = stack.enter_context(processes())
+            started.extend(start_devices(url, files, work / "devices", cfg.seed, fleet=FLEET))
             server = start_coordinator(url, cfg, work / "state", keys, log)
             started.append(server)
             attacker = None
@@ -399,7 +365,7 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
 
     if mosquitto_binary() is None:
         raise SystemExit("abuse: the mosquitto binary is not installed")
-    files, keys = write_fleet(work / "fleet", cfg.devices, cfg.seed)
+    files, keys = write_fleet(work / "fleet", cfg.devices, cfg.seed, key_only=(ROGUE,))
     (work / "mosquitto").mkdir()
     with Mosquitto(work / "mosquitto") as broker:
         reference, ref_text, listener = one_run(
@@ -433,8 +399,8 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
         report.rejected += entry.rejected
         report.logged += entry.logged
     if report.coordinator_exit == 0:
-        report.identical_to_reference = _identical(
-            _final(work / "abuse" / "state"), _final(work / "reference" / "state")
+        report.identical_to_reference = identical(
+            final_models(work / "abuse" / "state"), final_models(work / "reference" / "state")
         )
     return report
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.faults import FLEET, _processes, _spawn, _wait_for, write_fleet
+from benchmarks.faults import FLEET, processes, spawn, wait_for, write_fleet
 from models.registry import build_classifier
 from protocol.auth import Keyring, new_key
 from protocol.channel import Channel
@@ -387,7 +387,7 @@ class FaultRun:
         self.monitor = Monitor(self.broker.url, keyring)
         self.monitor.start()
         self._stack.callback(self.monitor.stop)
-        self.processes = self._stack.enter_context(_processes())
+        self.processes = self._stack.enter_context(processes())
         self.coordinator_log = work / "coordinator.log"
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.started = time.monotonic()
@@ -413,7 +413,7 @@ class FaultRun:
             "--seed", str(self.seed), "--state-dir", str(self.work / "state"),
             "--device-keys", str(self.keys_path),
         ]  # fmt: skip
-        self.coordinator = _spawn(command, self.coordinator_log)
+        self.coordinator = spawn(command, self.coordinator_log)
         self.processes.append(self.coordinator)
 
     def start_device(self, index: int, url: str | None = None) -> subprocess.Popen[bytes]:
@@ -425,13 +425,13 @@ class FaultRun:
             "--init-seed", str(self.seed), "--state-dir", str(self.work / path.stem),
             "--auth-key-file", str(path.with_suffix(".key")), "--exit-when-finished",
         ]  # fmt: skip
-        process = _spawn(command, self.work / f"{path.stem}.log")
+        process = spawn(command, self.work / f"{path.stem}.log")
         self.processes.append(process)
         return process
 
     def wait_log(self, needle: str, timeout: float) -> bool:
         assert self.coordinator is not None
-        return _wait_for(self.coordinator_log, self.coordinator, needle, timeout)
+        return wait_for(self.coordinator_log, self.coordinator, needle, timeout)
 
     def finish(self, report: ScenarioReport, honest: set[str], timeout: float = 120) -> None:
         """Wait for the coordinator's end and fill in ``report``'s counts."""

@@ -179,8 +179,11 @@ class AckLog:
                 out.write(json.dumps(event) + "\n")
 
 
-def write_fleet(root: Path, devices: int, seed: int) -> tuple[list[Path], Path]:
-    """Device data files, one key file each, and the coordinator's keyring."""
+def write_fleet(
+    root: Path, devices: int, seed: int, *, key_only: Sequence[str] = ()
+) -> tuple[list[Path], Path]:
+    """Device data files, one key file each, and the coordinator's keyring (holding a
+    key for each id of ``key_only`` too: ids with no device behind them)."""
     root.mkdir(parents=True, exist_ok=True)
     federation = partition_dataset(
         load_dataset("synthetic", seed=seed), devices, float("inf"), seed=seed
@@ -192,6 +195,7 @@ def write_fleet(root: Path, devices: int, seed: int) -> tuple[list[Path], Path]:
         keys[split.device_id] = new_key()
         write_key_file(path.with_suffix(".key"), keys[split.device_id])
         paths.append(path)
+    keys |= {device_id: new_key() for device_id in key_only}
     Keyring(keys).save(root / "keys.json")
     return paths, root / "keys.json"
 
@@ -200,25 +204,25 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
 def start_devices(
-    url: str, files: list[Path], root: Path, seed: int
+    url: str, files: list[Path], root: Path, seed: int, *, fleet: str = FLEET
 ) -> list[subprocess.Popen[bytes]]:
     root.mkdir(parents=True, exist_ok=True)
-    processes = []
+    started = []
     for path in files:
         command = [
-            sys.executable, "-m", "edge_client", "--broker", url, "--fleet", FLEET,
+            sys.executable, "-m", "edge_client", "--broker", url, "--fleet", fleet,
             "--data", str(path), "--model", "mlp", "--init-seed", str(seed),
             "--state-dir", str(root / path.stem), "--auth-key-file",
             str(path.with_suffix(".key")), "--exit-when-finished",
         ]  # fmt: skip
-        processes.append(_spawn(command, root / f"{path.stem}.log"))
-    return processes
+        started.append(spawn(command, root / f"{path.stem}.log"))
+    return started
 
 
 def start_coordinator(
@@ -231,7 +235,7 @@ def start_coordinator(
         "--local-steps", "2", "--batch-size", "16", "--seed", str(cfg.seed),
         "--state-dir", str(state), "--device-keys", str(keys),
     ]  # fmt: skip
-    return _spawn([*command, "--resume"] if resume else command, log)
+    return spawn([*command, "--resume"] if resume else command, log)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -241,7 +245,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     """A list of processes, every one killed on the way out."""
     started: list[subprocess.Popen[bytes]] = []
     try:
@@ -251,7 +255,7 @@ def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
             _stop(process)
 
 
-def _wait_for(log: Path, process: subprocess.Popen[bytes], needle: str, timeout: float) -> bool:
+def wait_for(log: Path, process: subprocess.Popen[bytes], needle: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if needle in log.read_text(errors="replace"):
@@ -273,11 +277,11 @@ def _phase(log: str) -> str:
     return "training"
 
 
-def _final(state: Path) -> dict[str, Any]:
+def final_models(state: Path) -> dict[str, Any]:
     return dict(torch.load(state / "final" / "aca.pt", weights_only=True))
 
 
-def _identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -296,7 +300,7 @@ def one_run(
     logs: list[str] = []
     start = time.monotonic()
     try:
-        with _processes() as started:
+        with processes() as started:
             started.extend(start_devices(url, files, work / "devices", cfg.seed))
             incarnation = 0
             while True:
@@ -305,7 +309,7 @@ def one_run(
                 started.append(server)
                 incarnation += 1
                 if faults and report.kills < cfg.kills:
-                    if _wait_for(log, server, "round", 120):
+                    if wait_for(log, server, "round", 120):
                         time.sleep(rng.uniform(*cfg.kill_after))
                         if (
                             broker is not None
@@ -395,8 +399,8 @@ def run_benchmark(cfg: FaultConfig, work: Path) -> FaultReport:
     check(report, monitor, logs, cfg)
     report.reference_wall_s = reference.wall_s
     if report.finished:
-        report.identical_to_reference = _identical(
-            _final(work / "faults" / "state"), _final(work / "reference" / "state")
+        report.identical_to_reference = identical(
+            final_models(work / "faults" / "state"), final_models(work / "reference" / "state")
         )
     return report
 

@@ -39,14 +39,21 @@ from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
 from edge_client.train.session import Job, JobResult, TrainJob
-from models import Classifier, classifier_names
+from models import classifier_names
 from models.devices import resolve_device
 from protocol.auth import Keyring
 from protocol.transport import MqttConfig, MqttTransport, Transport
 from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.datasets import dataset_names, load_dataset
 from sim.errors import SimError
-from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetDevice, FleetOptions, FleetTrainer
+from sim.fleet import (
+    DEFAULT_MAX_COHORT,
+    Fleet,
+    FleetDevice,
+    FleetOptions,
+    FleetTrainer,
+    WrappedTrainer,
+)
 from sim.partition import partition_dataset
 from sim.synthetic import SAMPLES_PER_DEVICE
 
@@ -127,11 +134,11 @@ class DevicesReport:
         return json.dumps(data, indent=1)
 
 
-class TimedTrainer:
+class TimedTrainer(WrappedTrainer):
     """A :class:`~sim.fleet.FleetTrainer` that times the jobs of each round."""
 
     def __init__(self, inner: FleetTrainer) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._lock = threading.Lock()
         self.rounds: dict[int, RoundWork] = defaultdict(RoundWork)
 
@@ -147,17 +154,6 @@ class TimedTrainer:
                 if isinstance(job, TrainJob):
                     self.rounds[job.message.round].train_jobs += 1
         return results
-
-    def commit_upload(self, device_id: str) -> None:
-        self._inner.commit_upload(device_id)
-
-    def model(self, device_id: str) -> Classifier:
-        return self._inner.model(device_id)
-
-    def close(self) -> None:
-        close = getattr(self._inner, "close", None)
-        if close is not None:
-            close()
 
 
 def _check_data_options(config: DevicesConfig) -> None:

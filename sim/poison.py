@@ -30,10 +30,9 @@ import numpy as np
 import numpy.typing as npt
 
 from edge_client.train.session import Job, JobResult, Trained, TrainJob
-from models import Classifier
 from protocol.deltas import apply_delta_set, encode_full
 from protocol.tensors import Precision
-from sim.fleet import FleetTrainer
+from sim.fleet import FleetTrainer, WrappedTrainer
 
 __all__ = ["PoisonKind", "PoisoningTrainer", "poison_weights", "poisoned_devices"]
 
@@ -69,14 +68,14 @@ def poison_weights(
     return out
 
 
-class PoisoningTrainer:
+class PoisoningTrainer(WrappedTrainer):
     """A :class:`~sim.fleet.FleetTrainer` whose ``poisoned`` devices replace their
     uploads (:func:`poison_weights`); the others', and every other job, pass through."""
 
     def __init__(
         self, inner: FleetTrainer, poisoned: frozenset[str], kind: PoisonKind, scale: float
     ) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.poisoned = poisoned
         self._kind: PoisonKind = kind
         self._scale = scale
@@ -101,17 +100,6 @@ class PoisoningTrainer:
         poisoned = poison_weights(self._kind, self._scale, trained, received)
         log.info("attack emulation: %s uploads a %s-poisoned update", device_id, self._kind)
         return dataclasses.replace(result, weights=encode_full(poisoned, Precision.FP32).tensors)
-
-    def commit_upload(self, device_id: str) -> None:
-        self._inner.commit_upload(device_id)
-
-    def model(self, device_id: str) -> Classifier:
-        return self._inner.model(device_id)
-
-    def close(self) -> None:
-        close = getattr(self._inner, "close", None)
-        if close is not None:
-            close()
 
 
 def _received_model(job: TrainJob, result: Trained) -> dict[str, Array]:

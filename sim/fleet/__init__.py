@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from sim.fleet.batching import DEFAULT_LINGER_S, DEFAULT_MAX_COHORT, CohortQueue
 from sim.fleet.driver import DEFAULT_CONNECTIONS, Fleet, FleetOptions
-from sim.fleet.trainer import FleetDevice, FleetTrainer, LoopTrainer, TrainerFactory
+from sim.fleet.trainer import (
+    FleetDevice,
+    FleetTrainer,
+    LoopTrainer,
+    TrainerFactory,
+    WrappedTrainer,
+)
 
 __all__ = [
     "DEFAULT_CONNECTIONS",
@@ -32,4 +38,5 @@ __all__ = [
     "FleetTrainer",
     "LoopTrainer",
     "TrainerFactory",
+    "WrappedTrainer",
 ]

@@ -31,7 +31,7 @@ from edge_client.train.trainer import CancelHook, LocalTrainer, build_device_mod
 from edge_client.train.transfer import TransferState
 from models import Classifier, ModelError, load_state_arrays
 
-__all__ = ["FleetDevice", "FleetTrainer", "LoopTrainer", "TrainerFactory"]
+__all__ = ["FleetDevice", "FleetTrainer", "LoopTrainer", "TrainerFactory", "WrappedTrainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,28 @@ class FleetTrainer(Protocol):
 
 TrainerFactory = Callable[[Sequence[FleetDevice]], FleetTrainer]
 """Builds the trainer of a fleet from its devices."""
+
+
+class WrappedTrainer:
+    """A :class:`FleetTrainer` around another: every call passes through to ``inner``
+    (its ``close()`` too, where it has one); subclasses change :meth:`run_many`."""
+
+    def __init__(self, inner: FleetTrainer) -> None:
+        self._inner = inner
+
+    def run_many(self, jobs: Sequence[tuple[str, Job]]) -> list[JobResult]:
+        return self._inner.run_many(jobs)
+
+    def commit_upload(self, device_id: str) -> None:
+        self._inner.commit_upload(device_id)
+
+    def model(self, device_id: str) -> Classifier:
+        return self._inner.model(device_id)
+
+    def close(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close()
 
 
 class LoopTrainer:
