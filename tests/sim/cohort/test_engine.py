@@ -4,6 +4,19 @@ Every case trains the same devices (ragged datasets, so devices take different n
 of steps and short last batches) once with :func:`local_update` one after the other and
 once with :func:`train_cohort`, and bounds the largest difference of the uploads and of
 the metrics.
+
+The bounds follow from what the computation can differ by. Both paths compute the same
+sums in a different order (one device's matrix products against a cohort's batched ones,
+split over however many threads and vector lanes the CPU's kernels use), so each float32
+result may differ by rounding: :data:`WEIGHT_TOLERANCE` bounds that for the classifiers.
+FedKF's image generator adds a discontinuity: its one-hot loss labels each generated
+sample with the argmax of the teacher's logits, and where two logits nearly tie, a
+difference at the rounding level picks the other label and moves the generator by a step
+of its own (then Adam, which divides by the root of tiny second moments, carries it on).
+How large that step is depends on the CPU's kernels, not on the engine, so the generator's
+bound is measured, not picked: the reference is run again with the teacher's weights one
+unit in the last place up and down, and its own distance from itself is what rounding
+alone can do on this machine (:func:`_rounding_sensitivity`).
 """
 
 from __future__ import annotations
@@ -152,6 +165,51 @@ def _compare(batched: LocalResult, reference: LocalResult) -> None:
         assert batched.metrics[name] == pytest.approx(value, abs=METRIC_TOLERANCE), name
 
 
+ROUNDS = 2
+"""Rounds each case trains (the second starts from the state the first left)."""
+
+
+def _nudged(sets: dict[str, dict[str, np.ndarray]], direction: float) -> None:
+    """Move every float of the teacher's weights one unit in the last place (in place;
+    the single downlink's teacher is the student it sends)."""
+    teacher = sets["teacher"] if "teacher" in sets else sets["student"]
+    for key, value in teacher.items():
+        if value.dtype == np.float32:
+            teacher[key] = np.nextafter(value, np.float32(direction))
+
+
+def _reference_generators(
+    case: Case, start: Classifier, data: list[DeviceData], direction: float | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Each device's FedKF generator after the per-device reference's rounds, with the
+    teacher nudged toward ``direction`` (one ulp) when given."""
+    models = [copy.deepcopy(start) for _ in data]
+    states: list[dict[str, Any]] = [{} for _ in data]
+    for round_ in range(ROUNDS):
+        for model, device, task, state in zip(
+            models, data, _tasks(case, start, round_), states, strict=True
+        ):
+            if direction is not None:
+                _nudged(task.sets, direction)
+            local_update(model, device, task, state)
+    return [state_arrays(state[GENERATOR_STATE_KEY].module) for state in states]
+
+
+def _rounding_sensitivity(
+    case: Case, start: Classifier, data: list[DeviceData], reference: list[dict[str, np.ndarray]]
+) -> dict[str, float]:
+    """Per generator tensor, the most any device's generator moves when the teacher moves
+    by one ulp up or down: how far rounding alone carries the reference on this CPU."""
+    out: dict[str, float] = {}
+    for direction in (np.inf, -np.inf):
+        nudged = _reference_generators(case, start, data, direction)
+        for ref, moved in zip(reference, nudged, strict=True):
+            for key, value in ref.items():
+                distance = float(np.abs(moved[key].astype(np.float64) - value).max())
+                out[key] = max(out.get(key, 0.0), distance)
+    return out
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_batched_updates_equal_the_per_device_reference(name: str) -> None:
     case = CASES[name]
@@ -161,7 +219,7 @@ def test_batched_updates_equal_the_per_device_reference(name: str) -> None:
     batched_models = [copy.deepcopy(start) for _ in data]
     reference_states: list[dict[str, Any]] = [{} for _ in data]
     batched_states: list[dict[str, Any]] = [{} for _ in data]
-    for round_ in range(2):  # the second round starts from the state the first left
+    for round_ in range(ROUNDS):
         tasks = _tasks(case, start, round_)
         expected = [
             local_update(m, d, t, s)
@@ -180,13 +238,17 @@ def test_batched_updates_equal_the_per_device_reference(name: str) -> None:
     for ref, got in zip(reference_models, batched_models, strict=True):
         assert _max_diff(state_arrays(got), state_arrays(ref)) <= WEIGHT_TOLERANCE
     if case.strategy == "fedkf":  # each device's own generator moved as in the loop
-        for ref_state, got_state in zip(reference_states, batched_states, strict=True):
-            ref_g, got_g = ref_state[GENERATOR_STATE_KEY], got_state[GENERATOR_STATE_KEY]
-            # (Adam divides by the root of tiny second moments: relative bound)
-            for name, ref_value in state_arrays(ref_g.module).items():
-                got_value = state_arrays(got_g.module)[name]
+        reference = [state_arrays(s[GENERATOR_STATE_KEY].module) for s in reference_states]
+        sensitivity = _rounding_sensitivity(case, start, data, reference)
+        for ref_arrays, got_state in zip(reference, batched_states, strict=True):
+            got_arrays = state_arrays(got_state[GENERATOR_STATE_KEY].module)
+            for key, ref_value in ref_arrays.items():
+                # continuous rounding (relative: Adam's steps are normalized), plus twice
+                # the discontinuous part, once for each path's rounding
                 scale = max(1.0, float(np.abs(ref_value).max()))
-                assert float(np.abs(got_value - ref_value).max()) <= 1e-4 * scale, name
+                bound = 1e-4 * scale + 2 * sensitivity[key]
+                distance = float(np.abs(got_arrays[key].astype(np.float64) - ref_value).max())
+                assert distance <= bound, (key, distance, bound)
 
 
 def test_devices_of_different_settings_train_in_separate_cohorts() -> None:
