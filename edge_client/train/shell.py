@@ -60,8 +60,9 @@ __all__ = ["DeviceEffects", "DeviceShell", "Retry", "Upload", "publish_once"]
 logger = logging.getLogger(__name__)
 
 _LOCAL = (SaveState, SaveModel, CommitUpload)
-"""Actions that only touch the device's own state: carried out before :meth:`DeviceShell.
-handle` lets go of its lock, so whoever reads the session finds the disk agreeing."""
+"""Actions that only touch the device's own state: carried out before
+:meth:`DeviceShell.handle` lets go of its lock, so whoever reads the session (rounds
+done, handled tasks) finds the kept model and the committed residual on disk too."""
 
 
 class DeviceEffects(Protocol):
@@ -226,7 +227,11 @@ class Upload:
                 "%s: round %d: publishing the update failed: %s", message.sender, message.round, exc
             )
             if stops:
-                logger.info("round %d: upload abandoned, the device stops", message.round)
+                logger.info(
+                    "%s: round %d: upload abandoned, the device stops",
+                    message.sender,
+                    message.round,
+                )
                 return None
             return UpdateSent(self.action.task_id, ok=False)
         self.error = None
