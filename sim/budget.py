@@ -5,8 +5,9 @@ of a :class:`~sim.run.SimConfig`, in seconds rather than the minutes a full emul
 takes, and with the very encoders a run uses. It drives the real
 :class:`~coordinator.engine.RoundEngine` (the strategy, the per-device transfers, the
 selection) with a fake clock and, for each device, the real
-:class:`~edge_client.train.session.DeviceSession` that
-:class:`~edge_client.train.runtime.EdgeClient` runs, synchronously. The devices train as
+:class:`~edge_client.train.session.DeviceSession` in the shell
+:class:`~edge_client.train.runtime.EdgeClient` runs
+(:class:`~edge_client.train.shell.DeviceShell`), synchronously. The devices train as
 the fleet would (every local step the task asks, on the device's share of the run's
 dataset, so lossy deltas quantize and compress as a run's do), all the devices of a round
 at once with the batched cohort engine (:mod:`sim.cohort`): with a broker, codec threads
@@ -57,8 +58,10 @@ from coordinator.strategies import Strategy, build_strategy
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import session as dev
+from edge_client.train.shell import DeviceShell
 from edge_client.train.trainer import build_device_model
 from edge_client.train.transfer import TransferState
+from models import Classifier
 from models.devices import resolve_device
 from protocol.chunking import DEFAULT_MAX_PAYLOAD, split_frame
 from protocol.codec import Codec
@@ -304,15 +307,6 @@ def estimate(
     return _Emulation(config, progress, label, device).run()
 
 
-@dataclass
-class _Device:
-    """One emulated edge client's session."""
-
-    session: dev.DeviceSession
-    device_id: str
-    stopped: bool = False
-
-
 class _Emulation:
     """One run: the engine, the emulated devices and the byte counters."""
 
@@ -365,7 +359,7 @@ class _Emulation:
                 memory_bytes=memory_bytes,
             )
             specs.append(FleetDevice(client, data, TransferState()))
-            self.devices[split.device_id] = _Device(session, split.device_id)
+            self.devices[split.device_id] = _Device(self, split.device_id, session)
             if progress is not None:
                 progress.advance()
         self.trainer = BatchedTrainer(
@@ -394,7 +388,7 @@ class _Emulation:
             if self._retained is not None:
                 status_topic = self.topics.coordinator_status
                 self._inbox.append((device, status_topic, self._retained, False))
-            self._act(device, device.session.handle(dev.Started()))
+            device.shell.handle(dev.Started())
             self._drain()
         self.trainer.close()
         if not self._finished:
@@ -494,7 +488,7 @@ class _Emulation:
                     event = dev.CoordinatorStatusReceived(topic, message)
                 else:
                     event = dev.Received(topic, message, self._now)
-                self._act(device, device.session.handle(event))
+                device.shell.handle(event)
             if self._training:
                 cohort, self._training = self._training, []
                 jobs = [(device.device_id, job) for device, job in cohort]
@@ -502,40 +496,7 @@ class _Emulation:
                     self._check(device, job, result)
                     if isinstance(result, dev.Trained) and self._progress is not None:
                         self._progress.advance()
-                    self._act(device, device.session.handle(dev.JobDone(result)))
-
-    def _act(self, device: _Device, actions: list[dev.Action]) -> None:
-        """Carry out ``device``'s actions and those they lead to, depth first."""
-        todo = deque(actions)
-        while todo:
-            action = todo.popleft()
-            follow: list[dev.Action] = []
-            if isinstance(action, dev.SetStatus):
-                if action.state == "error":
-                    raise SimError(f"{device.device_id}: {action.detail}")
-                selected = action.state in ("training", "idle")
-                self._status(device, action.state, selected=selected)
-            elif isinstance(action, dev.Publish):
-                self._publish(device, action.topic, action.message, selected=False)
-            elif isinstance(action, dev.SendUpdate):
-                self._update_ids.add(action.message.message_id)
-                self._publish(device, action.topic, action.message, selected=True)
-                follow = device.session.handle(dev.UpdateSent(action.task_id, ok=True))
-            elif isinstance(action, dev.RunJob):
-                if isinstance(action.job, dev.TrainJob):  # trained with the round's cohort
-                    self._training.append((device, action.job))
-                else:
-                    self.device_rounds += 1
-                    result = self.trainer.run_many([(device.device_id, action.job)])[0]
-                    self._check(device, action.job, result)
-                    follow = device.session.handle(dev.JobDone(result))
-            elif isinstance(action, dev.CommitUpload):
-                self.trainer.commit_upload(device.device_id)
-            elif isinstance(action, dev.Stop) and not device.stopped:
-                device.stopped = True
-                self._status(device, "offline")
-            # SaveState, SaveModel: an emulated device persists nothing
-            todo.extendleft(reversed(follow))
+                    device.shell.handle(dev.JobDone(result))
 
     def _check(self, device: _Device, job: dev.Job, result: dev.JobResult) -> None:
         """An emulated device that cannot run its task stops the estimate."""
@@ -549,3 +510,51 @@ class _Emulation:
         body = DeviceStatus(state=state, rss_bytes=REPORTED_RSS)
         topic = self.topics.device(device.device_id, "status")
         self._publish(device, topic, self._message(device, body), selected=selected)
+
+
+class _Device:
+    """One emulated edge client: its shell, and what the emulation does for it (the
+    shell's :class:`~edge_client.train.shell.DeviceEffects`), at once and depth first:
+    what an action leads to is carried out before the session's next action. An
+    estimate persists nothing (the shell has no store)."""
+
+    def __init__(self, emulation: _Emulation, device_id: str, session: dev.DeviceSession) -> None:
+        self.device_id = device_id
+        self.shell = DeviceShell(session, self)
+        self.stopped = False
+        self._emulation = emulation
+
+    def publish(self, action: dev.Publish) -> None:
+        self._emulation._publish(self, action.topic, action.message, selected=False)
+
+    def set_status(self, action: dev.SetStatus) -> None:
+        if action.state == "error":
+            raise SimError(f"{self.device_id}: {action.detail}")
+        selected = action.state in ("training", "idle")
+        self._emulation._status(self, action.state, selected=selected)
+
+    def send_update(self, action: dev.SendUpdate) -> None:
+        self._emulation._update_ids.add(action.message.message_id)
+        self._emulation._publish(self, action.topic, action.message, selected=True)
+        self.shell.handle(dev.UpdateSent(action.task_id, ok=True))
+
+    def run_job(self, job: dev.Job) -> None:
+        emulation = self._emulation
+        if isinstance(job, dev.TrainJob):  # trained with the round's cohort
+            emulation._training.append((self, job))
+            return
+        emulation.device_rounds += 1
+        result = emulation.trainer.run_many([(self.device_id, job)])[0]
+        emulation._check(self, job, result)
+        self.shell.handle(dev.JobDone(result))
+
+    def commit_upload(self) -> None:
+        self._emulation.trainer.commit_upload(self.device_id)
+
+    def trained_model(self) -> Classifier:
+        return self._emulation.trainer.model(self.device_id)
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self._emulation._status(self, "offline")

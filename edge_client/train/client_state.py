@@ -8,12 +8,16 @@
   here instead of starting from its initial weights.
 
 Both are written atomically: a temporary file, fsync, rename, fsync of the directory.
+:class:`DeviceStore` is a device's folder: what every shell of the device session (the
+threaded client, the sim's fleet) reads when a device starts and writes as it goes, with
+its failures logged, never raised. Numpy only; no torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import uuid
 import zipfile
@@ -25,15 +29,21 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
+from edge_client.config import ClientConfig
+from edge_client.errors import ConfigError
+
 __all__ = [
     "MODEL_FILE",
     "STATE_FILE",
+    "DeviceStore",
     "SavedState",
     "read_model",
     "read_state",
     "write_model",
     "write_state",
 ]
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "client_state.json"
 """Name of the persisted state file inside ``ClientConfig.state_dir``."""
@@ -112,3 +122,97 @@ def read_state(path: Path) -> SavedState:
         OSError: unreadable; ValueError: not JSON or not a state file.
     """
     return SavedState.model_validate(json.loads(path.read_text(encoding="utf-8")))
+
+
+class DeviceStore:
+    """A device's state folder: its handled tasks and rounds done, and its trained model.
+
+    Reads and writes never raise: a file that cannot be read is ignored and one that
+    cannot be written left as it was, with a warning, and ``on_error`` (if given) is told
+    of every write that failed.
+
+    Args:
+        state_dir: the folder (it exists).
+        fsync: make every write durable (fsync of the file and its folder).
+        on_error: called with the error of each failed write.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        fsync: bool = True,
+        on_error: Callable[[OSError], None] | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self._fsync = fsync
+        self._on_error = on_error
+
+    @classmethod
+    def of(
+        cls, config: ClientConfig, on_error: Callable[[OSError], None] | None = None
+    ) -> DeviceStore | None:
+        """The store of ``config.state_dir`` (created if missing); None without one.
+
+        Raises:
+            ConfigError: the folder cannot be created.
+        """
+        if config.state_dir is None:
+            return None
+        try:
+            config.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create state dir {config.state_dir}: {exc}") from exc
+        return cls(config.state_dir, fsync=config.fsync_state, on_error=on_error)
+
+    @property
+    def state_path(self) -> Path:
+        """Where the handled tasks and rounds done live."""
+        return self.state_dir / STATE_FILE
+
+    @property
+    def model_path(self) -> Path:
+        """Where the trained model lives."""
+        return self.state_dir / MODEL_FILE
+
+    def load_state(self) -> SavedState | None:
+        """The state an earlier run saved; None if there is none or it is unreadable."""
+        path = self.state_path
+        if not path.exists():
+            return None
+        try:
+            return read_state(path)
+        except (OSError, ValueError) as exc:  # ValidationError and JSONDecodeError too
+            logger.warning("ignored the unreadable client state %s: %s", path, exc)
+            return None
+
+    def load_model(self) -> dict[str, npt.NDArray[Any]] | None:
+        """The model an earlier run saved; None if there is none or it is unreadable."""
+        path = self.model_path
+        if not path.exists():
+            return None
+        try:
+            return read_model(path)
+        except (OSError, ValueError) as exc:
+            logger.warning("ignored the saved model %s: %s", path, exc)
+            return None
+
+    def save_state(self, saved: SavedState) -> None:
+        """Persist ``saved``."""
+        try:
+            write_state(self.state_path, saved, fsync=self._fsync)
+        except OSError as exc:
+            logger.warning("could not save the client state to %s: %s", self.state_path, exc)
+            self._failed(exc)
+
+    def save_model(self, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Persist the trained model's state ``arrays``."""
+        try:
+            write_model(self.model_path, arrays, fsync=self._fsync)
+        except OSError as exc:
+            logger.warning("could not save the model to %s: %s", self.model_path, exc)
+            self._failed(exc)
+
+    def _failed(self, error: OSError) -> None:
+        if self._on_error is not None:
+            self._on_error(error)

@@ -1,11 +1,12 @@
 """The training device's threaded MQTT shell around its session.
 
 One :class:`EdgeClient` is one device. Its logic (which task to train, when to announce,
-what to persist, when to resend) is the pure :class:`~edge_client.train.session.DeviceSession`;
-the client turns transport callbacks into the session's events and carries out the
-actions it returns: it publishes, runs the training jobs on its worker thread with a
-:class:`~edge_client.train.trainer.LocalTrainer`, and persists in ``state_dir``. The
-wire flow (topics from :class:`protocol.topics.Topics`):
+what to persist, when to resend) is the pure :class:`~edge_client.train.session.DeviceSession`,
+whose actions its :class:`~edge_client.train.shell.DeviceShell` carries out; the client
+is that shell's threaded driver: it turns transport callbacks into the session's events,
+publishes on its channel, runs the training jobs on its worker thread with a
+:class:`~edge_client.train.trainer.LocalTrainer`, and persists in ``state_dir``. The wire
+flow (topics from :class:`protocol.topics.Topics`):
 
 1. ``start()`` connects (retrying with exponential backoff while the broker is not up,
    with a retained ``offline`` :class:`DeviceStatus` as last will), subscribes to its
@@ -44,7 +45,7 @@ from pathlib import Path
 import torch
 
 from edge_client.config import ClientConfig
-from edge_client.errors import ConfigError, ConnectError, EdgeClientError
+from edge_client.errors import ConnectError, EdgeClientError
 from edge_client.link import (
     DeviceState,
     connect_with_retry,
@@ -52,19 +53,10 @@ from edge_client.link import (
     total_memory_bytes,
 )
 from edge_client.serve.follower import ModelRefresher
-from edge_client.train.client_state import (
-    MODEL_FILE,
-    STATE_FILE,
-    SavedState,
-    read_model,
-    read_state,
-    write_model,
-    write_state,
-)
+from edge_client.train.client_state import STATE_FILE, DeviceStore
 from edge_client.train.data import DeviceData
+from edge_client.train.retry import RetrySchedule
 from edge_client.train.session import (
-    Action,
-    CommitUpload,
     CoordinatorStatusReceived,
     DeviceSession,
     Event,
@@ -75,22 +67,18 @@ from edge_client.train.session import (
     Publish,
     Received,
     Reconnected,
-    RunJob,
-    SaveModel,
-    SaveState,
     SendUpdate,
     SetStatus,
     Started,
-    Stop,
     Tick,
-    UpdateSent,
 )
+from edge_client.train.shell import DeviceShell, Retry, Upload, publish_once
 from edge_client.train.trainer import CancelHook, LocalTrainer, build_device_model
 from edge_client.train.transfer import TransferState
-from models import Classifier, ModelError, load_state_arrays, state_arrays
+from models import Classifier, ModelError, load_state_arrays
 from protocol.channel import Channel
 from protocol.codec import Codec
-from protocol.errors import DecodeError, EncodeError, TransportError
+from protocol.errors import DecodeError, TransportError
 from protocol.messages import DeviceStatus, Message
 from protocol.topics import Topics
 from protocol.transport.base import Transport, Will
@@ -98,8 +86,6 @@ from protocol.transport.base import Transport, Will
 __all__ = ["STATE_FILE", "EdgeClient"]
 
 logger = logging.getLogger(__name__)
-
-_UPLOAD_BACKOFF_MAX_S = 10.0
 
 
 class _Wake:
@@ -142,11 +128,7 @@ class EdgeClient:
         model = build_device_model(config, data)
         if data.device_id != config.device_id:
             logger.info("data file of %r used by device %r", data.device_id, config.device_id)
-        if config.state_dir is not None:
-            try:
-                config.state_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(f"cannot create state dir {config.state_dir}: {exc}") from exc
+        store = DeviceStore.of(config, on_error=self._failed)  # before any thread starts
         self.config = config
         self.transport = transport
         self.data = data
@@ -176,6 +158,7 @@ class EdgeClient:
             self._refresher = ModelRefresher(
                 config.onnx_template, config.serve_onnx, fsync=config.fsync_state
             )
+        self._schedule = RetrySchedule.of(config)
         self._session = DeviceSession(
             config,
             fingerprint=model.fingerprint(),
@@ -183,10 +166,11 @@ class EdgeClient:
             label_counts=tuple(int(c) for c in data.label_counts()),
             memory_bytes=total_memory_bytes(),
             held_base=transfer.held_fingerprint,
-            saved=self._read_state(),
+            saved=None if store is None else store.load_state(),
         )
-        if self._session.restored:
-            self._load_model()
+        self._shell = DeviceShell(self._session, _Effects(self), store=store, lock=self._lock)
+        if self._session.restored and store is not None:
+            self._load_model(store)
 
     # ------------------------------------------------------------------ public API
 
@@ -327,44 +311,11 @@ class EdgeClient:
 
     def _handle(self, event: Event) -> None:
         """Feed ``event`` to the session and carry out its actions."""
-        with self._lock:
-            actions = self._session.handle(event)
-            # Persistence (which the session lists first) is carried out under the lock:
-            # whoever reads the session's state (rounds done, handled tasks) finds it, the
-            # kept model and the committed residual on disk too. The rest may block on the
-            # broker or call back into the session, so it runs after.
-            later = []
-            for action in actions:
-                if isinstance(action, (SaveState, SaveModel, CommitUpload)):
-                    self._act(action)
-                else:
-                    later.append(action)
-        for action in later:
-            self._act(action)
+        self._shell.handle(event)
 
-    def _act(self, action: Action) -> None:
-        if isinstance(action, SetStatus):
-            self._publish_status(action.state, action.detail)
-        elif isinstance(action, Publish):
-            try:
-                self._channel.send(
-                    action.topic, action.message, retain=action.retain, latest=action.latest
-                )
-            except (TransportError, EncodeError) as exc:
-                logger.warning("could not send the %s: %s", action.message.kind, exc)
-        elif isinstance(action, RunJob):
-            self._queue.put(action.job)
-        elif isinstance(action, SendUpdate):
-            self._send_update(action)
-        elif isinstance(action, SaveState):
-            self._save_state(action.saved)
-        elif isinstance(action, SaveModel):
-            self._save_model()
-        elif isinstance(action, CommitUpload):
-            self._trainer.commit_upload()
-        elif isinstance(action, Stop):
-            # not on the handler thread: stop() disconnects the transport that runs it
-            threading.Thread(target=self.stop, name="edge-client-stop", daemon=True).start()
+    def _failed(self, error: Exception) -> None:
+        """Remember a persistence or upload failure (``last_error``)."""
+        self._last_error = error
 
     @property
     def _status_topic(self) -> str:
@@ -440,81 +391,59 @@ class EdgeClient:
             upcoming = self._session.next_expiry
         return None if upcoming is None else max(0.0, upcoming - now)
 
-    def _send_update(self, action: SendUpdate) -> None:
-        """Publish the update, retrying while the broker is unreachable, and tell the
-        session; nothing when a stop was requested meanwhile (the task stays unhandled
-        and the error feedback unchanged, so a restarted device trains it again)."""
-        message = action.message
-        deadline = time.monotonic() + self.config.upload_retry_s
-        delay = 0.5
-        while True:
-            try:
-                self._channel.send(action.topic, message)
-                break
-            except (TransportError, EncodeError) as exc:
-                give_up = (
-                    isinstance(exc, EncodeError)
-                    or self._stop_requested.is_set()
-                    or time.monotonic() + delay > deadline
-                )
-                if not give_up:
-                    logger.warning("publishing the update failed (%s); retry in %.1f s", exc, delay)
-                    self._stop_requested.wait(delay)
-                    delay = min(delay * 2, _UPLOAD_BACKOFF_MAX_S)
-                    continue
-                logger.error("round %d: publishing the update failed: %s", message.round, exc)
-                self._last_error = exc
-                if self._stop_requested.is_set():
-                    logger.info("round %d: upload abandoned, the device stops", message.round)
-                    return
-                self._handle(UpdateSent(action.task_id, ok=False))
-                return
-        self._handle(UpdateSent(action.task_id, ok=True))
-
     # ------------------------------------------------------------------ persistence
 
-    def _save_state(self, saved: SavedState) -> None:
-        """Persist ``saved``; failures are logged, never raised."""
-        path = self.state_path
-        if path is None:
-            return
-        try:
-            write_state(path, saved, fsync=self.config.fsync_state)
-        except OSError as exc:
-            logger.warning("could not save the client state to %s: %s", path, exc)
-            self._last_error = exc
-
-    def _save_model(self) -> None:
-        """Persist the trained model (before the update goes out); failures are logged."""
-        if self.config.state_dir is None:
-            return
-        path = self.config.state_dir / MODEL_FILE
-        try:
-            write_model(path, state_arrays(self._trainer.model), fsync=self.config.fsync_state)
-        except OSError as exc:
-            logger.warning("could not save the model to %s: %s", path, exc)
-            self._last_error = exc
-
-    def _load_model(self) -> None:
+    def _load_model(self, store: DeviceStore) -> None:
         """Start from the model saved by the last run of this device, if it fits."""
-        assert self.config.state_dir is not None
-        path = self.config.state_dir / MODEL_FILE
-        if not path.exists():
+        arrays = store.load_model()
+        if arrays is None:
             return
-        model: Classifier = self._trainer.model
         try:
-            load_state_arrays(model, read_model(path))
-        except (OSError, ValueError, ModelError) as exc:
-            logger.warning("ignored the saved model %s: %s", path, exc)
+            load_state_arrays(self._trainer.model, arrays)
+        except (ValueError, ModelError) as exc:
+            logger.warning("ignored the saved model %s: %s", store.model_path, exc)
             return
-        logger.info("resumed the local model from %s", path)
+        logger.info("resumed the local model from %s", store.model_path)
 
-    def _read_state(self) -> SavedState | None:
-        path = self.state_path
-        if path is None or not path.exists():
-            return None
-        try:
-            return read_state(path)
-        except (OSError, ValueError) as exc:  # ValidationError and JSONDecodeError too
-            logger.warning("ignored the unreadable client state %s: %s", path, exc)
-            return None
+
+class _Effects:
+    """What the client does for its shell (:class:`~edge_client.train.shell.DeviceEffects`)."""
+
+    def __init__(self, client: EdgeClient) -> None:
+        self._client = client
+
+    def publish(self, action: Publish) -> None:
+        publish_once(self._client._channel, action)
+
+    def set_status(self, action: SetStatus) -> None:
+        self._client._publish_status(action.state, action.detail)
+
+    def send_update(self, action: SendUpdate) -> None:
+        """Publish the update, waiting between attempts (on the worker thread, which
+        trained it), and tell the session; nothing when a stop was requested meanwhile
+        (the task stays unhandled and the error feedback unchanged, so a restarted device
+        trains it again)."""
+        client = self._client
+        stop_requested = client._stop_requested
+        upload = Upload(action, client._schedule)
+        while isinstance(
+            step := upload.attempt(client._channel.send, stop_requested.is_set), Retry
+        ):
+            stop_requested.wait(step.delay_s)
+        if (step is None or not step.ok) and upload.error is not None:
+            client._failed(upload.error)
+        if step is not None:
+            client._handle(step)
+
+    def run_job(self, job: Job) -> None:
+        self._client._queue.put(job)  # the worker thread runs it
+
+    def commit_upload(self) -> None:
+        self._client._trainer.commit_upload()
+
+    def trained_model(self) -> Classifier:
+        return self._client._trainer.model
+
+    def stop(self) -> None:
+        # not on the handler thread: stop() disconnects the transport that runs it
+        threading.Thread(target=self._client.stop, name="edge-client-stop", daemon=True).start()

@@ -1,11 +1,13 @@
 """The training device's logic as a session: events in, actions out.
 
 :class:`DeviceSession` is the one device. It never touches a broker, a thread, a file or
-a clock: a shell feeds it events (started, a decoded inbox message, the coordinator's
-status, reconnected, a job's result, an update sent, time passing) and carries out the
-actions it returns (publish, set the retained status, send an update with retries, run a
-job on the trainer, persist, stop). :class:`~edge_client.train.runtime.EdgeClient` is the
-threaded MQTT shell on a device; :mod:`sim.budget` drives the same session synchronously.
+a clock: its shell (:class:`~edge_client.train.shell.DeviceShell`) feeds it events
+(started, a decoded inbox message, the coordinator's status, reconnected, a job's result,
+an update sent, time passing) and carries out the actions it returns (publish, set the
+retained status, send an update with retries, run a job on the trainer, persist, stop).
+Three drivers run that shell: :class:`~edge_client.train.runtime.EdgeClient` (threads, on
+a device), :class:`sim.fleet.Fleet` (many devices, an event thread) and :mod:`sim.budget`
+(synchronously).
 
 Training goes through the trainer seam (:mod:`edge_client.train.trainer`): a job
 (:class:`DecodeJob`, then :class:`TrainJob`) goes out in a :class:`RunJob` action, its
@@ -52,6 +54,7 @@ from pydantic import ValidationError
 from edge_client.config import ClientConfig
 from edge_client.link import DeviceState
 from edge_client.train.client_state import SavedState
+from edge_client.train.retry import RetrySchedule
 from edge_client.train.strategies import WEIGHTS_SET, LocalTask
 from protocol import __version__ as protocol_version
 from protocol.errors import DecodeError
@@ -263,8 +266,9 @@ class SetStatus:
 
 @dataclass(frozen=True)
 class SendUpdate:
-    """Publish the update, retrying up to ``upload_retry_s``; answer :class:`UpdateSent`
-    (or nothing when the device stops meanwhile)."""
+    """Publish the update, retrying as the device's
+    :class:`~edge_client.train.retry.RetrySchedule` says; answer :class:`UpdateSent` (or
+    nothing when the device stops meanwhile)."""
 
     topic: str
     message: Message
@@ -372,6 +376,7 @@ class DeviceSession:
         saved: SavedState | None = None,
     ) -> None:
         self.config = config
+        self._schedule = RetrySchedule.of(config)
         self._topics = Topics(config.fleet)
         self._fingerprint = fingerprint
         self._num_samples = num_samples
@@ -555,18 +560,18 @@ class DeviceSession:
         if not self._awaiting_ack:
             return []
         if self._ack_due is None:
-            self._ack_due = now + self.config.ack_timeout_s
+            self._ack_due = now + self._schedule.ack_timeout_s
             return []
         if now < self._ack_due:
             return []
-        return self._retry(now, f"no ack within {self.config.ack_timeout_s:.0f} s")
+        return self._retry(now, f"no ack within {self._schedule.ack_timeout_s:.0f} s")
 
     def _retry(self, now: float, why: str) -> list[Action]:
         """Send the unacknowledged update again, unless it was resent often enough."""
         message = self._unacked
         if message is None:
             return []
-        if self._resends >= self.config.max_resends:
+        if self._resends >= self._schedule.max_resends:
             if self._awaiting_ack:
                 logger.warning(
                     "round %d: %s; gave up after %d resends", message.round, why, self._resends
@@ -574,13 +579,13 @@ class DeviceSession:
             self._awaiting_ack, self._ack_due = False, None
             return []
         self._resends += 1
-        self._awaiting_ack, self._ack_due = True, now + self.config.ack_timeout_s
+        self._awaiting_ack, self._ack_due = True, now + self._schedule.ack_timeout_s
         logger.warning(
             "round %d: %s; sending the update again (%d of %d)",
             message.round,
             why,
             self._resends,
-            self.config.max_resends,
+            self._schedule.max_resends,
         )
         return [Publish(self._topics.device(self.config.device_id, "update"), message)]
 

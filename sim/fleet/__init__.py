@@ -11,7 +11,7 @@ implements the same protocol.
 Modules: ``driver`` (:class:`Fleet`, :class:`FleetOptions`), ``pool`` (the connections
 and their publishers), ``batching`` (which jobs go to the trainer together),
 ``trainer`` (the seam and the loop trainer), ``devices`` (a device's session and
-persistence), ``window`` (how many hellos and updates may wait for the coordinator's
+state folder), ``window`` (how many hellos and updates may wait for the coordinator's
 answer), ``pacing`` (how fast the devices publish). See docs/fleet.md.
 """
 

@@ -1,14 +1,14 @@
 """The fleet driver: N emulated devices in one process, each its own device session.
 
 :class:`Fleet` runs one :class:`~edge_client.train.session.DeviceSession` per device, the
-very session a device's :class:`~edge_client.train.runtime.EdgeClient` runs, with a few
-threads whatever N is:
+very session a device's :class:`~edge_client.train.runtime.EdgeClient` runs, in the very
+shell (:class:`~edge_client.train.shell.DeviceShell`), with a few threads whatever N is:
 
-* the **event thread** feeds the sessions: inbound messages (routed by the inbox they
-  came on), the coordinator's status (handed to each device of the connection it came
-  on), reconnects, job results, finished uploads and expiry ticks; it carries out their
-  actions: publishing goes to the connection's publisher, jobs to the trainer thread,
-  persistence is done at once;
+* the **event thread** feeds the devices' shells: inbound messages (routed by the inbox
+  they came on), the coordinator's status (handed to each device of the connection it
+  came on), reconnects, job results, finished uploads and expiry ticks; for their
+  actions, each device's effects (:class:`_Device`) hand publishing to the connection's
+  publisher and jobs to the trainer thread; persistence is done at once;
 * the **trainer thread** hands the jobs to a :class:`~sim.fleet.trainer.FleetTrainer`,
   batched by a :class:`~sim.fleet.batching.CohortQueue` (decoding as it comes, training
   in cohorts), so training never blocks the handling of acks, statuses and tasks;
@@ -33,17 +33,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from edge_client.config import ClientConfig
 from edge_client.link import total_memory_bytes
+from edge_client.train.client_state import DeviceStore
 from edge_client.train.data import DeviceData
 from edge_client.train.session import (
-    Action,
-    CommitUpload,
     CoordinatorStatusReceived,
     DeviceSession,
     Event,
@@ -54,21 +52,18 @@ from edge_client.train.session import (
     Publish,
     Received,
     Reconnected,
-    RunJob,
-    SaveModel,
-    SaveState,
     SendUpdate,
     SetStatus,
     Started,
-    Stop,
     Tick,
 )
+from edge_client.train.shell import DeviceShell
 from models import Classifier
 from protocol.codec import Codec
 from protocol.messages import Ack, Hello
 from protocol.transport import Counts, Transport
 from sim.fleet.batching import DEFAULT_LINGER_S, DEFAULT_MAX_COHORT, CohortQueue
-from sim.fleet.devices import build_device, save_model, save_state
+from sim.fleet.devices import build_device
 from sim.fleet.pacing import DEFAULT_RATE, RateLimit
 from sim.fleet.pool import ConnectionRestored, DeviceEvent, Pool, PoolEvent, StatusArrived
 from sim.fleet.trainer import FleetTrainer, LoopTrainer, TrainerFactory
@@ -117,13 +112,6 @@ class FleetOptions(BaseModel):
         return self.connections
 
 
-@dataclass
-class _Device:
-    session: DeviceSession
-    config: ClientConfig
-    stopped: bool = False
-
-
 class Fleet:
     """N emulated devices over a pool of broker connections (see the module docstring).
 
@@ -160,9 +148,9 @@ class Fleet:
         for config, data in devices:
             if config.device_id in self._devices:
                 raise ValueError(f"two devices named {config.device_id!r}")
-            spec, session = build_device(config, data, memory, fingerprints)
+            spec, session, store = build_device(config, data, memory, fingerprints)
             specs.append(spec)
-            self._devices[config.device_id] = _Device(session, config)
+            self._devices[config.device_id] = _Device(self, config.device_id, session, store)
         self._trainer: FleetTrainer = trainer(specs)
         self._events: queue.SimpleQueue[PoolEvent | _Tick | None] = queue.SimpleQueue()
         self._cohorts = CohortQueue(options.max_cohort, options.linger_s)
@@ -282,7 +270,7 @@ class Fleet:
         for device_id, device in self._devices.items():
             if not device.stopped:
                 device.stopped = True
-                self._pool.send(device_id, SetStatus("offline"))
+                self._pool.set_status(device_id, "offline")
         self._pool.close(timeout)
         stopped = sum(d.session.rounds_done for d in self._devices.values())
         logger.info("fleet stopped: %d devices, %d rounds done in all", len(self._devices), stopped)
@@ -349,7 +337,7 @@ class Fleet:
                 self._handle(device_id, Started())
             elif not self._devices[device_id].stopped:
                 self._window.sent(update.message.message_id)
-                self._pool.send(device_id, update)
+                self._pool.upload(device_id, update)
         now = time.monotonic()
         due = set()
         while self._expiries and self._expiries[0][0] <= now:
@@ -363,33 +351,18 @@ class Fleet:
             return
         if isinstance(event, Received) and isinstance(event.message.body, Ack):
             self._window.answered(event.message.body.ref)
-        for action in device.session.handle(event):
-            self._act(device_id, device, action)
+        device.shell.handle(event)
         expiry = device.session.next_expiry
         if expiry is not None:
             heapq.heappush(self._expiries, (expiry, device_id))
 
-    def _act(self, device_id: str, device: _Device, action: Action) -> None:
-        if isinstance(action, SendUpdate):
-            self._window.queue((device_id, action))  # it goes when the window lets it
-        elif isinstance(action, (Publish, SetStatus)):
-            if isinstance(action, Publish) and isinstance(action.message.body, Hello):
-                self._window.sent(action.message.message_id)
-            self._pool.send(device_id, action)
-        elif isinstance(action, RunJob):
-            self._cohorts.submit(device_id, action.job)
-        elif isinstance(action, SaveState):
-            save_state(device.config, action.saved)
-        elif isinstance(action, SaveModel) and device.config.state_dir is not None:
-            save_model(device.config, self._trainer.model(device_id))
-        elif isinstance(action, CommitUpload):
-            self._trainer.commit_upload(device_id)
-        elif isinstance(action, Stop):
-            device.stopped = True
-            self._pool.send(device_id, SetStatus("offline"))
-            self._running -= 1
-            if self._running == 0:
-                self._all_stopped.set()
+    def _stopped(self, device: _Device) -> None:
+        """``device`` stopped (the coordinator finished its run)."""
+        device.stopped = True
+        self._pool.set_status(device.device_id, "offline")
+        self._running -= 1
+        if self._running == 0:
+            self._all_stopped.set()
 
     # -- the trainer thread ------------------------------------------------------------------
 
@@ -408,6 +381,46 @@ class Fleet:
             logger.exception("fleet: the trainer failed on %d jobs", len(batch))
             return [Failed(job.message.message_id, exc) for _, job in batch]
         return results
+
+
+class _Device:
+    """One emulated device: its shell, and what the fleet does for it (the shell's
+    :class:`~edge_client.train.shell.DeviceEffects`), on the event thread."""
+
+    def __init__(
+        self, fleet: Fleet, device_id: str, session: DeviceSession, store: DeviceStore | None
+    ) -> None:
+        self.device_id = device_id
+        self.shell = DeviceShell(session, self, store=store)
+        self.stopped = False
+        self._fleet = fleet
+
+    @property
+    def session(self) -> DeviceSession:
+        return self.shell.session
+
+    def publish(self, action: Publish) -> None:
+        if isinstance(action.message.body, Hello):
+            self._fleet._window.sent(action.message.message_id)
+        self._fleet._pool.publish(self.device_id, action)
+
+    def set_status(self, action: SetStatus) -> None:
+        self._fleet._pool.set_status(self.device_id, action.state, action.detail)
+
+    def send_update(self, action: SendUpdate) -> None:
+        self._fleet._window.queue((self.device_id, action))  # it goes when the window lets it
+
+    def run_job(self, job: Job) -> None:
+        self._fleet._cohorts.submit(self.device_id, job)
+
+    def commit_upload(self) -> None:
+        self._fleet._trainer.commit_upload(self.device_id)
+
+    def trained_model(self) -> Classifier:
+        return self._fleet._trainer.model(self.device_id)
+
+    def stop(self) -> None:
+        self._fleet._stopped(self)
 
 
 class _Tick:

@@ -6,12 +6,13 @@ messages on ``fl/{fleet}/devices/{id}/...`` with the device as sender; only the 
 connection is shared. Each connection also subscribes once to the coordinator's retained
 status, which the driver hands to each of its devices.
 
-Per connection, one publisher thread carries out the devices' publishing actions in the
-order they come (so each device's messages keep their order): publish, the retained
-status, and the update with the retry rule of the device's own shell (retried while the
-broker is unreachable, up to the device's ``upload_retry_s``, backing off from 0.5 s to
-10 s; a retry waits without holding up the connection's other devices). The same thread
-first subscribes its devices' inboxes and the status, then announces its devices.
+Per connection, one publisher thread publishes for its devices in the order asked (so
+each device's messages keep their order): a message, the retained status, and an update
+as the device shell's :class:`~edge_client.train.shell.Upload` says (retried while the
+broker is unreachable, as the device's
+:class:`~edge_client.train.retry.RetrySchedule` says; a retry waits on the thread's heap
+without holding up the connection's other devices). The same thread first subscribes its
+devices' inboxes and the status, then announces its devices.
 
 A pool connection has no last will: the broker cannot publish N devices' ``offline``
 statuses for one dropped connection. The driver publishes ``offline`` for every device
@@ -27,24 +28,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, ConnectError
-from edge_client.link import publish_status
-from edge_client.train.session import (
-    Event,
-    Publish,
-    Received,
-    SendUpdate,
-    SetStatus,
-    Started,
-    UpdateSent,
-)
+from edge_client.link import DeviceState, publish_status
+from edge_client.train.retry import RetrySchedule
+from edge_client.train.session import Event, Publish, Received, SendUpdate, Started
+from edge_client.train.shell import Retry, Upload, publish_once
 from protocol.auth import Keyring
 from protocol.channel import Channel
 from protocol.codec import Codec
-from protocol.errors import DecodeError, EncodeError, TransportError
+from protocol.errors import DecodeError, TransportError
 from protocol.messages import Message
 from protocol.topics import Topics
 from protocol.transport import Counts, Inbound, TrafficStats, Transport, publish_packet_size
@@ -54,8 +49,6 @@ __all__ = ["ConnectionRestored", "DeviceEvent", "Pool", "PoolEvent", "StatusArri
 
 logger = logging.getLogger(__name__)
 
-_UPLOAD_BACKOFF_S = 0.5  # first retry delay of an update, doubled up to ...
-_UPLOAD_BACKOFF_MAX_S = 10.0  # ... this (the device shell's values)
 _CONNECT_TIMEOUT_S = 10.0
 
 
@@ -87,17 +80,16 @@ class ConnectionRestored:
 
 
 PoolEvent = DeviceEvent | StatusArrived | ConnectionRestored
-Outbound = Publish | SetStatus | SendUpdate
 
 
 @dataclass(order=True)
 class _Retry:
+    """An update to publish again at ``due`` (monotonic seconds)."""
+
     due: float
     order: int
-    device_id: str = ""
-    action: SendUpdate | None = None
-    deadline: float = 0.0
-    delay: float = 0.0
+    device_id: str = field(compare=False)
+    upload: Upload = field(compare=False)
 
 
 class _Setup:
@@ -188,9 +180,26 @@ class Pool:
         for connection in self._connections:
             connection.start(ready)
 
-    def send(self, device_id: str, action: Outbound) -> None:
-        """Carry out ``action`` for ``device_id`` on its connection's publisher thread."""
-        self._connections[self._connection_of[device_id]].put(device_id, action)
+    def publish(self, device_id: str, action: Publish) -> None:
+        """Publish ``action.message`` once for ``device_id`` (a failure is logged)."""
+        connection = self._connection_of_device(device_id)
+        connection.put(lambda: connection.publish(action))
+
+    def set_status(self, device_id: str, state: DeviceState, detail: str = "") -> None:
+        """Publish the retained status of ``device_id``."""
+        connection = self._connection_of_device(device_id)
+        connection.put(lambda: connection.set_status(device_id, state, detail))
+
+    def upload(self, device_id: str, action: SendUpdate) -> None:
+        """Publish the update of ``device_id`` (retried as its schedule says); its
+        :class:`~edge_client.train.session.UpdateSent` comes back through ``post``,
+        unless the fleet stops meanwhile."""
+        connection = self._connection_of_device(device_id)
+        schedule = RetrySchedule.of(self._configs[device_id])
+        connection.put(lambda: connection.upload(device_id, Upload(action, schedule)))
+
+    def _connection_of_device(self, device_id: str) -> _Connection:
+        return self._connections[self._connection_of[device_id]]
 
     def count_deliveries(
         self, topic: str, payload_bytes: int, wire_bytes: int, devices: int
@@ -223,7 +232,7 @@ class Pool:
         Retries of updates not yet sent are dropped."""
         self._stopping.set()
         for connection in self._connections:
-            connection.put(None, None)
+            connection.put(None)
         for connection in self._connections:
             connection.join(idle_timeout)
         for connection in self._connections:
@@ -251,9 +260,8 @@ class _Connection:
         self.index = index
         self.channel = channel
         self.devices = devices
-        self._queue: queue.SimpleQueue[tuple[str | None, Outbound | _Setup | None]] = (
-            queue.SimpleQueue()
-        )
+        # what the publisher thread does next, in order
+        self._queue: queue.SimpleQueue[Callable[[], None] | _Setup | None] = queue.SimpleQueue()
         self._retries: list[_Retry] = []
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
@@ -295,14 +303,15 @@ class _Connection:
 
     def start(self, ready: Callable[[str | Exception | int], None]) -> None:
         self._ready = ready
-        self._queue.put((None, _SETUP))
+        self._queue.put(_SETUP)
         self._thread = threading.Thread(
             target=self._run, name=f"fleet-publisher-{self.index}", daemon=True
         )
         self._thread.start()
 
-    def put(self, device_id: str | None, action: Outbound | None) -> None:
-        self._queue.put((device_id, action))
+    def put(self, work: Callable[[], None] | None) -> None:
+        """Have the publisher thread do ``work``; None: end the thread."""
+        self._queue.put(work)
 
     def join(self, idle_timeout: float) -> None:
         thread = self._thread
@@ -325,7 +334,7 @@ class _Connection:
             if self._retries:
                 wait = max(0.0, self._retries[0].due - time.monotonic())
             try:
-                device_id, item = self._queue.get(timeout=wait)
+                item = self._queue.get(timeout=wait)
             except queue.Empty:
                 self._retry_due()
                 continue
@@ -341,11 +350,11 @@ class _Connection:
                     logger.exception("connection %d: setting up failed", self.index)
                     self._ready(exc)
                     return
-            elif device_id is not None:
+            else:
                 try:
-                    self._carry_out(device_id, item)
+                    item()
                 except Exception:  # never let the publisher die
-                    logger.exception("connection %d: an action failed", self.index)
+                    logger.exception("connection %d: a publish failed", self.index)
             self.progress += 1
             self._retry_due()
 
@@ -366,64 +375,26 @@ class _Connection:
             self.pool._post(DeviceEvent(device_id, Started()))
         self._ready(self.index)
 
-    def _carry_out(self, device_id: str, action: Outbound) -> None:
-        if not isinstance(action, SendUpdate):
-            self.pool._pace()
-        if isinstance(action, SetStatus):
-            publish_status(self.channel, self.pool._config(device_id), action.state, action.detail)
-        elif isinstance(action, Publish):
-            try:
-                self.channel.send(
-                    action.topic, action.message, retain=action.retain, latest=action.latest
-                )
-            except (TransportError, EncodeError) as exc:
-                logger.warning("%s: could not send the %s: %s", device_id, action.message.kind, exc)
-        else:
-            config = self.pool._config(device_id)
-            deadline = time.monotonic() + config.upload_retry_s
-            self._send_update(_Retry(0.0, 0, device_id, action, deadline, _UPLOAD_BACKOFF_S))
-
-    def _send_update(self, retry: _Retry) -> None:
-        """Publish the update; on failure retry later or give up (the device shell's rule:
-        an encoding error, a stop or the deadline gives up; nothing is reported when the
-        fleet stops, so the task stays unhandled)."""
-        action = retry.action
-        assert action is not None
-        message = action.message
+    def publish(self, action: Publish) -> None:
         self.pool._pace()
-        try:
-            self.channel.send(action.topic, message)
-        except (TransportError, EncodeError) as exc:
-            stopping = self.pool._stopping.is_set()
-            now = time.monotonic()
-            give_up = isinstance(exc, EncodeError) or stopping or now + retry.delay > retry.deadline
-            if not give_up:
-                logger.warning(
-                    "%s: publishing the update failed (%s); retry in %.1f s",
-                    retry.device_id,
-                    exc,
-                    retry.delay,
-                )
-                later = _Retry(
-                    now + retry.delay,
-                    next(self._order),
-                    retry.device_id,
-                    action,
-                    retry.deadline,
-                    min(retry.delay * 2, _UPLOAD_BACKOFF_MAX_S),
-                )
-                heapq.heappush(self._retries, later)
-                return
-            logger.error(
-                "%s: round %d: publishing the update failed: %s",
-                retry.device_id,
-                message.round,
-                exc,
-            )
-            if not stopping:
-                self.pool._post(DeviceEvent(retry.device_id, UpdateSent(action.task_id, ok=False)))
-            return
-        self.pool._post(DeviceEvent(retry.device_id, UpdateSent(action.task_id, ok=True)))
+        publish_once(self.channel, action)
+
+    def set_status(self, device_id: str, state: DeviceState, detail: str) -> None:
+        self.pool._pace()
+        publish_status(self.channel, self.pool._config(device_id), state, detail)
+
+    def upload(self, device_id: str, upload: Upload) -> None:
+        """Publish the update once; retry later or tell the device's session."""
+        step = upload.attempt(self._paced_send, self.pool._stopping.is_set)
+        if isinstance(step, Retry):
+            later = _Retry(time.monotonic() + step.delay_s, next(self._order), device_id, upload)
+            heapq.heappush(self._retries, later)
+        elif step is not None:
+            self.pool._post(DeviceEvent(device_id, step))
+
+    def _paced_send(self, topic: str, message: Message) -> None:
+        self.pool._pace()
+        self.channel.send(topic, message)
 
     def _retry_due(self) -> None:
         now = time.monotonic()
@@ -431,7 +402,7 @@ class _Connection:
             retry = heapq.heappop(self._retries)
             if self.pool._stopping.is_set():
                 continue  # the fleet stops: the update is abandoned
-            self._send_update(retry)
+            self.upload(retry.device_id, retry.upload)
 
     # -- inbound (the transport's handler thread) ----------------------------------------
 
