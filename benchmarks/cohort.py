@@ -5,7 +5,7 @@ epoch at batch 32, SGD with momentum, the same start model), trained
 
 - ``batched``: all at once by :func:`sim.cohort.engine.train_cohort`;
 - ``loop``: one after the other on the per-device path
-  (:func:`edge_client.train.strategies.local_update`), as ``--engine loop`` does. On
+  (:func:`edge_client.train.local_update.local_update`), as ``--engine loop`` does. On
   large fleets the loop is timed on ``--loop-sample`` devices and scaled (the loop's time
   is linear in the devices); the row says how many it measured.
 
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from edge_client.train.data import DeviceData
-from edge_client.train.strategies import LocalTask, local_update
+from edge_client.train.local_update import local_update
+from edge_client.train.task import LocalTask
 from models import Classifier, build_classifier, state_arrays
 from models.devices import resolve_device
 from sim.cohort.engine import Member, train_cohort

@@ -55,7 +55,7 @@ from edge_client.config import ClientConfig
 from edge_client.link import DeviceState
 from edge_client.train.client_state import SavedState
 from edge_client.train.retry import RetrySchedule
-from edge_client.train.strategies import WEIGHTS_SET, LocalTask
+from edge_client.train.task import LocalTask
 from protocol import __version__ as protocol_version
 from protocol.errors import DecodeError
 from protocol.messages import (
@@ -68,6 +68,7 @@ from protocol.messages import (
     RoundTask,
     Update,
 )
+from protocol.sets import WEIGHTS_SET
 from protocol.tensors import Precision
 from protocol.tensorset import TensorSet
 from protocol.topics import Topics, parse_topic

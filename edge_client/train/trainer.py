@@ -4,7 +4,7 @@ A :class:`Trainer` runs the :class:`~edge_client.train.session.DecodeJob` and
 :class:`~edge_client.train.session.TrainJob` a
 :class:`~edge_client.train.session.DeviceSession` asks for and returns what came of
 them; it never raises for a job that goes wrong. :class:`LocalTrainer` is the per-device
-one (:func:`~edge_client.train.strategies.local_update` on the device's model and data,
+one (:func:`~edge_client.train.local_update.local_update` on the device's model and data,
 the transfers through a :class:`~edge_client.train.transfer.TransferState`); the threaded
 edge client runs it on its worker thread, the sim's budget tool inline.
 """
@@ -24,6 +24,7 @@ from torch import nn
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, TaskError
 from edge_client.train.data import DeviceData
+from edge_client.train.local_update import local_update, validate_task
 from edge_client.train.session import (
     Cancelled,
     Decoded,
@@ -36,18 +37,13 @@ from edge_client.train.session import (
     Trained,
     TrainJob,
 )
-from edge_client.train.strategies import (
-    WEIGHTS_SET,
-    LocalResult,
-    LocalTask,
-    local_update,
-    validate_task,
-)
+from edge_client.train.task import LocalResult, LocalTask
 from edge_client.train.training import TrainHook
 from edge_client.train.transfer import TransferState
 from models import Classifier, ModelError, build_classifier, seeded
 from protocol.deltas import UnknownBaseError
 from protocol.errors import DecodeError
+from protocol.sets import WEIGHTS_SET
 from protocol.tensors import Precision
 
 __all__ = ["CancelHook", "LocalTrainer", "Trainer", "build_device_model"]

@@ -5,30 +5,28 @@ architecture, a strategy and its hyperparameters (all but the shuffling seed) as
 batched computation: the devices' parameters are stacked along a leading device axis,
 ``torch.func.vmap(torch.func.grad(...))`` over :func:`torch.func.functional_call` gives
 every device its own gradient of its own batch in one call, and the optimizer steps act
-on the stacked tensors (SGD with momentum and weight decay, FedKF's Adam: elementwise,
-so exactly N independent optimizers).
+on the stacked tensors (SGD with momentum and weight decay: elementwise, so exactly N
+independent optimizers).
 
 It computes what the per-device reference,
-:func:`edge_client.train.strategies.local_update`, computes, with the same pieces:
+:func:`edge_client.train.local_update.local_update`, computes, with the same pieces:
 
 * each device's batches come from :func:`~edge_client.train.training.batch_indices` with
   its own seed; a device with fewer batches than the longest takes no step (and its
   momentum does not move) once it is done; a short last batch is padded and masked out
   of the loss (its mean is over the real samples, as the loop's is). The classifiers
-  normalise per sample (GroupNorm or none), so padding changes nothing else; FedKF's
-  image generator has BatchNorm, so FedKF groups each step's devices by batch size
-  instead of padding;
+  normalise per sample (GroupNorm or none), so padding changes nothing else; a term
+  whose own modules normalise over the batch
+  (:attr:`~edge_client.train.batched.StackedTerm.equal_batches`) has each step's devices
+  grouped by batch size instead;
 * the strategy prepares each device as the loop does
-  (:meth:`~edge_client.train.strategies.DeviceStrategy.prepare`: received sets loaded,
-  teacher and generators built) and the loss terms are the hooks' functions:
-  :func:`~edge_client.train.strategies.proximal_term` (FedProx),
-  :func:`~models.losses.distillation_kl` and
-  :func:`~models.losses.fedkf_generator_objective` (FedKF's T2, each device's image
-  generator trained with its own Adam state, which is written back for the next round),
-  FedGen's :meth:`~edge_client.train.fedgen.FedGenHook.sample_latents` drawn from each
-  device's own noise source, and int8 QAT and binarized weights as the straight-through
-  estimator (the gradient is taken at :func:`~models.weight_formats.fake_quantize_int8`
-  or :func:`~models.weight_formats.binarize` of the weights and applied to the float
+  (:meth:`~edge_client.train.strategies.strategy.DeviceStrategy.prepare`: received sets
+  loaded, hooks built) and each hook's term of the loss is its batched form
+  (:meth:`~edge_client.train.batched.BatchedHook.stack`, defined with the hook in the
+  strategy's module): the engine knows no strategy. int8 QAT and binarized weights are
+  the straight-through estimator (the gradient is taken at
+  :func:`~models.weight_formats.fake_quantize_int8` or
+  :func:`~models.weight_formats.binarize` of the weights and applied to the float
   weights; binarized ones are then clipped by
   :func:`~edge_client.train.binary.clip_latent_`);
 * head-only sharing and uploads, and the uplink's error feedback (in each device's
@@ -36,8 +34,8 @@ It computes what the per-device reference,
 
 Same seeds, data and hyperparameters give the loop's updates within float tolerance
 (tests/sim/cohort bound the largest difference per strategy). A device the engine cannot
-batch (an unknown hook, a single-sample FedKF batch) trains on the per-device path and
-the outcome says why.
+batch (a hook without a batched form, or one that says it cannot be batched) trains on
+the per-device path and the outcome says why.
 
 Pure: models, data and tasks in, results out (the members' models and learning states
 are updated as the loop would update them); no I/O, no global RNG.
@@ -46,45 +44,40 @@ are updated as the loop would update them); no I/O, no global RNG.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from edge_client.errors import TaskError
+from edge_client.train.batched import (
+    BatchedHook,
+    StackedTerm,
+    Tensors,
+    select_rows,
+    stacked,
+    unprefixed,
+    write_back,
+)
 from edge_client.train.binary import clip_latent_
 from edge_client.train.data import DeviceData
-from edge_client.train.fedgen import FedGenHook
-from edge_client.train.fedkf import FedKFHook, LocalImageGenerator
-from edge_client.train.strategies import (
-    LocalResult,
-    LocalTask,
-    ProximalHook,
-    device_strategy,
-    local_result,
-    proximal_term,
-    train_prepared,
-    validate_task,
-)
+from edge_client.train.local_update import train_prepared, validate_task
+from edge_client.train.strategies import device_strategy
+from edge_client.train.task import LocalResult, LocalTask, local_result
 from edge_client.train.training import TrainConfig, TrainHook, as_tensor, batch_indices
 from models import Classifier
-from models.classifiers import FEATURES_PREFIX, HEAD_PREFIX
-from models.losses import distillation_kl, fedkf_generator_objective
-from models.optim import adam_update_, sgd_update_
+from models.optim import sgd_update_
 from models.weight_formats import binarize, fake_quantize_int8
 
 __all__ = ["CohortOutcome", "Member", "train_cohort"]
 
-Tensors = dict[str, torch.Tensor]
-
 
 @dataclass
 class Member:
-    """One device of a cohort: what :func:`~edge_client.train.strategies.local_update`
+    """One device of a cohort: what :func:`~edge_client.train.local_update.local_update`
     would be called with."""
 
     model: Classifier
@@ -94,7 +87,7 @@ class Member:
     task: LocalTask
     """The round's task, decoded."""
     state: MutableMapping[str, Any] = field(default_factory=dict)
-    """The device's learning state across rounds (FedKF's generator)."""
+    """The device's learning state across rounds (what its strategy keeps there)."""
 
 
 @dataclass(frozen=True)
@@ -117,48 +110,24 @@ class _Prepared:
     config: TrainConfig
     hooks: tuple[TrainHook, ...]
     load_s: float
-    proximal: ProximalHook | None = None
-    fedkf: FedKFHook | None = None
-    fedgen: FedGenHook | None = None
+    batched: tuple[BatchedHook, ...] = ()
+    """:attr:`hooks`, each with its batched form (empty when :attr:`fallback_reason`)."""
+    fallback_reason: str = ""
+    """Why the member cannot be batched, or ""."""
 
 
-def _stack(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.stack([v.detach() for v in values]).to(device)
-
-
-def _stacked(modules: Sequence[nn.Module], names: Sequence[str], device: torch.device) -> Tensors:
-    """``{name: (N, ...)}`` of the named parameters / buffers of ``modules``."""
-    states = [dict(m.named_parameters()) | dict(m.named_buffers()) for m in modules]
-    return {name: _stack([s[name] for s in states], device) for name in names}
-
-
-def _write_back(modules: Sequence[nn.Module], stacked: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for index, module in enumerate(modules):
-            state = dict(module.named_parameters()) | dict(module.named_buffers())
-            for name, value in stacked.items():
-                state[name].copy_(value[index])
-
-
-def _rows(index: torch.Tensor | None, tensors: Mapping[str, torch.Tensor]) -> Tensors:
-    """The rows ``index`` of each stacked tensor (None: all of them, not copied)."""
-    if index is None:
-        return dict(tensors)
-    return {k: v.index_select(0, index) for k, v in tensors.items()}
-
-
-def _sub(tensors: Mapping[str, torch.Tensor], prefix: str) -> Tensors:
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-def _fallback_reason(prepared: _Prepared) -> str:
-    """Why ``prepared`` cannot be batched, or ""."""
-    for hook in prepared.hooks:
-        if not isinstance(hook, (ProximalHook, FedKFHook, FedGenHook)):
-            return f"the strategy's hook {type(hook).__name__} has no batched form"
-    if prepared.fedkf is not None and prepared.fedkf.generator is None:
-        return "FedKF without an image generator"
-    return ""
+def _batched_hooks(hooks: Sequence[TrainHook]) -> tuple[tuple[BatchedHook, ...], str]:
+    """``hooks`` as hooks with a batched form, or () and why one of them cannot be."""
+    batched: list[BatchedHook] = []
+    for hook in hooks:
+        if not isinstance(hook, BatchedHook):
+            return (), f"the strategy's hook {type(hook).__name__} has no batched form"
+        batched.append(hook)
+    for hook in batched:
+        reason = hook.unbatchable()
+        if reason:
+            return (), reason
+    return tuple(batched), ""
 
 
 def _batch_key(prepared: _Prepared) -> tuple[object, ...]:
@@ -190,15 +159,8 @@ def _prepare(member: Member) -> _Prepared:
     member.model.train()
     for hook in hooks:
         hook.before_training(member.model)
-    prepared = _Prepared(member, config, tuple(hooks), time.perf_counter() - start)
-    for hook in hooks:
-        if isinstance(hook, ProximalHook):
-            prepared.proximal = hook
-        elif isinstance(hook, FedKFHook):
-            prepared.fedkf = hook
-        elif isinstance(hook, FedGenHook):
-            prepared.fedgen = hook
-    return prepared
+    batched, reason = _batched_hooks(hooks)
+    return _Prepared(member, config, tuple(hooks), time.perf_counter() - start, batched, reason)
 
 
 def train_cohort(
@@ -231,9 +193,8 @@ def train_cohort(
         except TaskError as exc:
             outcomes[index] = CohortOutcome(None, exc, batched=False)
             continue
-        reason = _fallback_reason(prepared)
-        if reason:
-            outcomes[index] = _run_loop(prepared, device, reason)
+        if prepared.fallback_reason:
+            outcomes[index] = _run_loop(prepared, device, prepared.fallback_reason)
             if progress is not None:
                 progress(1)
             continue
@@ -269,60 +230,6 @@ def _run_loop(prepared: _Prepared, device: torch.device, reason: str) -> CohortO
     return CohortOutcome(result, batched=False, fallback_reason=reason)
 
 
-class _StackedAdam:
-    """N independent Adam optimizers over stacked parameters (:func:`adam_update_` with
-    each row's own step count), each one's state taken from and written back to its
-    :class:`LocalImageGenerator`'s :class:`Adam`."""
-
-    def __init__(self, generators: Sequence[LocalImageGenerator], device: torch.device) -> None:
-        self._generators = generators
-        first = generators[0].optimizer
-        self.lr, self.betas, self.eps = first.lr, first.betas, first.eps
-        self.names = [n for n, _ in generators[0].module.named_parameters()]
-        self.exp_avg = {
-            n: _stack([g.optimizer.exp_avg[i] for g in generators], device)
-            for i, n in enumerate(self.names)
-        }
-        self.exp_avg_sq = {
-            n: _stack([g.optimizer.exp_avg_sq[i] for g in generators], device)
-            for i, n in enumerate(self.names)
-        }
-        # every parameter of a generator steps together: one count per device
-        steps = [float(g.optimizer.steps[0]) for g in generators]
-        self.step = torch.tensor(steps, dtype=torch.float64, device=device)  # (N,)
-
-    def update(self, params: Tensors, grads: Tensors, rows: torch.Tensor | None) -> None:
-        """One step for the optimizers ``rows`` (None: all), in place on ``params``."""
-        with torch.no_grad():
-            if rows is None:
-                self.step += 1
-                step = self.step
-            else:
-                self.step[rows] += 1
-                step = self.step[rows]
-            for name in self.names:
-                p = params[name]
-                m = self.exp_avg[name] if rows is None else self.exp_avg[name][rows]
-                v = self.exp_avg_sq[name] if rows is None else self.exp_avg_sq[name][rows]
-                count = step.view((-1,) + (1,) * (p.ndim - 1))
-                adam_update_(
-                    p, grads[name], m, v, count, lr=self.lr, betas=self.betas, eps=self.eps
-                )
-                if rows is not None:
-                    self.exp_avg[name][rows] = m
-                    self.exp_avg_sq[name][rows] = v
-
-    def write_back(self) -> None:
-        """Each optimizer's state into its generator's :class:`Adam`."""
-        for index, local in enumerate(self._generators):
-            optimizer = local.optimizer
-            for i, name in enumerate(self.names):
-                device = optimizer.params[i].device
-                optimizer.exp_avg[i] = self.exp_avg[name][index].detach().to(device).clone()
-                optimizer.exp_avg_sq[i] = self.exp_avg_sq[name][index].detach().to(device).clone()
-                optimizer.steps[i] = int(self.step[index])
-
-
 class _BatchedRound:
     """One chunk of same-key members trained as one batched computation."""
 
@@ -337,23 +244,18 @@ class _BatchedRound:
         self.trainable = [n for n, p in named if p.requires_grad]
         constant = [n for n, p in named if not p.requires_grad]
         constant += [n for n, _ in self.model.named_buffers()]
-        self.params = _stacked(self.models, self.trainable, device)
-        self.constants = _stacked(self.models, constant, device)
+        self.params = stacked(self.models, self.trainable, device)
+        self.constants = stacked(self.models, constant, device)
         self.momentum = (
             {n: torch.zeros_like(v) for n, v in self.params.items()}
             if self.config.momentum > 0
             else {}
         )
-        self.anchor: Tensors = {}
-        if first.proximal is not None:
-            hooks = [p.proximal for p in prepared]
-            self.anchor = {
-                n: _stack([h.anchor[n] for h in hooks if h is not None], device)
-                for n in first.proximal.anchor
-            }
-        self.kf: _FedKFState | None = None
-        if first.fedkf is not None:
-            self.kf = _FedKFState([p.fedkf for p in prepared if p.fedkf is not None], device)
+        # the same hook types in the same order for every member (see _batch_key)
+        self.terms: list[StackedTerm] = [
+            type(hook).stack([p.batched[j] for p in prepared], device)
+            for j, hook in enumerate(first.batched)
+        ]
         self.data = [
             (
                 as_tensor(p.member.data.x, torch.float32),
@@ -368,9 +270,6 @@ class _BatchedRound:
         count = len(prepared)
         self.loss_sum = torch.zeros(count, dtype=torch.float64, device=device)
         self.correct = torch.zeros(count, dtype=torch.float64, device=device)
-        self.kd_sum = torch.zeros(count, dtype=torch.float64, device=device)
-        self.gen_sum = torch.zeros(count, dtype=torch.float64, device=device)
-        self.ce_sum = torch.zeros(count, dtype=torch.float64, device=device)
         self.seen = [0] * count
         self.steps = [0] * count
 
@@ -378,11 +277,10 @@ class _BatchedRound:
 
     def _loss(
         self, point: Tensors, constants: Tensors, extra: Tensors
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]]:
         """One device's loss at ``point`` (its trainable weights, or their fake-quantized
-        values) on its batch ``extra["x"]`` / ``"y"`` / ``"mask"`` (1: a real sample), with
-        the strategy's terms from the other entries of ``extra``."""
-        cfg = self.config
+        values) on its batch ``extra["x"]`` / ``"y"`` / ``"mask"`` (1: a real sample), plus
+        each term's, with the term's inputs under ``extra["<term index>.<name>"]``."""
         x, y, mask = extra["x"], extra["y"], extra["mask"]
         full = point | constants
         logits = functional_call(self.model, full, (x,))  # (B, classes)
@@ -390,18 +288,12 @@ class _BatchedRound:
         data_loss = (ce * mask).sum() / mask.sum()
         correct = ((logits.argmax(dim=1) == y).to(mask.dtype) * mask).sum()
         total = data_loss
-        kd = ce_g = torch.zeros((), device=x.device)
-        if self.anchor:
-            total = total + proximal_term(point, _sub(extra, "anchor."), cfg.mu)
-        if "images" in extra:
-            student = functional_call(self.model, full, (extra["images"],))
-            kd = distillation_kl(extra["teacher_logits"], student)
-            total = total + cfg.gamma * kd
-        if "latents" in extra:
-            head = functional_call(self.model.head, _sub(full, HEAD_PREFIX), (extra["latents"],))
-            ce_g = F.cross_entropy(head, extra["labels"])
-            total = total + cfg.generative_alpha * ce_g
-        return total, (data_loss.detach(), correct.detach(), kd.detach(), ce_g.detach())
+        measured = []
+        for j, term in enumerate(self.terms):
+            value, seen = term.loss(self.model, point, full, unprefixed(extra, f"{j}."))
+            total = total + value
+            measured.append(seen)
+        return total, (data_loss.detach(), correct.detach(), tuple(measured))
 
     # -- the round --------------------------------------------------------------------
 
@@ -413,16 +305,16 @@ class _BatchedRound:
             active = [i for i, b in enumerate(self.batches) if step < len(b)]
             for rows in self._groups(active, step):
                 self._step(loss_and_grad, rows, step)
-        _write_back(self.models, self.params | self.constants)
-        if self.kf is not None:
-            self.kf.write_back()
+        write_back(self.models, self.params | self.constants)
+        for term in self.terms:
+            term.write_back()
         seconds = (time.perf_counter() - start) / len(self.prepared)
         return [self._result(i, seconds) for i in range(len(self.prepared))]
 
     def _groups(self, active: list[int], step: int) -> list[list[int]]:
         """The rows that step together: all active ones (short batches padded), or by
-        batch size for FedKF (its generator's BatchNorm sees the whole batch)."""
-        if self.kf is None:
+        batch size when a term needs equal batches."""
+        if not any(term.equal_batches for term in self.terms):
             return [active] if active else []
         by_size: dict[int, list[int]] = {}
         for i in active:
@@ -446,40 +338,26 @@ class _BatchedRound:
             mask[j, : len(idx)] = 1.0
         x, y, mask = (t.to(self.device) for t in (x, y, mask))
 
-        params, constants = _rows(index, self.params), _rows(index, self.constants)
+        params = select_rows(index, self.params)
+        constants = select_rows(index, self.constants)
         extra: Tensors = {"x": x, "y": y, "mask": mask}
-        extra |= {f"anchor.{k}": v for k, v in _rows(index, self.anchor).items()}
-        if self.kf is not None:
-            extra |= self.kf.step(rows, index, width)
-        if self.prepared[0].fedgen is not None and self.config.generative_alpha != 0:
-            extra |= self._latents(rows)
+        for j, term in enumerate(self.terms):
+            extra |= {f"{j}.{k}": v for k, v in term.inputs(rows, index, width).items()}
         point = params
         run_value = fake_quantize_int8 if self.config.qat else binarize
         if self.config.qat or self.config.binarize:  # the STE: grads at Q(w), applied to w
             point = {k: vmap(run_value)(v) if v.ndim >= 3 else v for k, v in params.items()}
-        grads, (data_loss, correct, kd, ce_g) = loss_and_grad(point, constants, extra)
+        grads, (data_loss, correct, measured) = loss_and_grad(point, constants, extra)
         self._sgd(params, grads, index)
         batch = torch.tensor(sizes, dtype=torch.float64, device=self.device)
         rows_t = torch.tensor(rows, device=self.device)
         self.loss_sum.index_add_(0, rows_t, data_loss.double() * batch)
         self.correct.index_add_(0, rows_t, correct.double())
-        self.kd_sum.index_add_(0, rows_t, kd.double())
-        self.ce_sum.index_add_(0, rows_t, ce_g.double())
+        for term, values in zip(self.terms, measured, strict=True):
+            term.record(rows_t, values)
         for j, i in enumerate(rows):
             self.seen[i] += sizes[j]
             self.steps[i] += 1
-
-    def _latents(self, rows: list[int]) -> Tensors:
-        """Each row's next FedGen latents and labels, from its own hook's noise."""
-        drawn = []
-        for i in rows:
-            hook = self.prepared[i].fedgen
-            assert hook is not None
-            drawn.append(hook.sample_latents(torch.device("cpu")))
-        return {
-            "latents": torch.stack([d[0] for d in drawn]).to(self.device),
-            "labels": torch.stack([d[1] for d in drawn]).to(self.device),
-        }
 
     def _sgd(self, params: Tensors, grads: Tensors, index: torch.Tensor | None) -> None:
         """Each row's SGD step (:func:`sgd_update_`); ``index``: the rows that step
@@ -511,11 +389,8 @@ class _BatchedRound:
         seen, steps = self.seen[i], self.steps[i]
         metrics: dict[str, float] = {}
         if steps:
-            if prepared.fedkf is not None and self.kf is not None:
-                metrics["kd_loss"] = float(self.kd_sum[i]) / steps
-                metrics["generator_loss"] = float(self.kf.loss_sum[i]) / steps
-            if prepared.fedgen is not None and self.config.generative_alpha != 0:
-                metrics["generator_ce"] = float(self.ce_sum[i]) / steps
+            for term in self.terms:
+                metrics.update(term.metrics(i, steps))
         metrics["loss"] = float(self.loss_sum[i]) / seen if seen else 0.0
         metrics["accuracy"] = float(self.correct[i]) / seen if seen else 0.0
         return local_result(
@@ -526,82 +401,3 @@ class _BatchedRound:
             timings={"load_s": prepared.load_s, "train_s": seconds},
             steps=steps,
         )
-
-
-class _FedKFState:
-    """The stacked side of FedKF's T2: each device's image generator (its own Adam
-    state) and its frozen teacher."""
-
-    def __init__(self, hooks: Sequence[FedKFHook], device: torch.device) -> None:
-        self.hooks = list(hooks)
-        self.device = device
-        generators = [h.generator for h in hooks if h.generator is not None]
-        self.generators = generators
-        self.module = generators[0].module
-        self.teacher = hooks[0].teacher
-        self.config = hooks[0].config
-        modules = [g.module for g in generators]
-        self.param_names = [n for n, _ in self.module.named_parameters()]
-        self.buffer_names = [n for n, _ in self.module.named_buffers()]
-        self.params = _stacked(modules, self.param_names, device)
-        self.buffers = _stacked(modules, self.buffer_names, device)
-        teacher_names = [n for n, _ in self.teacher.named_parameters()]
-        teacher_names += [n for n, _ in self.teacher.named_buffers()]
-        self.teachers = _stacked([h.teacher for h in hooks], teacher_names, device)
-        self.adam = _StackedAdam(generators, device)
-        self.loss_sum = torch.zeros(len(hooks), dtype=torch.float64, device=device)
-        self.module.train()
-        cfg = self.config
-
-        def objective(
-            params: Tensors, buffers: Tensors, teacher: Tensors, z: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            images = functional_call(self.module, params | buffers, (z,))
-            features = functional_call(
-                self.teacher.features, _sub(teacher, FEATURES_PREFIX), (images,)
-            )
-            logits = functional_call(self.teacher.head, _sub(teacher, HEAD_PREFIX), (features,))
-            total, *_ = fedkf_generator_objective(logits, features, cfg.lambda1, cfg.lambda2)
-            return total, total.detach()
-
-        self._grad = vmap(grad(objective, has_aux=True))
-
-        def sample(params: Tensors, buffers: Tensors, z: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.module, params | buffers, (z,))  # type: ignore[no-any-return]
-
-        def teach(teacher: Tensors, images: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.teacher, teacher, (images,))  # type: ignore[no-any-return]
-
-        self._sample = vmap(sample)
-        self._teach = vmap(teach)
-
-    def step(self, rows: list[int], index: torch.Tensor | None, width: int) -> Tensors:
-        """One Adam step of each row's generator, then each row's generated batch and
-        its teacher's logits (rows of one batch size ``width``)."""
-        z, z_sample = [], []
-        for i in rows:  # per device: the step's noise, then the sample's
-            noise = self.hooks[i].noise
-            z.append(torch.randn(width, self.module.noise_dim, generator=noise))
-            z_sample.append(torch.randn(width, self.module.noise_dim, generator=noise))
-        zs = torch.stack(z).to(self.device)
-        zs_sample = torch.stack(z_sample).to(self.device)
-
-        params = _rows(index, self.params)
-        buffers, teachers = _rows(index, self.buffers), _rows(index, self.teachers)
-        grads, loss = self._grad(params, buffers, teachers, zs)
-        self.adam.update(params, grads, index)
-        with torch.no_grad():
-            images = self._sample(params, buffers, zs_sample)
-            teacher_logits = self._teach(teachers, images)
-        if index is not None:
-            for name, value in params.items():
-                self.params[name][index] = value
-            for name, value in buffers.items():
-                self.buffers[name][index] = value
-        rows_t = torch.tensor(rows, device=self.device)
-        self.loss_sum.index_add_(0, rows_t, loss.double())
-        return {"images": images, "teacher_logits": teacher_logits}
-
-    def write_back(self) -> None:
-        _write_back([g.module for g in self.generators], self.params | self.buffers)
-        self.adam.write_back()

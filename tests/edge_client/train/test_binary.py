@@ -14,7 +14,8 @@ from torch import nn
 from edge_client.errors import TaskError
 from edge_client.train.binary import LATENT_CLIP, BinarizeHook, binarize, clip_latent_
 from edge_client.train.data import DeviceData
-from edge_client.train.strategies import LocalTask, local_update
+from edge_client.train.local_update import local_update
+from edge_client.train.task import LocalTask
 from edge_client.train.training import TrainConfig, TrainHook, train_local
 from models import Classifier, build_classifier
 from models.weight_formats import run_weights_

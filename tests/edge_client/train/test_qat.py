@@ -16,8 +16,9 @@ from torch import nn
 
 from edge_client.errors import TaskError
 from edge_client.train.data import DeviceData
+from edge_client.train.local_update import local_update
 from edge_client.train.qat import FakeQuantHook, fake_quantize_int8
-from edge_client.train.strategies import LocalTask, local_update
+from edge_client.train.task import LocalTask
 from edge_client.train.training import TrainConfig, TrainHook, train_local
 from models import Classifier, build_classifier
 from models.onnx_export import INPUT_NAME, export_onnx, quantize_onnx_int8

@@ -37,7 +37,7 @@ from edge_client.train.session import (
     TrainJob,
     UpdateSent,
 )
-from edge_client.train.strategies import LocalTask
+from edge_client.train.task import LocalTask
 from protocol import (
     Ack,
     CoordinatorStatus,

@@ -32,8 +32,9 @@ import torch
 
 from edge_client.errors import TaskError
 from edge_client.train.data import DeviceData
-from edge_client.train.fedkf import GENERATOR_STATE_KEY
-from edge_client.train.strategies import LocalResult, LocalTask, local_update
+from edge_client.train.local_update import local_update
+from edge_client.train.strategies.fedkf import GENERATOR_STATE_KEY
+from edge_client.train.task import LocalResult, LocalTask
 from models import (
     Classifier,
     LatentGenerator,

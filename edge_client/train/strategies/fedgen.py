@@ -13,6 +13,14 @@ local head. ``alpha_t`` (``TrainConfig.generative_alpha``) is the round's weight
 coordinator applies the decay and sends the value. G is used frozen, in evaluation mode
 (its BatchNorm uses the received running statistics); no gradient reaches it.
 
+The term is added by :class:`FedGenHook` in the one training loop and by the hook's
+batched form in the sim's batched engine, both on latents from the hook's
+:meth:`FedGenHook.sample_latents`.
+
+Sets (:class:`FedGen`): exactly one of ``"global"`` (full sharing) and ``"head"``
+(head-only sharing: the features stay the device's own); ``"generator"`` (absent: plain
+CE) and ``"prior"`` (absent: uniform) optional. Uploads the full state or the head alone.
+
 Pure: the generated labels and noise come from a ``torch.Generator`` seeded from
 ``TrainConfig.seed``, drawn on the CPU (a seed gives the same samples on every device),
 separate from the loop's shuffling generator.
@@ -21,15 +29,25 @@ separate from the loop's shuffling generator.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.func import functional_call
 
 from edge_client.errors import TaskError
+from edge_client.train.batched import BatchedHook, StackedTerm, Tensors, unprefixed
+from edge_client.train.strategies.strategy import (
+    FullOrHeadSharing,
+    SetSpec,
+    as_classifier,
+    from_set,
+)
+from edge_client.train.task import ReceivedSets
 from edge_client.train.training import TrainConfig, TrainHook
 from models import (
     Classifier,
@@ -38,9 +56,12 @@ from models import (
     load_state_arrays,
     state_shapes,
 )
+from models.classifiers import HEAD_PREFIX
+from protocol.sets import GENERATOR_SET, PRIOR_SET, PRIOR_TENSOR
 
 __all__ = [
     "PRIOR_TOLERANCE",
+    "FedGen",
     "FedGenHook",
     "label_prior",
     "latent_generator_shapes",
@@ -117,7 +138,7 @@ def label_prior(prior: npt.ArrayLike | None, num_classes: int) -> torch.Tensor:
     return torch.from_numpy(values / total)
 
 
-class FedGenHook(TrainHook):
+class FedGenHook(BatchedHook):
     """Adds ``alpha * CE(head(G(eps, y_g)), y_g)`` to every batch's loss.
 
     Metrics (:meth:`metrics`): ``generator_ce``, the mean unweighted cross-entropy of
@@ -190,3 +211,90 @@ class FedGenHook(TrainHook):
         if self._steps == 0:
             return {}
         return {"generator_ce": self._ce_sum / self._steps}
+
+    @classmethod
+    def stack(cls, hooks: Sequence[Self], device: torch.device) -> StackedTerm:
+        return _StackedFedGen(hooks, device)
+
+
+class _StackedFedGen(StackedTerm):
+    """The batched form of :class:`FedGenHook`: each device's latents from its own
+    hook's noise, and the head's cross-entropy on them."""
+
+    def __init__(self, hooks: Sequence[FedGenHook], device: torch.device) -> None:
+        super().__init__(len(hooks), device)
+        self.hooks = list(hooks)
+        self.device = device
+        self.alpha = hooks[0].alpha
+
+    def inputs(self, rows: Sequence[int], index: torch.Tensor | None, width: int) -> Tensors:
+        """Each row's next latents and labels, from its own hook's noise (none when
+        ``alpha`` is 0: the term is off, as in the loop)."""
+        if self.alpha == 0:
+            return {}
+        drawn = [self.hooks[i].sample_latents(torch.device("cpu")) for i in rows]
+        return {
+            "latents": torch.stack([d[0] for d in drawn]).to(self.device),
+            "labels": torch.stack([d[1] for d in drawn]).to(self.device),
+        }
+
+    def loss(
+        self, model: Classifier, point: Tensors, state: Tensors, inputs: Tensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not inputs:
+            zero = torch.zeros((), device=next(iter(state.values())).device)
+            return zero, zero
+        head = functional_call(model.head, unprefixed(state, HEAD_PREFIX), (inputs["latents"],))
+        ce = F.cross_entropy(head, inputs["labels"])
+        return self.alpha * ce, ce.detach()
+
+    def metrics(self, row: int, steps: int) -> dict[str, float]:
+        if self.alpha == 0:
+            return {}
+        return {"generator_ce": float(self.measured[row]) / steps}
+
+
+class FedGen(FullOrHeadSharing):
+    """FedGen: local CE plus the head's CE on latents of the coordinator's generator.
+
+    Sets: exactly one of ``"global"`` (full sharing: loads the whole model) and
+    ``"head"`` (head-only sharing: loads the head; the features stay the device's own);
+    ``"generator"`` and ``"prior"`` optional. Uploads the full state or the head alone.
+    """
+
+    name = "fedgen"
+
+    def expected_sets(self, model: nn.Module, config: TrainConfig) -> dict[str, SetSpec]:
+        classifier = as_classifier(model, self.name)
+        return {
+            **super().expected_sets(model, config),
+            GENERATOR_SET: SetSpec(latent_generator_shapes(classifier, config), False),
+            PRIOR_SET: SetSpec({PRIOR_TENSOR: (classifier.num_classes,)}, required=False),
+        }
+
+    def check_sets(self, model: nn.Module, sets: ReceivedSets) -> None:
+        super().check_sets(model, sets)
+        prior = sets.get(PRIOR_SET)
+        if prior is not None:
+            label_prior(prior[PRIOR_TENSOR], as_classifier(model, self.name).num_classes)
+
+    def prepare(
+        self,
+        model: nn.Module,
+        sets: ReceivedSets,
+        config: TrainConfig,
+        state: MutableMapping[str, Any],
+    ) -> tuple[TrainHook, ...]:
+        classifier = as_classifier(model, self.name)
+        # built first: a bad generator leaves the model unchanged
+        generator = from_set(
+            sets, GENERATOR_SET, lambda arrays: received_generator(classifier, config, arrays)
+        )
+        prior_set = sets.get(PRIOR_SET)
+        prior = label_prior(
+            None if prior_set is None else prior_set[PRIOR_TENSOR], classifier.num_classes
+        )
+        self.load_shared(model, sets)
+        if generator is None or config.generative_alpha == 0:
+            return ()
+        return (FedGenHook(classifier, generator, prior, config),)

@@ -8,8 +8,14 @@ import torch
 
 from edge_client.errors import TaskError
 from edge_client.train.data import DeviceData
-from edge_client.train.fedgen import FedGenHook, label_prior, latent_generator_shapes
-from edge_client.train.strategies import FedGen, LocalTask, local_update, validate_task
+from edge_client.train.local_update import local_update, validate_task
+from edge_client.train.strategies.fedgen import (
+    FedGen,
+    FedGenHook,
+    label_prior,
+    latent_generator_shapes,
+)
+from edge_client.train.task import LocalTask
 from edge_client.train.training import TrainConfig, train_local
 from models import (
     Classifier,

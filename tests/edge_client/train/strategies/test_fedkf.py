@@ -9,14 +9,16 @@ from torch import nn
 
 from edge_client.errors import TaskError
 from edge_client.train.data import DeviceData
-from edge_client.train.fedkf import (
+from edge_client.train.local_update import local_update
+from edge_client.train.strategies.fedkf import (
     GENERATOR_STATE_KEY,
+    FedKF,
     FedKFHook,
     LocalImageGenerator,
     frozen_teacher,
     local_image_generator,
 )
-from edge_client.train.strategies import FedKF, LocalTask, local_update
+from edge_client.train.task import LocalTask
 from edge_client.train.training import TrainConfig, TrainHook, train_local
 from models import Classifier, build_classifier, state_arrays
 from models.losses import fedkf_generator_loss

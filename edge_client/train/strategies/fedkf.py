@@ -15,8 +15,15 @@ copy of the student as received) and, for every local mini-batch ``(x, y)`` of s
 
 Step 1 runs in :meth:`FedKFHook.before_batch`, step 2's distillation term in
 :meth:`FedKFHook.extra_loss` of the one training loop,
-:func:`edge_client.train.training.train_local`. G is never uploaded: it stays in the device's
+:func:`edge_client.train.training.train_local`; the hook's batched form (for the sim's
+batched engine) takes each device's generator step with its own Adam state and adds the
+same :func:`~models.losses.distillation_kl`, and groups the devices of a step by batch
+size (G's BatchNorm sees the whole batch). G is never uploaded: it stays in the device's
 learning state across rounds together with its Adam moments (:func:`local_image_generator`).
+
+Sets (:class:`FedKF`): ``"student"`` (required), ``"teacher"`` (optional; absent, the
+teacher is a frozen copy of the received student: FedKF-). ``gamma`` 0: FedAvg on the
+student, without the hook.
 
 Compute cost. Per sample, the image generator (noise 100, 1x28x28) costs about 5.7 M
 multiply-adds forward at ``generator_width`` 16 (172,545 parameters) and 87.8 M at width
@@ -35,15 +42,34 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy.typing as npt
 import torch
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 from edge_client.errors import TaskError
+from edge_client.train.batched import (
+    BatchedHook,
+    StackedAdam,
+    StackedTerm,
+    Tensors,
+    select_rows,
+    stacked,
+    unprefixed,
+    write_back,
+)
+from edge_client.train.strategies.strategy import (
+    DeviceStrategy,
+    SetSpec,
+    as_classifier,
+    from_set,
+    load_set,
+)
+from edge_client.train.task import ReceivedSets
 from edge_client.train.training import TrainConfig, TrainHook
 from models import (
     Classifier,
@@ -52,13 +78,17 @@ from models import (
     build_generator,
     load_state_arrays,
     seeded,
+    state_shapes,
 )
-from models.losses import distillation_kl, fedkf_generator_loss
+from models.classifiers import FEATURES_PREFIX, HEAD_PREFIX
+from models.losses import distillation_kl, fedkf_generator_loss, fedkf_generator_objective
 from models.optim import Adam
+from protocol.sets import STUDENT_SET, TEACHER_SET
 
 __all__ = [
     "DEFAULT_NOISE_DIM",
     "GENERATOR_STATE_KEY",
+    "FedKF",
     "FedKFHook",
     "LocalImageGenerator",
     "frozen_teacher",
@@ -205,7 +235,7 @@ def local_image_generator(
     return local
 
 
-class FedKFHook(TrainHook):
+class FedKFHook(BatchedHook):
     """FedKF in the training loop: train G before each batch, distil on G's samples.
 
     Metrics (:meth:`metrics`): ``kd_loss``, the mean unweighted KL term, and
@@ -270,3 +300,142 @@ class FedKFHook(TrainHook):
             "kd_loss": self._kd_sum / self._steps,
             "generator_loss": self._generator_sum / self._steps,
         }
+
+    def unbatchable(self) -> str:
+        return "FedKF without an image generator" if self.generator is None else ""
+
+    @classmethod
+    def stack(cls, hooks: Sequence[Self], device: torch.device) -> StackedTerm:
+        return _StackedFedKF(hooks, device)
+
+
+class _StackedFedKF(StackedTerm):
+    """The batched form of :class:`FedKFHook`: each device's image generator (its own
+    Adam state) and its frozen teacher, stacked; per step, each device's generator step
+    and generated batch, then the distillation term."""
+
+    equal_batches = True  # G's BatchNorm normalises over the batch
+
+    def __init__(self, hooks: Sequence[FedKFHook], device: torch.device) -> None:
+        super().__init__(len(hooks), device)
+        self.hooks = list(hooks)
+        self.device = device
+        generators = [h.generator for h in hooks if h.generator is not None]
+        self.generators = generators
+        self.module = generators[0].module
+        self.teacher = hooks[0].teacher
+        self.gamma = hooks[0].config.gamma
+        modules = [g.module for g in generators]
+        self.param_names = [n for n, _ in self.module.named_parameters()]
+        self.buffer_names = [n for n, _ in self.module.named_buffers()]
+        self.params = stacked(modules, self.param_names, device)
+        self.buffers = stacked(modules, self.buffer_names, device)
+        teacher_names = [n for n, _ in self.teacher.named_parameters()]
+        teacher_names += [n for n, _ in self.teacher.named_buffers()]
+        self.teachers = stacked([h.teacher for h in hooks], teacher_names, device)
+        self.adam = StackedAdam([g.optimizer for g in generators], self.param_names, device)
+        self.generator_loss = torch.zeros(len(hooks), dtype=torch.float64, device=device)
+        """Sum over the steps of each device's ``L_G`` before its generator step (N,)."""
+        self.module.train()
+        cfg = hooks[0].config
+
+        def objective(
+            params: Tensors, buffers: Tensors, teacher: Tensors, z: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            images = functional_call(self.module, params | buffers, (z,))
+            features = functional_call(
+                self.teacher.features, unprefixed(teacher, FEATURES_PREFIX), (images,)
+            )
+            logits = functional_call(
+                self.teacher.head, unprefixed(teacher, HEAD_PREFIX), (features,)
+            )
+            total, *_ = fedkf_generator_objective(logits, features, cfg.lambda1, cfg.lambda2)
+            return total, total.detach()
+
+        self._grad = vmap(grad(objective, has_aux=True))
+
+        def sample(params: Tensors, buffers: Tensors, z: torch.Tensor) -> torch.Tensor:
+            return functional_call(self.module, params | buffers, (z,))  # type: ignore[no-any-return]
+
+        def teach(teacher: Tensors, images: torch.Tensor) -> torch.Tensor:
+            return functional_call(self.teacher, teacher, (images,))  # type: ignore[no-any-return]
+
+        self._sample = vmap(sample)
+        self._teach = vmap(teach)
+
+    def inputs(self, rows: Sequence[int], index: torch.Tensor | None, width: int) -> Tensors:
+        """One Adam step of each row's generator, then each row's generated batch and
+        its teacher's logits (rows of one batch size ``width``)."""
+        z, z_sample = [], []
+        for i in rows:  # per device: the step's noise, then the sample's
+            noise = self.hooks[i].noise
+            z.append(torch.randn(width, self.module.noise_dim, generator=noise))
+            z_sample.append(torch.randn(width, self.module.noise_dim, generator=noise))
+        zs = torch.stack(z).to(self.device)
+        zs_sample = torch.stack(z_sample).to(self.device)
+
+        params = select_rows(index, self.params)
+        buffers, teachers = select_rows(index, self.buffers), select_rows(index, self.teachers)
+        grads, loss = self._grad(params, buffers, teachers, zs)
+        self.adam.update(params, grads, index)
+        with torch.no_grad():
+            images = self._sample(params, buffers, zs_sample)
+            teacher_logits = self._teach(teachers, images)
+        if index is not None:
+            for name, value in params.items():
+                self.params[name][index] = value
+            for name, value in buffers.items():
+                self.buffers[name][index] = value
+        rows_t = torch.tensor(list(rows), device=self.device)
+        self.generator_loss.index_add_(0, rows_t, loss.double())
+        return {"images": images, "teacher_logits": teacher_logits}
+
+    def loss(
+        self, model: Classifier, point: Tensors, state: Tensors, inputs: Tensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        student = functional_call(model, state, (inputs["images"],))
+        kd = distillation_kl(inputs["teacher_logits"], student)
+        return self.gamma * kd, kd.detach()
+
+    def metrics(self, row: int, steps: int) -> dict[str, float]:
+        return {
+            "kd_loss": float(self.measured[row]) / steps,
+            "generator_loss": float(self.generator_loss[row]) / steps,
+        }
+
+    def write_back(self) -> None:
+        write_back([g.module for g in self.generators], self.params | self.buffers)
+        self.adam.write_back()
+
+
+class FedKF(DeviceStrategy):
+    """FedKF: the received student learns from the teacher through a local generator.
+
+    Sets: ``"student"`` (required), ``"teacher"`` (optional; absent, the teacher is a
+    frozen copy of the received student: FedKF-). The generator persists in the
+    learning state (see :func:`local_image_generator`). ``gamma`` 0: FedAvg on the student.
+    """
+
+    name = "fedkf"
+
+    def expected_sets(self, model: nn.Module, config: TrainConfig) -> dict[str, SetSpec]:
+        full = state_shapes(as_classifier(model, self.name))
+        return {STUDENT_SET: SetSpec(full, required=True), TEACHER_SET: SetSpec(full, False)}
+
+    def prepare(
+        self,
+        model: nn.Module,
+        sets: ReceivedSets,
+        config: TrainConfig,
+        state: MutableMapping[str, Any],
+    ) -> tuple[TrainHook, ...]:
+        classifier = as_classifier(model, self.name)
+        if config.gamma == 0:
+            load_set(model, sets, STUDENT_SET)
+            return ()
+        # built first: a bad teacher leaves the model unchanged
+        teacher = from_set(sets, TEACHER_SET, lambda arrays: frozen_teacher(classifier, arrays))
+        load_set(model, sets, STUDENT_SET)
+        if teacher is None:
+            teacher = frozen_teacher(classifier)
+        return (FedKFHook(teacher, state, config),)
