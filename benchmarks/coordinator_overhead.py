@@ -33,9 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 from protocol.auth import Keyring, new_key, write_key_file
 from protocol.channel import Channel
 from protocol.messages import Message

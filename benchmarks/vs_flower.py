@@ -35,9 +35,9 @@ The sides run one after the other, ``--repeat`` times, interleaved; the median i
 How to run (from the repository root; it takes a few minutes, and the first run builds
 the Flower venv, about 1 GB, which takes a few more)::
 
-    python benchmarks/vs_flower.py --setup                  # only build the Flower venv
-    python benchmarks/vs_flower.py --data-dir ../shared/data/mnist --json-out vs.json
-    python benchmarks/vs_flower.py --transports inproc --sim-args "--engine batched"
+    python -m benchmarks.vs_flower --setup                  # only build the Flower venv
+    python -m benchmarks.vs_flower --data-dir ../shared/data/mnist --json-out vs.json
+    python -m benchmarks.vs_flower --transports inproc --sim-args "--engine batched"
 
 Progress goes to stderr; the table to stdout; each subprocess's output to
 ``--work-dir`` (a temporary folder unless given).
@@ -66,9 +66,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 
