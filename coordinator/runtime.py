@@ -540,8 +540,9 @@ class RunStatus:
         self._write()
 
     def exited(self, peak_rss_mb: float) -> None:
-        """Record the process's peak RSS (MB) as it exits (``stopped`` if unfinished)."""
-        self._status["peak_rss_mb"] = peak_rss_mb
+        """Record the process's peak RSS (MB, kept to 0.1 MB as the log has it) as it
+        exits (``stopped`` if unfinished)."""
+        self._status["peak_rss_mb"] = round(peak_rss_mb, 1)
         if self._status["phase"] != "finished":
             self._status["phase"] = "stopped"
         self._write()
