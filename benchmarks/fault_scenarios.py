@@ -581,6 +581,8 @@ def churn(work: Path, seed: int = 0) -> ScenarioReport:
         report.notes["silent_rounds"] = run.monitor.tasked("silent-0")
         report.notes["joiner_rounds"] = run.monitor.tasked(joiner)
         report.notes["leaver_rounds"] = run.monitor.tasked(leaver)
+        # the warning an operator sees for each round closed at its deadline (the status
+        # file does not say why a round closed)
         report.notes["deadline_logs"] = run.coordinator_log.read_text().count("deadline passed")
     return report
 
