@@ -488,8 +488,9 @@ class RunStatus:
     ``format`` (1), ``fleet``, ``rounds`` (planned), ``pid`` (the coordinator process),
     ``phase`` (``starting``, ``training``, ``aggregating``, ``closed``, ``finished``;
     ``stopped`` when the process exited before the end), ``round`` (the latest round
-    started), ``started`` (round -> ``selected`` devices and Unix time ``at``),
-    ``closed`` (round -> ``duration_s``, ``on_time``, ``selected``, ``late``,
+    started), ``started`` (round -> ``selected`` devices and Unix time ``at``; none for
+    a round whose process was killed before writing it: a resumed round is not started
+    again), ``closed`` (round -> ``duration_s``, ``on_time``, ``selected``, ``late``,
     ``rejected``, ``server_step_s``; a round closed again after a crash replaces its
     entry) and ``peak_rss_mb`` (the process's peak RSS, MB = 2**20 bytes, written at its
     exit; null before). With ``resume`` the rounds of the file's earlier processes are
