@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coordinator.runtime import STATUS_FILE
 from protocol.auth import Keyring, new_key, write_key_file
 from sim.datasets import load_dataset
 from sim.partition import partition_dataset, save_device_file
@@ -225,7 +226,7 @@ class Status:
     def read(cls, state: Path) -> Status | None:
         """The status under the state dir ``state``; None before the coordinator wrote one."""
         try:
-            raw = json.loads((state / "status.json").read_text())
+            raw = json.loads((state / STATUS_FILE).read_text())
         except FileNotFoundError:
             return None
         started = raw["started"].items()
