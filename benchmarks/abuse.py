@@ -23,7 +23,9 @@ honest sender), ``replay`` (captured honest frames, verbatim), ``unregistered``
 Counts per category: ``tried`` (publishes), ``rejected`` (refusal lines the coordinator
 wrote while the burst was processed: lines saying refused / rejected / dropped /
 ignored, at any level), ``logged`` (those at WARNING, what an operator sees at the
-default level). Honest figures are compared with an abuse-free reference run of the same
+default level). The refusal lines are what this benchmark measures, so it reads them in
+the coordinator's log; the honest figures come from the coordinator's status file
+(``STATE_DIR/status.json``) and are compared with an abuse-free reference run of the same
 seed: rounds, honest updates on time, ``lost`` (expected minus on time), round durations,
 the coordinator's peak RSS, and whether the final models are bit-identical.
 
@@ -51,7 +53,18 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any, TextIO
 
-from benchmarks.faults import final_models, identical, processes, spawn, start_devices, write_fleet
+from benchmarks.harness import (
+    MLP_FEDAVG,
+    Status,
+    coordinator_command,
+    final_models,
+    identical,
+    private_broker,
+    processes,
+    spawn,
+    start_devices,
+    write_fleet,
+)
 from benchmarks.hostile import FENCE, FLEET, ROGUE, Hostile, envelope
 from protocol.auth import Keyring
 from protocol.chunking import read_chunk_header
@@ -72,14 +85,13 @@ CATEGORIES = (
     "unregistered",
     "chunk_flood",
 )
+# the refusal lines of the coordinator's log (``-v``), the thing this benchmark counts
 _REFUSAL = re.compile(
     r"^\S+ \S+ (WARNING|DEBUG) (?:coordinator|protocol)[\w.]*: "
     r"(?:refused|rejected|dropped|dropping|ignored) "
 )
-_CLOSED = re.compile(r"round (\d+)/\d+ closed in ([\d.]+) s: (\d+)/(\d+) updates on time")
 _FENCE = re.compile(r"rejected update of rogue-0 for round (\d+)")
 _DROPPED = re.compile(r"(?:dropped|dropping) incomplete transfer ([0-9a-f]{32}) from ")
-_PEAK = re.compile(r"peak RSS ([\d.]+) MB")
 
 
 @dataclass(frozen=True)
@@ -154,13 +166,10 @@ class AbuseReport:
 
 
 def start_coordinator(url: str, cfg: AbuseConfig, state: Path, keys: Path, log: Path) -> Any:
-    command = [
-        sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
-        "--strategy", "fedavg", "--model", "mlp", "--rounds", str(cfg.rounds),
-        "--participation", "1.0", "--min-devices", str(cfg.devices), "--round-timeout", "120",
-        "--local-steps", "2", "--batch-size", "16", "--seed", str(cfg.seed),
-        "--state-dir", str(state), "--device-keys", str(keys), "-v",
-    ]  # fmt: skip
+    command = coordinator_command(
+        url, FLEET, rounds=cfg.rounds, min_devices=cfg.devices, state=state, keys=keys,
+        extra=[*MLP_FEDAVG, "--seed", str(cfg.seed), "-v"],
+    )  # fmt: skip
     return spawn(command, log)
 
 
@@ -304,9 +313,10 @@ def _attack(
 def one_run(
     url: str, cfg: AbuseConfig, files: list[Path], keys: Path, work: Path, *,
     abuse: bool, old: list[tuple[str, bytes]],
-) -> tuple[AbuseReport, str, Hostile]:  # fmt: skip
+) -> tuple[AbuseReport, dict[int, tuple[float, int]], Hostile]:  # fmt: skip
     """One run from scratch; with ``abuse`` the hostile client attacks it (without, it
-    only listens, recording frames to replay later)."""
+    only listens, recording frames to replay later). Returns its report, round -> (duration
+    s, updates on time) from the status file, and the hostile client."""
     work.mkdir(parents=True)
     report = AbuseReport(devices=cfg.devices, rounds=cfg.rounds, seed=cfg.seed)
     honest = [f.stem for f in files]
@@ -346,37 +356,26 @@ def one_run(
     finally:
         hostile.stop()
     report.wall_s = time.monotonic() - start
-    text = log.read_text(errors="replace")
     if report.coordinator_exit != 0:
         report.problems.append(f"the coordinator ended with {report.coordinator_exit}")
-    peaks = [float(m.group(1)) for m in _PEAK.finditer(text)]
-    report.coordinator_peak_rss_mb = max(peaks) if peaks else None
-    return report, text, hostile
-
-
-def _rounds(text: str) -> dict[int, tuple[float, int]]:
-    """Round -> (duration s, updates on time), from the coordinator's log."""
-    return {int(m[1]): (float(m[2]), int(m[3])) for m in _CLOSED.finditer(text)}
+    status = Status.read(work / "state")
+    closed = {} if status is None else status.closed
+    report.coordinator_peak_rss_mb = None if status is None else status.peak_rss_mb
+    return report, {r: (c.duration_s, c.on_time) for r, c in closed.items()}, hostile
 
 
 def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     """Reference run (the hostile client only listens), then the same run under abuse."""
-    from tests.protocol.brokers import Mosquitto, mosquitto_binary
-
-    if mosquitto_binary() is None:
-        raise SystemExit("abuse: the mosquitto binary is not installed")
     files, keys = write_fleet(work / "fleet", cfg.devices, cfg.seed, key_only=(ROGUE,))
-    (work / "mosquitto").mkdir()
-    with Mosquitto(work / "mosquitto") as broker:
-        reference, ref_text, listener = one_run(
+    with private_broker(work, "abuse") as broker:
+        reference, ref_rounds, listener = one_run(
             broker.url, cfg, files, keys, work / "reference", abuse=False, old=[]
         )
         if reference.coordinator_exit != 0:
             raise RuntimeError(f"the reference run failed: {reference.problems}")
-        report, text, _ = one_run(
+        report, rounds, _ = one_run(
             broker.url, cfg, files, keys, work / "abuse", abuse=True, old=listener.frames()
         )
-    ref_rounds, rounds = _rounds(ref_text), _rounds(text)
     report.reference_rounds_completed = len(ref_rounds)
     report.rounds_completed = len(rounds)
     report.honest_expected = cfg.devices * cfg.rounds

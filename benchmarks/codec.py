@@ -13,7 +13,7 @@ parameters) and ResNet-8 with FedKF widths (1,227,594). For each encoding it rep
   encoded tensors: quantize, pack, dequantize), without envelope and zstd, to show where
   the full path spends its time.
 
-Run: ``python benchmarks/codec.py [--json] [--repeats N] [--level L]``.
+Run: ``python -m benchmarks.codec [--json] [--repeats N] [--level L]``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ one clock and reports, per round:
 - ``aggregate_s``: from the last update of the round to the first model message of the
   next round (the coordinator validated, stored and averaged the updates, and published
   the new aggregate); none for the last round;
-- the coordinator's peak RSS (it logs it at exit).
+- the coordinator's peak RSS (its status file's, written at exit).
 
 Run from the repository root: ``python -m benchmarks.coordinator_overhead [--devices 50]
 [--rounds 4] [--json]``.
@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,43 +29,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from protocol.auth import Keyring, new_key, write_key_file
+from benchmarks.harness import (
+    Status,
+    coordinator_command,
+    edge_client_command,
+    private_broker,
+    processes,
+    spawn,
+    write_fleet,
+)
 from protocol.channel import Channel
 from protocol.messages import Message
 from protocol.topics import parse_topic
 from protocol.transport import MqttConfig, MqttTransport
-from sim.datasets import load_dataset
-from sim.partition import partition_dataset, save_device_file
 
 FLEET = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    if not Path(binary).exists():
-        sys.exit("this benchmark needs mosquitto (apt-get install mosquitto)")
-    port = free_port()
-    config = workdir / "mosquitto.conf"
-    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    process = subprocess.Popen([binary, "-c", str(config)], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process, f"mqtt://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    process.kill()
-    sys.exit("mosquitto did not start")
 
 
 class Monitor:
@@ -119,73 +93,36 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="edgefl-bench-") as tmp:
         root = Path(tmp)
-        broker, url = start_mosquitto(root)
-        processes: list[subprocess.Popen[str]] = []
-        try:
-            federation = partition_dataset(
-                load_dataset("synthetic", seed=0), args.devices, float("inf"), seed=0
-            )
-            files = []
-            keys = {}
-            for split in federation.devices:
-                files.append(root / f"{split.device_id}.npz")
-                save_device_file(files[-1], split)
-                keys[split.device_id] = new_key()
-                write_key_file(root / f"{split.device_id}.key", keys[split.device_id])
-            Keyring(keys).save(root / "keys.json")  # every message authenticated, as deployed
+        with private_broker(root, "coordinator_overhead") as broker, processes() as started:
+            url = broker.url
+            # every message authenticated, as deployed
+            files, keys = write_fleet(root, args.devices, seed=0)
             monitor = Monitor(url)
             monitor.start()
-            coordinator = subprocess.Popen(
-                [sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
-                 "--model", "lenet5", "--rounds", str(args.rounds), "--participation", "1.0",
-                 "--min-devices", str(args.devices), "--local-epochs", "1",
-                 "--round-timeout", "600", "--no-onnx", "--state-dir", str(root / "state"),
-                 "--device-keys", str(root / "keys.json")],
-                stderr=subprocess.PIPE, text=True,
+            command = coordinator_command(
+                url, FLEET, rounds=args.rounds, min_devices=args.devices,
+                state=root / "state", keys=keys, round_timeout_s=600,
+                extra=["--model", "lenet5", "--local-epochs", "1", "--no-onnx"],
             )  # fmt: skip
-            processes.append(coordinator)
-            started = time.monotonic()
+            coordinator = spawn(command, root / "coordinator.log", one_thread=False)
+            started.append(coordinator)
+            start = time.monotonic()
             for path in files:
-                processes.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "edge_client",
-                            "--broker",
-                            url,
-                            "--fleet",
-                            FLEET,
-                            "--data",
-                            str(path),
-                            "--state-dir",
-                            str(root / "dev" / path.stem),
-                            "--threads",
-                            "1",
-                            "--auth-key-file",
-                            str(path.with_suffix(".key")),
-                            "--exit-when-finished",
-                        ],
-                        stderr=subprocess.DEVNULL,
-                        text=True,
-                    )
+                command = edge_client_command(
+                    url, FLEET, path, root / "dev" / path.stem, ("--threads", "1")
                 )
+                started.append(spawn(command, root / f"{path.stem}.log", one_thread=False))
             print(f"started the coordinator and {args.devices} edge clients", file=sys.stderr)
-            _, log = coordinator.communicate(timeout=3600)
-            total_s = time.monotonic() - started
-            for process in processes[1:]:
+            coordinator.wait(timeout=3600)
+            total_s = time.monotonic() - start
+            for process in started[1:]:
                 process.wait(timeout=120)
-            rss = re.search(r"peak RSS ([\d.]+) MB", log)
             if coordinator.returncode != 0:
+                log = (root / "coordinator.log").read_text(errors="replace")
                 sys.exit(f"coordinator failed ({coordinator.returncode}):\n{log[-3000:]}")
             rows = monitor.rounds(args.rounds)
             monitor.transport.disconnect()
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-            broker.terminate()
-            broker.wait(5)
+            status = Status.read(root / "state")
 
     dispatch = [r["dispatch_s"] for r in rows if r["dispatch_s"] is not None]
     aggregate = [r["aggregate_s"] for r in rows if r["aggregate_s"] is not None]
@@ -194,7 +131,7 @@ def main() -> None:
         "rounds": rows,
         "dispatch_s_median": statistics.median(dispatch) if dispatch else None,
         "aggregate_s_median": statistics.median(aggregate) if aggregate else None,
-        "coordinator_peak_rss_mb": float(rss.group(1)) if rss else None,
+        "coordinator_peak_rss_mb": None if status is None else status.peak_rss_mb,
         "total_s": total_s,
     }
     if args.json:

@@ -36,9 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]

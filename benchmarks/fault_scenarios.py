@@ -1,8 +1,8 @@
 """The device and broker faults of issue 17, each a short run over a private Mosquitto.
 
 Every scenario runs ``python -m coordinator`` and ``python -m edge_client`` as separate
-processes (synthetic data, ``--model mlp``, per-device keys), as :mod:`benchmarks.faults`
-does, plus test-side MQTT clients: a :class:`Monitor` holding the keyring that records
+processes (synthetic data, ``--model mlp``, per-device keys) on :mod:`benchmarks.harness`,
+as :mod:`benchmarks.faults` does, plus test-side MQTT clients: a :class:`Monitor` holding the keyring that records
 tasks, updates, chunks and acknowledgements, and :class:`CraftedDevice`, a keyed device
 played by hand that can stay silent or publish the chunks of its signed update as it
 likes. The kinds:
@@ -34,11 +34,9 @@ update of a round it was tasked in that the round did not take on time).
 from __future__ import annotations
 
 import random
-import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -50,7 +48,17 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.faults import FLEET, processes, spawn, wait_for, write_fleet
+from benchmarks.harness import (
+    MLP_FEDAVG,
+    Status,
+    coordinator_command,
+    edge_client_command,
+    private_broker,
+    processes,
+    spawn,
+    wait_status,
+    write_fleet,
+)
 from models.registry import build_classifier
 from protocol.auth import Keyring, new_key
 from protocol.channel import Channel
@@ -74,9 +82,10 @@ from protocol.transport.base import Inbound
 from protocol.transport.config import MqttConfig
 from protocol.transport.mqtt import MqttTransport
 
+FLEET = "faults"
+"""The fleet of every fault run (the coordinator-kill run's too)."""
 TOPICS = Topics(FLEET)
 LOOPBACK = "127.0.0.1"
-_CLOSED = re.compile(r"round (\d+)/\d+ closed in ([\d.]+) s: (\d+)/(\d+) updates on time")
 _TAKEN = (ReasonCode.OK, ReasonCode.DUPLICATE)
 
 
@@ -372,11 +381,8 @@ class FaultRun:
             raise
 
     def _start(self, devices: int, crafted: tuple[str, ...]) -> None:
-        from tests.protocol.brokers import Mosquitto
-
         work = self.work
-        (work / "mosquitto").mkdir(parents=True)
-        self.broker = self._stack.enter_context(Mosquitto(work / "mosquitto"))
+        self.broker = self._stack.enter_context(private_broker(work, "faults"))
         self.files, self.keys_path = write_fleet(work / "fleet", devices, self.seed)
         keyring = Keyring.load(self.keys_path)
         self.crafted_keys = {name: new_key() for name in crafted}
@@ -405,33 +411,32 @@ class FaultRun:
         return device
 
     def start_coordinator(self, rounds: int, min_devices: int, timeout_s: float) -> None:
-        command = [
-            sys.executable, "-m", "coordinator", "--broker", self.broker.url, "--fleet", FLEET,
-            "--strategy", "fedavg", "--model", "mlp", "--rounds", str(rounds),
-            "--participation", "1.0", "--min-devices", str(min_devices),
-            "--round-timeout", str(timeout_s), "--local-steps", "2", "--batch-size", "16",
-            "--seed", str(self.seed), "--state-dir", str(self.work / "state"),
-            "--device-keys", str(self.keys_path),
-        ]  # fmt: skip
+        command = coordinator_command(
+            self.broker.url, FLEET, rounds=rounds, min_devices=min_devices,
+            state=self.work / "state", keys=self.keys_path, round_timeout_s=timeout_s,
+            extra=[*MLP_FEDAVG, "--seed", str(self.seed)],
+        )  # fmt: skip
         self.coordinator = spawn(command, self.coordinator_log)
         self.processes.append(self.coordinator)
 
     def start_device(self, index: int, url: str | None = None) -> subprocess.Popen[bytes]:
         """Edge client ``index`` (its data file, key and state dir), through ``url``."""
         path = self.files[index]
-        command = [
-            sys.executable, "-m", "edge_client", "--broker", url or self.broker.url,
-            "--fleet", FLEET, "--data", str(path), "--model", "mlp",
-            "--init-seed", str(self.seed), "--state-dir", str(self.work / path.stem),
-            "--auth-key-file", str(path.with_suffix(".key")), "--exit-when-finished",
-        ]  # fmt: skip
+        extra = ("--model", "mlp", "--init-seed", str(self.seed))
+        command = edge_client_command(
+            url or self.broker.url, FLEET, path, self.work / path.stem, extra
+        )
         process = spawn(command, self.work / f"{path.stem}.log")
         self.processes.append(process)
         return process
 
-    def wait_log(self, needle: str, timeout: float) -> bool:
+    def wait_round(self, round_number: int, timeout: float) -> bool:
+        """Whether the coordinator started round ``round_number`` within ``timeout`` s."""
         assert self.coordinator is not None
-        return wait_for(self.coordinator_log, self.coordinator, needle, timeout)
+        ready = wait_status(
+            self.work / "state", self.coordinator, lambda s: round_number in s.selected, timeout
+        )
+        return ready is not None
 
     def finish(self, report: ScenarioReport, honest: set[str], timeout: float = 120) -> None:
         """Wait for the coordinator's end and fill in ``report``'s counts."""
@@ -440,23 +445,24 @@ class FaultRun:
             self.coordinator.wait(timeout)
         except subprocess.TimeoutExpired:
             report.problems.append("the coordinator did not finish in time")
-        log = self.coordinator_log.read_text(errors="replace")
         report.finished = self.coordinator.returncode == 0
         if not report.finished:
             report.problems.append(f"the coordinator ended with {self.coordinator.returncode}")
         report.wall_s = time.monotonic() - self.started
-        closes = {int(m[1]): (float(m[2]), int(m[3]), int(m[4])) for m in _CLOSED.finditer(log)}
+        status = Status.read(self.work / "state")
+        closes = {} if status is None else status.closed
         report.notes["closes"] = {
-            r: {"s": s, "on_time": k, "selected": n} for r, (s, k, n) in closes.items()
+            r: {"s": c.duration_s, "on_time": c.on_time, "selected": c.selected}
+            for r, c in closes.items()
         }
         taken = self.monitor.taken()
         report.rounds_completed = len(closes)
         report.updates_tried = len(self.monitor.updates)
         report.updates_acknowledged = sum(len(devices) for devices in taken.values())
         report.updates_rejected = sum(1 for *_, ok, _ in self.monitor.update_acks() if not ok)
-        for r, (_, aggregated, _) in closes.items():
-            report.lost += max(0, len(taken.get(r, ())) - aggregated)
-            report.twice += max(0, aggregated - len(taken.get(r, ())))
+        for r, close in closes.items():
+            report.lost += max(0, len(taken.get(r, ())) - close.on_time)
+            report.twice += max(0, close.on_time - len(taken.get(r, ())))
         for device, r in set(self.monitor.tasks):
             if device in honest and r in closes and device not in taken.get(r, ()):
                 report.delayed += 1
@@ -559,7 +565,7 @@ def churn(work: Path, seed: int = 0) -> ScenarioReport:
         run.crafted("silent-0")
         leaving = run.start_device(0)
         run.start_device(1)
-        if run.wait_log("round 1/", 90):
+        if run.wait_round(1, 90):
             run.start_device(2)  # a new process, mid-run
             report.faults["join"] = 1
         deadline = time.monotonic() + 60
@@ -575,6 +581,8 @@ def churn(work: Path, seed: int = 0) -> ScenarioReport:
         report.notes["silent_rounds"] = run.monitor.tasked("silent-0")
         report.notes["joiner_rounds"] = run.monitor.tasked(joiner)
         report.notes["leaver_rounds"] = run.monitor.tasked(leaver)
+        # the warning an operator sees for each round closed at its deadline (the status
+        # file does not say why a round closed)
         report.notes["deadline_logs"] = run.coordinator_log.read_text().count("deadline passed")
     return report
 

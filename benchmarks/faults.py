@@ -10,8 +10,8 @@ Checks, against an uninterrupted reference run of the same seed on the same data
 
 * the interrupted run finishes (exit 0, final models saved);
 * its final models are bit-identical to the reference's;
-* per round, the updates the coordinator aggregated (its "round N/R closed: K/S updates on
-  time" log line) equal the distinct updates it acknowledged as accepted: ``lost`` counts
+* per round, the updates the coordinator aggregated (the round's close in its status file,
+  ``STATE_DIR/status.json``) equal the distinct updates it acknowledged as accepted: ``lost`` counts
   acknowledged-accepted updates missing from a round, ``twice`` updates counted beyond
   those acknowledged, ``delayed`` updates a round lacked.
 
@@ -34,38 +34,39 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from protocol.auth import Keyring, new_key, write_key_file
+from benchmarks.fault_scenarios import FLEET, ScenarioReport, run_scenarios
+from benchmarks.harness import (
+    MLP_FEDAVG,
+    Status,
+    coordinator_command,
+    final_models,
+    identical,
+    private_broker,
+    processes,
+    spawn,
+    start_devices,
+    wait_status,
+    write_fleet,
+)
+from protocol.auth import Keyring
 from protocol.channel import Channel
 from protocol.messages import Ack, Message, Update
 from protocol.topics import Topics
 from protocol.transport.config import MqttConfig
 from protocol.transport.mqtt import MqttTransport
-from sim.datasets import load_dataset
-from sim.partition import partition_dataset, save_device_file
-
-if TYPE_CHECKING:
-    from benchmarks.fault_scenarios import ScenarioReport
-
-ROOT = Path(__file__).resolve().parents[1]
-FLEET = "faults"
-_CLOSED = re.compile(r"round (\d+)/\d+ closed in [\d.]+ s: (\d+)/(\d+) updates on time")
-_PEAK = re.compile(r"peak RSS ([\d.]+) MB")
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,9 @@ class FaultReport:
     restarts: int = 0
     broker_restarts: int = 0
     kill_phases: dict[str, int] = field(default_factory=dict)
-    """Kills by what the coordinator's last log line said: ``training`` (collecting updates),
-    ``aggregating`` (between "aggregating" and the round's commit), ``closed`` (just after
-    a round closed)."""
+    """Kills by the phase the coordinator's status file said: ``training`` (starting or
+    collecting updates), ``aggregating`` (between the aggregation's request and the
+    round's close), ``closed`` (just after a round closed)."""
     rounds_completed: int = 0
     finished: bool = False
     updates_tried: int = 0
@@ -116,7 +117,8 @@ class FaultReport:
     delayed: int = 0
     """Updates the checked rounds lacked (every device is selected every round)."""
     rounds_unchecked: int = 0
-    """Rounds whose close left no log line (the kill came between commit and log)."""
+    """Rounds whose close left no status entry (the kill came between the round's commit
+    and the status file's write)."""
     identical_to_reference: bool = False
     wall_s: float = 0.0
     reference_wall_s: float = 0.0
@@ -179,129 +181,40 @@ class AckLog:
                 out.write(json.dumps(event) + "\n")
 
 
-def write_fleet(
-    root: Path, devices: int, seed: int, *, key_only: Sequence[str] = ()
-) -> tuple[list[Path], Path]:
-    """Device data files, one key file each, and the coordinator's keyring (holding a
-    key for each id of ``key_only`` too: ids with no device behind them)."""
-    root.mkdir(parents=True, exist_ok=True)
-    federation = partition_dataset(
-        load_dataset("synthetic", seed=seed), devices, float("inf"), seed=seed
-    )
-    paths, keys = [], {}
-    for split in federation.devices:
-        path = root / f"{split.device_id}.npz"
-        save_device_file(path, split)
-        keys[split.device_id] = new_key()
-        write_key_file(path.with_suffix(".key"), keys[split.device_id])
-        paths.append(path)
-    keys |= {device_id: new_key() for device_id in key_only}
-    Keyring(keys).save(root / "keys.json")
-    return paths, root / "keys.json"
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
-
-
-def start_devices(
-    url: str, files: list[Path], root: Path, seed: int, *, fleet: str = FLEET
-) -> list[subprocess.Popen[bytes]]:
-    root.mkdir(parents=True, exist_ok=True)
-    started = []
-    for path in files:
-        command = [
-            sys.executable, "-m", "edge_client", "--broker", url, "--fleet", fleet,
-            "--data", str(path), "--model", "mlp", "--init-seed", str(seed),
-            "--state-dir", str(root / path.stem), "--auth-key-file",
-            str(path.with_suffix(".key")), "--exit-when-finished",
-        ]  # fmt: skip
-        started.append(spawn(command, root / f"{path.stem}.log"))
-    return started
-
-
 def start_coordinator(
     url: str, cfg: FaultConfig, state: Path, keys: Path, log: Path, *, resume: bool
 ) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
-        "--strategy", "fedavg", "--model", "mlp", "--rounds", str(cfg.rounds),
-        "--participation", "1.0", "--min-devices", str(cfg.devices), "--round-timeout", "120",
-        "--local-steps", "2", "--batch-size", "16", "--seed", str(cfg.seed),
-        "--state-dir", str(state), "--device-keys", str(keys),
-    ]  # fmt: skip
-    return spawn([*command, "--resume"] if resume else command, log)
+    extra = [*MLP_FEDAVG, "--seed", str(cfg.seed), *(["--resume"] if resume else [])]
+    command = coordinator_command(
+        url, FLEET, rounds=cfg.rounds, min_devices=cfg.devices, state=state, keys=keys,
+        extra=extra,
+    )  # fmt: skip
+    return spawn(command, log)
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.wait(timeout=10)
-
-
-@contextmanager
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """A list of processes, every one killed on the way out."""
-    started: list[subprocess.Popen[bytes]] = []
-    try:
-        yield started
-    finally:
-        for process in started:
-            _stop(process)
-
-
-def wait_for(log: Path, process: subprocess.Popen[bytes], needle: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if needle in log.read_text(errors="replace"):
-            return True
-        if process.poll() is not None:
-            return False
-        time.sleep(0.05)
-    return False
-
-
-def _phase(log: str) -> str:
-    """Where a coordinator was when it was killed, from its last line about a round."""
-    lines = [line for line in log.splitlines() if "round" in line]
-    last = lines[-1] if lines else ""
-    if "aggregating" in last:
-        return "aggregating"
-    if " closed in " in last:
-        return "closed"
-    return "training"
-
-
-def final_models(state: Path) -> dict[str, Any]:
-    return dict(torch.load(state / "final" / "aca.pt", weights_only=True))
-
-
-def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+def _phase(status: Status | None) -> str:
+    """Where a coordinator was when it was killed, from its status file."""
+    phase = "training" if status is None else status.phase
+    return phase if phase in ("aggregating", "closed") else "training"
 
 
 def one_run(
     url: str, cfg: FaultConfig, files: list[Path], keys: Path, work: Path, *, faults: bool,
     broker: Any = None,
-) -> tuple[FaultReport, AckLog, list[str]]:  # fmt: skip
+) -> tuple[FaultReport, str]:  # fmt: skip
     """One run from scratch; with ``faults``, the coordinator is killed ``cfg.kills`` times
-    (and the broker restarted ``cfg.broker_restarts`` times)."""
+    (and the broker restarted ``cfg.broker_restarts`` times). Returns its report, counts
+    checked (:func:`check`), and the end of the last coordinator's log."""
     work.mkdir(parents=True)
     state = work / "state"
     report = FaultReport(devices=cfg.devices, rounds=cfg.rounds)
     rng = random.Random(cfg.seed)
     monitor = AckLog(url, Keyring.load(keys))
     monitor.start()
-    logs: list[str] = []
     start = time.monotonic()
     try:
         with processes() as started:
-            started.extend(start_devices(url, files, work / "devices", cfg.seed))
+            started.extend(start_devices(url, files, work / "devices", cfg.seed, fleet=FLEET))
             incarnation = 0
             while True:
                 log = work / f"coordinator-{incarnation}.log"
@@ -309,7 +222,7 @@ def one_run(
                 started.append(server)
                 incarnation += 1
                 if faults and report.kills < cfg.kills:
-                    if wait_for(log, server, "round", 120):
+                    if wait_status(state, server, lambda _: True, 120) is not None:
                         time.sleep(rng.uniform(*cfg.kill_after))
                         if (
                             broker is not None
@@ -323,15 +236,13 @@ def one_run(
                         server.wait(10)
                         report.kills += 1
                         report.restarts += 1
-                        logs.append(log.read_text(errors="replace"))
-                        phase = _phase(logs[-1])
+                        phase = _phase(Status.read(state))
                         report.kill_phases[phase] = report.kill_phases.get(phase, 0) + 1
                         continue
                 try:
                     server.wait(cfg.timeout_s - (time.monotonic() - start))
                 except subprocess.TimeoutExpired:
                     report.problems.append("the coordinator did not finish in time")
-                logs.append(log.read_text(errors="replace"))
                 break
             report.finished = server.returncode == 0 and (state / "final" / "aca.pt").exists()
             for device in started[: cfg.devices]:
@@ -345,20 +256,20 @@ def one_run(
     report.wall_s = time.monotonic() - start
     if not report.finished:
         report.problems.append(f"the coordinator ended with {server.returncode}")
-    peaks = [float(m.group(1)) for text in logs for m in _PEAK.finditer(text)]
-    report.coordinator_peak_rss_mb = max(peaks) if peaks else None
-    return report, monitor, logs
+    status = Status.read(state)
+    report.coordinator_peak_rss_mb = None if status is None else status.peak_rss_mb
+    check(report, monitor, status, cfg)
+    return report, log.read_text(errors="replace")[-3000:]
 
 
-def check(report: FaultReport, monitor: AckLog, logs: list[str], cfg: FaultConfig) -> None:
-    """Fill in the counts of ``report`` from the event log and the coordinator's logs."""
-    aggregated: dict[int, int] = {}
-    for text in logs:
-        for m in _CLOSED.finditer(text):
-            aggregated[int(m.group(1))] = int(m.group(2))  # the last close of a round wins
+def check(report: FaultReport, monitor: AckLog, status: Status | None, cfg: FaultConfig) -> None:
+    """Fill in the counts of ``report`` from the event log and the coordinator's status
+    file (a round closed again after a kill: its later close counts)."""
+    closed = {} if status is None else status.closed
+    aggregated = {r: close.on_time for r, close in closed.items()}
     accepted = monitor.accepted()
     # a finished run (exit 0, final models saved) completed every round, also one whose
-    # last close left no log line (a kill between the round's commit and its log line)
+    # last close left no status entry (a kill between the round's commit and its write)
     report.rounds_completed = (
         cfg.rounds if report.finished else max((r for r in aggregated), default=0)
     )
@@ -377,26 +288,14 @@ def check(report: FaultReport, monitor: AckLog, logs: list[str], cfg: FaultConfi
 
 def run_benchmark(cfg: FaultConfig, work: Path) -> FaultReport:
     """Reference run, then the same run with faults; returns the report of the latter."""
-    from tests.protocol.brokers import Mosquitto, mosquitto_binary
-
-    if mosquitto_binary() is None:
-        raise SystemExit("faults: the mosquitto binary is not installed")
     files, keys = write_fleet(work / "fleet", cfg.devices, cfg.seed)
-    (work / "mosquitto").mkdir()
-    with ExitStack() as stack:
-        broker = stack.enter_context(Mosquitto(work / "mosquitto"))
-        reference, ref_log, ref_logs = one_run(
-            broker.url, cfg, files, keys, work / "reference", faults=False
-        )
-        check(reference, ref_log, ref_logs, cfg)
+    with private_broker(work, "faults") as broker:
+        reference, tail = one_run(broker.url, cfg, files, keys, work / "reference", faults=False)
         if not reference.finished:
-            raise RuntimeError(
-                f"the reference run failed: {reference.problems}\n{ref_logs[-1][-3000:]}"
-            )
-        report, monitor, logs = one_run(
+            raise RuntimeError(f"the reference run failed: {reference.problems}\n{tail}")
+        report, _ = one_run(
             broker.url, cfg, files, keys, work / "faults", faults=True, broker=broker
         )
-    check(report, monitor, logs, cfg)
     report.reference_wall_s = reference.wall_s
     if report.finished:
         report.identical_to_reference = identical(
@@ -488,8 +387,6 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         work = args.work_dir or Path(stack.enter_context(TemporaryDirectory(prefix="faults-")))
         report = run_benchmark(cfg, work)
-        from benchmarks.fault_scenarios import run_scenarios  # it imports this module
-
         scenarios = [] if args.no_scenarios else run_scenarios(work / "scenarios", args.seed)
     if args.json:
         out = asdict(report) | {"scenarios": [asdict(s) for s in scenarios]}

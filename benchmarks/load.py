@@ -11,7 +11,8 @@ Scenario A (default: 1,000 registered devices, 100 selected per round, LeNet-5, 
 ways, 20 rounds, a few local steps on synthetic data) measures per round:
 
 * ``wall_s``: the coordinator's round time, from the round's start (devices selected) to
-  its close (updates aggregated and stored), from its log line "round N/R closed in S s";
+  its close (updates aggregated and stored), from the round's close in its status file
+  (``STATE_DIR/status.json``);
 * ``devices_s``: the seconds the devices' trainer spent on that round's jobs (decoding the
   models received, training, encoding the updates), one batch after another in the
   devices' process (``sim devices`` reports them);
@@ -20,7 +21,7 @@ ways, 20 rounds, a few local steps on synthetic data) measures per round:
   storage, scheduling and the emulation's batching delay (both processes and the broker
   share the machine's cores);
 
-and for the run: the coordinator's peak RSS (it logs it at exit), broker throughput
+and for the run: the coordinator's peak RSS (its status file's, written at exit), broker throughput
 (messages and MB published into the broker per second between the first task and the
 last acknowledgement, counted by the monitor subscribed to ``fl/FLEET/#``), and updates
 acknowledged as accepted against updates aggregated: ``lost`` = acknowledged but missing
@@ -43,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -57,18 +57,14 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+from benchmarks.harness import Status, coordinator_command, private_broker, spawn, stop
 from protocol.auth import Keyring, new_key
 from protocol.channel import Channel
 from protocol.messages import Ack, Message
 from protocol.topics import Topics
 from protocol.transport import Inbound, MqttConfig, MqttTransport
 
-ROOT = Path(__file__).resolve().parents[1]
 FLEET = "load"
-_STARTED = re.compile(r"round (\d+)/\d+ started: (\d+) devices")
-_CLOSED = re.compile(r"round (\d+)/\d+ closed in ([\d.]+) s: (\d+)/(\d+) updates on time")
-_STEP = re.compile(r"round (\d+)/\d+ closed in .*server step ([\d.]+) s")
-_PEAK = re.compile(r"peak RSS ([\d.]+) MB")
 OVERHEAD = (
     "overhead_s = wall_s - devices_s; wall_s: the coordinator's round, from selection to "
     "the aggregate stored; devices_s: the devices' trainer busy with the round's jobs "
@@ -111,7 +107,8 @@ class RoundFigures:
     devices_s: float
     overhead_s: float
     server_step_s: float
-    """The coordinator's aggregation (its log's "server step"), part of the overhead."""
+    """The coordinator's aggregation (its status file's ``server_step_s``), part of the
+    overhead."""
 
 
 @dataclass
@@ -213,15 +210,6 @@ class Monitor:
         return len(inside), sum(inside), end - start
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
-
-
 def write_keys(path: Path, devices: int) -> Keyring:
     """A keyring of ``devices`` fresh keys, ids ``dev-00000`` ..., written to ``path``."""
     keyring = Keyring({f"dev-{i:05d}": new_key() for i in range(devices)})
@@ -229,16 +217,17 @@ def write_keys(path: Path, devices: int) -> Keyring:
     return keyring
 
 
-def coordinator_command(url: str, cfg: LoadConfig, keys: Path, state: Path) -> list[str]:
-    return [
-        sys.executable, "-m", "coordinator", "--broker", url, "--fleet", FLEET,
-        "--strategy", "fedavg", "--model", cfg.model, "--rounds", str(cfg.rounds),
-        "--participation", repr(cfg.per_round / cfg.devices), "--min-devices",
-        str(cfg.devices), "--round-timeout", str(cfg.round_timeout_s), "--precision",
-        cfg.precision, "--local-steps", str(cfg.local_steps), "--batch-size",
-        str(cfg.batch_size), "--image-size", str(cfg.image_size), "--seed", str(cfg.seed),
-        "--state-dir", str(state), "--device-keys", str(keys),
-    ]  # fmt: skip
+def fleet_coordinator_command(url: str, cfg: LoadConfig, keys: Path, state: Path) -> list[str]:
+    """The coordinator of ``cfg``: every registered device must be online to start."""
+    return coordinator_command(
+        url, FLEET, rounds=cfg.rounds, min_devices=cfg.devices, state=state, keys=keys,
+        participation=cfg.per_round / cfg.devices, round_timeout_s=cfg.round_timeout_s,
+        extra=[
+            "--strategy", "fedavg", "--model", cfg.model, "--precision", cfg.precision,
+            "--local-steps", str(cfg.local_steps), "--batch-size", str(cfg.batch_size),
+            "--image-size", str(cfg.image_size), "--seed", str(cfg.seed),
+        ],
+    )  # fmt: skip
 
 
 def devices_command(url: str, cfg: LoadConfig, keys: Path, report: Path) -> list[str]:
@@ -249,12 +238,6 @@ def devices_command(url: str, cfg: LoadConfig, keys: Path, report: Path) -> list
         str(cfg.image_size), "--connections", str(min(cfg.connections, cfg.devices)),
         "--engine", cfg.engine, "--timeout-s", str(cfg.timeout_s), "--json-out", str(report),
     ]  # fmt: skip
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.wait(timeout=10)
 
 
 def run_fleet(url: str, cfg: LoadConfig, work: Path) -> RunFigures:
@@ -268,16 +251,13 @@ def run_fleet(url: str, cfg: LoadConfig, work: Path) -> RunFigures:
     start = time.monotonic()
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        command = coordinator_command(url, cfg, work / "keys.json", work / "state")
-        coordinator = _spawn(command, coordinator_log)
+        command = fleet_coordinator_command(url, cfg, work / "keys.json", work / "state")
+        coordinator = spawn(command, coordinator_log)
         processes.append(coordinator)
         command = devices_command(url, cfg, work / "keys.json", work / "devices.json")
-        devices_started = time.monotonic()
-        devices = _spawn(command, devices_log)
+        devices_started = time.time()
+        devices = spawn(command, devices_log)
         processes.append(devices)
-        first_round = _wait_for_round(coordinator_log, coordinator, cfg.timeout_s)
-        if first_round is not None:
-            figures.join_s = first_round - devices_started
         try:
             coordinator.wait(max(1.0, cfg.timeout_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
@@ -288,33 +268,26 @@ def run_fleet(url: str, cfg: LoadConfig, work: Path) -> RunFigures:
             figures.problems.append("the devices did not stop after the run")
     finally:
         for process in processes:
-            _stop(process)
+            stop(process)
         monitor.stop()
     figures.wall_s = time.monotonic() - start
     figures.finished = coordinator.returncode == 0
     if not figures.finished:
         tail = coordinator_log.read_text(errors="replace")[-2000:]
         figures.problems.append(f"the coordinator ended with {coordinator.returncode}: {tail}")
-    _fill(figures, coordinator_log.read_text(errors="replace"), work / "devices.json", monitor)
+    status = Status.read(work / "state")
+    if status is None:
+        figures.problems.append("the coordinator wrote no status file")
+    else:
+        if status.started_at:
+            figures.join_s = status.started_at[min(status.started_at)] - devices_started
+        _fill(figures, status, work / "devices.json", monitor)
     return figures
 
 
-def _wait_for_round(log: Path, process: subprocess.Popen[bytes], timeout: float) -> float | None:
-    """The time the coordinator logged its first round's start (None: it ended first)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        if " started: " in log.read_text(errors="replace"):
-            return time.monotonic()
-        time.sleep(0.1)
-    return None
-
-
-def _fill(figures: RunFigures, log: str, devices_json: Path, monitor: Monitor) -> None:
-    """Per-round and run figures from the coordinator's log, the devices' report and the
-    monitor."""
-    selected = {int(m.group(1)): int(m.group(2)) for m in _STARTED.finditer(log)}
-    closed = {int(m.group(1)): (float(m.group(2)), int(m.group(3))) for m in _CLOSED.finditer(log)}
-    steps = {int(m.group(1)): float(m.group(2)) for m in _STEP.finditer(log)}
+def _fill(figures: RunFigures, status: Status, devices_json: Path, monitor: Monitor) -> None:
+    """Per-round and run figures from the coordinator's status file, the devices' report
+    and the monitor."""
     work: dict[str, Any] = {}
     if devices_json.exists():
         report = json.loads(devices_json.read_text())
@@ -323,14 +296,14 @@ def _fill(figures: RunFigures, log: str, devices_json: Path, monitor: Monitor) -
     else:
         figures.problems.append("the devices wrote no report")
     accepted = monitor.accepted()
-    for r in sorted(closed):
-        wall, aggregated = closed[r]
+    for r, close in sorted(status.closed.items()):
+        wall, aggregated = close.duration_s, close.on_time
         acknowledged = len(accepted.get(r, ()))
         busy = float(work.get(str(r), {}).get("busy_s", 0.0))
         figures.per_round_figures.append(
             RoundFigures(
-                r, selected.get(r, 0), aggregated, acknowledged, wall, busy, wall - busy,
-                steps.get(r, 0.0),
+                r, status.selected.get(r, 0), aggregated, acknowledged, wall, busy,
+                wall - busy, close.server_step_s,
             )
         )  # fmt: skip
         figures.lost += max(0, acknowledged - aggregated)
@@ -347,11 +320,10 @@ def _fill(figures: RunFigures, log: str, devices_json: Path, monitor: Monitor) -
         figures.round_wall_s_mean = statistics.fmean(r.wall_s for r in rows)
         figures.devices_s_mean = statistics.fmean(r.devices_s for r in rows)
         figures.server_step_s_mean = statistics.fmean(r.server_step_s for r in rows)
-    peaks = [float(m.group(1)) for m in _PEAK.finditer(log)]
-    if peaks:
-        figures.coordinator_peak_rss_mb = max(peaks)
+    if status.peak_rss_mb is not None:
+        figures.coordinator_peak_rss_mb = status.peak_rss_mb
     else:
-        figures.problems.append("the coordinator logged no peak RSS")
+        figures.problems.append("the coordinator recorded no peak RSS")
     messages, size, seconds = monitor.throughput()
     figures.broker_messages, figures.broker_mb = messages, size / 1e6
     if seconds > 0:
@@ -416,16 +388,11 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Scenario A (unless ``a`` is None) then B (unless ``b_sizes`` is empty), each run
     against one private Mosquitto; returns the figures as one JSON-ready dict."""
-    from tests.protocol.brokers import Mosquitto, mosquitto_binary
-
-    if mosquitto_binary() is None:
-        raise SystemExit("load: the mosquitto binary is not installed")
     result: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_average_before": _load_average()},
         "overhead_definition": OVERHEAD,
     }
-    (work / "mosquitto").mkdir(parents=True)
-    with Mosquitto(work / "mosquitto") as broker:
+    with private_broker(work, "load") as broker:
         if a is not None:
             result["a"] = asdict(run_fleet(broker.url, a, work / "a"))
         if b_sizes:

@@ -27,11 +27,7 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
-
-if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 

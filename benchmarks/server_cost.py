@@ -39,9 +39,6 @@ from typing import Any
 
 import numpy as np
 
-if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 CONFIGS: list[dict[str, Any]] = [
     {"strategy": "fedavg", "model": "lenet5", "teachers": 5},
     {"strategy": "feddf", "model": "lenet5", "teachers": 5},

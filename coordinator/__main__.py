@@ -20,6 +20,10 @@ Exit codes:
     1   runtime failure: broker unreachable, state store failure, a failed aggregation
     2   usage error: bad flags or config file, state directory of another run
     130 interrupted (SIGINT/SIGTERM); the state is consistent, resume with --resume
+
+With ``--state-dir``, STATE_DIR/status.json holds the run's phase, every round's start
+and close and, once the process has exited, its peak RSS
+(:class:`~coordinator.runtime.RunStatus`).
 """
 
 from __future__ import annotations
@@ -141,7 +145,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 def run(config: CoordinatorConfig) -> int:
     """Run the job described by ``config``; returns the exit code."""
     from coordinator.proxy import read_proxy_data
-    from coordinator.runtime import Coordinator
+    from coordinator.runtime import STATUS_FILE, Coordinator, RunStatus
     from coordinator.store import FileStore, MemoryStore, Store
     from protocol.errors import BrokerError, TransportError
     from protocol.transport import MqttTransport
@@ -149,6 +153,7 @@ def run(config: CoordinatorConfig) -> int:
     settings = config.broker
     assert settings is not None
     embedded = None
+    status = None
     try:
         store: Store = MemoryStore()
         if config.state_dir is not None:
@@ -174,6 +179,9 @@ def run(config: CoordinatorConfig) -> int:
         assert url is not None
         transport = MqttTransport(settings.mqtt_config(url, f"edgefl-coordinator-{config.fleet}"))
         coordinator = Coordinator(config, transport, store, proxy_data=proxy)
+        if config.state_dir is not None:
+            status = RunStatus(config.state_dir / STATUS_FILE, config, resume=config.resume)
+            coordinator.add_observer(status)
         _stop_on_signals(coordinator.stop)
         log.info(
             "fleet %s: %s on %s, %d rounds, C=%.2f; waiting for %d device(s)",
@@ -199,6 +207,8 @@ def run(config: CoordinatorConfig) -> int:
             embedded.stop()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         log.info("peak RSS %.1f MB", peak / 1024)
+        if status is not None:
+            status.exited(peak / 1024)
     if models is None:
         log.warning("stopped before the last round; resume with --resume")
         return EXIT_INTERRUPTED

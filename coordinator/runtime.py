@@ -13,12 +13,18 @@ end the final models are saved as ``.pt`` and ``.onnx`` under ``state_dir/final`
 folder per architecture group where the fleet runs several); if that fails (a full disk),
 :meth:`Coordinator.run` raises :class:`~coordinator.errors.StoreError` and resuming the
 finished run saves them again.
+
+:class:`RunStatus`, an observer, keeps ``state_dir/status.json`` (the run's phase, every
+round's start and close, the process's peak RSS at exit) for scripts and benchmarks to
+read instead of the log.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -64,13 +70,25 @@ from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
 
-__all__ = ["Coordinator", "Observer", "build_models", "save_final_models", "save_group_models"]
+__all__ = [
+    "STATUS_FILE",
+    "Coordinator",
+    "Observer",
+    "RunStatus",
+    "build_models",
+    "save_final_models",
+    "save_group_models",
+]
 
 log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
 Observer = Callable[[Action], None]
 """Called with every RoundStarted, RoundClosed and Finished action, on the engine thread."""
+
+
+STATUS_FILE = "status.json"
+"""The status file's name in the state dir (:class:`RunStatus`)."""
 
 
 @dataclass(frozen=True)
@@ -457,3 +475,83 @@ class Coordinator:
             self.channel.send(self.engine.topics.coordinator_status, message, retain=True)
         except (TransportError, EncodeError) as exc:
             log.debug("could not publish the final status: %s", exc)
+
+
+class RunStatus:
+    """An observer that keeps the run's status as one JSON object in ``path``
+    (``state_dir/status.json`` under ``python -m coordinator``), rewritten at every round
+    transition: to a temporary file, then renamed over the old one, so a reader (or a
+    process killed mid-write) sees the old object or the new one, never a mix (not
+    fsynced: after a power cut it may be stale). The fields (docs/architecture.md,
+    "The status file"):
+
+    ``format`` (1), ``fleet``, ``rounds`` (planned), ``pid`` (the coordinator process),
+    ``phase`` (``starting``, ``training``, ``aggregating``, ``closed``, ``finished``;
+    ``stopped`` when the process exited before the end), ``round`` (the latest round
+    started), ``started`` (round -> ``selected`` devices and Unix time ``at``; none for
+    a round whose process was killed before writing it: a resumed round is not started
+    again), ``closed`` (round -> ``duration_s``, ``on_time``, ``selected``, ``late``,
+    ``rejected``, ``server_step_s``; a round closed again after a crash replaces its
+    entry) and ``peak_rss_mb`` (the process's peak RSS, MB = 2**20 bytes, written at its
+    exit; null before). With ``resume`` the rounds of the file's earlier processes are
+    kept. A write that fails is logged and the run goes on.
+    """
+
+    def __init__(self, path: Path, config: CoordinatorConfig, *, resume: bool) -> None:
+        self._path = path
+        self._rounds: dict[str, dict[str, Any]] = {"started": {}, "closed": {}}
+        if resume:
+            try:
+                old = json.loads(path.read_text())
+                self._rounds = {key: dict(old[key]) for key in self._rounds}
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.debug("no earlier status in %s: %s", path, exc)
+        self._status: dict[str, Any] = {
+            "format": 1,
+            "fleet": config.fleet,
+            "rounds": config.rounds,
+            "pid": os.getpid(),
+            "phase": "starting",
+            "round": max((int(r) for r in self._rounds["started"]), default=0),
+            "peak_rss_mb": None,
+        }
+        self._write()
+
+    def __call__(self, action: Action) -> None:
+        if isinstance(action, RoundStarted):
+            entry = {"selected": len(action.selected), "at": time.time()}
+            self._rounds["started"][str(action.round)] = entry
+            self._status |= {"phase": "training", "round": action.round}
+        elif isinstance(action, AggregateRequested):
+            self._status["phase"] = "aggregating"
+        elif isinstance(action, RoundClosed):
+            self._rounds["closed"][str(action.round)] = {
+                "duration_s": action.duration_s,
+                "on_time": action.on_time,
+                "selected": action.selected,
+                "late": action.late,
+                "rejected": action.rejected,
+                "server_step_s": action.aggregate_s,
+            }
+            self._status["phase"] = "closed"
+        elif isinstance(action, Finished):
+            self._status["phase"] = "finished"
+        else:
+            return
+        self._write()
+
+    def exited(self, peak_rss_mb: float) -> None:
+        """Record the process's peak RSS (MB, kept to 0.1 MB as the log has it) as it
+        exits (``stopped`` if unfinished)."""
+        self._status["peak_rss_mb"] = round(peak_rss_mb, 1)
+        if self._status["phase"] != "finished":
+            self._status["phase"] = "stopped"
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self._path.with_name(f".tmp-{self._path.name}")
+        try:
+            tmp.write_text(json.dumps(self._status | self._rounds))
+            tmp.replace(self._path)
+        except OSError as exc:
+            log.warning("could not write the status file %s: %s", self._path, exc)

@@ -58,7 +58,7 @@ try:
 except ModuleNotFoundError as exc:
     raise SystemExit(
         f"flower_workload.py runs in Flower's venv ({exc}); build it with "
-        "python benchmarks/vs_flower.py --setup"
+        "python -m benchmarks.vs_flower --setup"
     ) from None
 ArrayRecord, ConfigRecord, Message = _app.ArrayRecord, _app.ConfigRecord, _app.Message
 MetricRecord, RecordDict = _app.MetricRecord, _app.RecordDict

@@ -1,4 +1,4 @@
-"""Model benchmark: training speed, ONNX fp32 vs int8 size and latency, inference memory.
+"""Classifier benchmark: training speed, ONNX fp32 vs int8 size and latency, inference memory.
 
 Per classifier (lenet5, resnet8 at FedDF widths 16/32/64 and FedKF widths 64/128/256,
 fedgen_cnn, mlp; all on 1x28x28 inputs, 10 classes) it reports:
@@ -19,7 +19,7 @@ model's top-1 agreement with the fp32 model is measured on the whole test split 
 
 Data: MNIST from ``--data-dir`` (the folder with the IDX files or its parent); the
 synthetic dataset when no folder is given. Run from the repository root:
-``python -m benchmarks.models [--data-dir DIR] [--quick] [--json]``.
+``python -m benchmarks.classifiers [--data-dir DIR] [--quick] [--json]``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-if not __package__:  # run as a script: benchmarks/ would shadow the `models` package
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
