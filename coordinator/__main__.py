@@ -8,7 +8,7 @@ restarts with the same flags as the first start). ``--config FILE.toml`` gives t
 settings as a file (top-level keys as the flags with ``_`` for ``-``, plus ``[training]``
 and ``[broker]`` tables); flags given on the command line win over the file. Every flag
 is derived from :class:`~coordinator.config.CoordinatorConfig`
-(:mod:`coordinator.cli_flags`): its defaults are the model's.
+(:mod:`coordinator.cli_flags`, :mod:`protocol.flags`): its defaults are the model's.
 
 ``python -m coordinator revoke --state-dir DIR ID [ID ...]`` revokes devices: their ids go
 to DIR/revoked-devices.json, and the coordinator refuses them from its next start (stop
@@ -39,7 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from coordinator.cli_flags import ModelFlags, add_fleet_flags, add_training_flags, given_settings
+from coordinator.cli_flags import add_fleet_flags, add_training_flags, given_settings
 from coordinator.config import (
     BrokerSettings,
     CoordinatorConfig,
@@ -48,6 +48,7 @@ from coordinator.config import (
     load_config,
 )
 from coordinator.errors import ConfigError, CoordinatorError, StateMismatchError
+from protocol.flags import ModelFlags
 
 PROG = "python -m coordinator"
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -81,7 +81,6 @@ from protocol.messages import (
     WeightFormat,
 )
 from protocol.sets import GLOBAL_SET, WEIGHTS_SET
-from protocol.tensors import Precision
 from protocol.topics import Topics
 
 __all__ = [
@@ -438,10 +437,10 @@ class RoundEngine:
                 ReasonCode.FINGERPRINT_MISMATCH,
                 f"fleet runs {runs}; device announced {hello.architecture} ({hello.fingerprint})",
             )
-        elif registered is not None and registered["architecture"] != group.name:
+        elif registered is not None and registered.architecture != group.name:
             problem = (
                 ReasonCode.FINGERPRINT_MISMATCH,
-                f"registered with {registered['architecture']}: a device keeps its "
+                f"registered with {registered.architecture}: a device keeps its "
                 "architecture for the run",
             )
         elif (unsupported := self._unsupported_precision(hello)) is not None:
@@ -500,18 +499,18 @@ class RoundEngine:
         the int8 model). The task asks ``binarize`` of binary devices always (a float
         model binarized after training loses most of its accuracy) and ``qat`` of int8
         ones only where the run asks for it (post-training int8 costs little)."""
-        entry = self.registry.get(device_id) or {}
-        announced: WeightFormat = entry.get("weight_format", "float")
+        entry = self.registry.get(device_id)
+        announced: WeightFormat = "float" if entry is None else entry.weight_format
         link = self._link(device_id)
         qat = self.strategy.training.qat
         return run_weight_format(announced, qat=qat, downlink=link.downlink, uplink=link.uplink)
 
     def _link(self, device_id: str) -> Link:
         """The precisions ``device_id`` transfers in: its own request, else the fleet's."""
-        entry = self.registry.get(device_id) or {}
-        down = entry.get("downlink_precision") or self.config.downlink_precision
-        up = entry.get("uplink_precision") or self.config.uplink_precision
-        return Link(Precision(down), Precision(up))
+        entry = self.registry.get(device_id)
+        down = entry.downlink_precision if entry is not None else None
+        up = entry.uplink_precision if entry is not None else None
+        return Link(down or self.config.downlink_precision, up or self.config.uplink_precision)
 
     # -- update ------------------------------------------------------------------------
 
@@ -540,7 +539,8 @@ class RoundEngine:
                 )
                 return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
             group = self._group_of(device_id)
-            announced = int((self.registry.get(device_id) or {}).get("num_samples", 0))
+            entry = self.registry.get(device_id)
+            announced = 0 if entry is None else entry.num_samples
             base = self._uplink_base(device_id, update)
             weights = check_update_weights(update, self._shapes[group], announced, base)
             if self._uplink.label_counts:
@@ -717,7 +717,7 @@ class RoundEngine:
 
     def _group_of(self, device_id: str) -> str:
         """The architecture group of a registered device."""
-        return str((self.registry.get(device_id) or {})["architecture"])
+        return self.registry[device_id].architecture
 
     def _server_sets(self) -> dict[str, dict[str, Arrays]]:
         """The strategy's downlink of each group for this round (arrays; each device's

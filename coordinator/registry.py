@@ -1,14 +1,15 @@
 """The device registry: who announced itself (hello) and who is online (status / will).
 
-Entries come from hello messages and are persisted; online flags come from the devices'
-retained status messages and last wills, which the broker replays on (re)subscribe, so
-they are kept in memory only.
+An entry is the device's :class:`~protocol.messages.Hello`, typed as it came off the wire,
+less the model the device holds (``held_base``: it changes every round and lives with the
+transfers). Entries are persisted (:meth:`coordinator.state.RunState.save_device`);
+online flags come from the devices' retained status messages and last wills, which the
+broker replays on (re)subscribe, so they are kept in memory only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from protocol.messages import DeviceStatus, Hello
 
@@ -17,17 +18,16 @@ __all__ = ["DeviceRegistry"]
 _OFFLINE_STATES = frozenset({"offline"})
 
 
-def _entry(hello: Hello) -> dict[str, Any]:
-    """What is kept of a hello: everything but the id and the model the device holds
-    (which changes every round and lives with the transfers)."""
-    return hello.model_dump(mode="json", exclude={"kind", "device_id", "held_base"})
+def _entry(hello: Hello) -> Hello:
+    """What is kept of a hello: all of it but the model the device holds."""
+    return hello if hello.held_base is None else hello.model_copy(update={"held_base": None})
 
 
 class DeviceRegistry:
     """Registered devices (persistent entries) and the online subset (in memory)."""
 
-    def __init__(self, entries: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        self._entries: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (entries or {}).items()}
+    def __init__(self, entries: Mapping[str, Hello] | None = None) -> None:
+        self._entries: dict[str, Hello] = {k: _entry(v) for k, v in (entries or {}).items()}
         self._online: set[str] = set()
 
     def __contains__(self, device_id: object) -> bool:
@@ -36,14 +36,23 @@ class DeviceRegistry:
     def __len__(self) -> int:
         return len(self._entries)
 
-    @property
-    def entries(self) -> dict[str, dict[str, Any]]:
-        """Device id -> its announced properties (a copy)."""
-        return {k: dict(v) for k, v in self._entries.items()}
+    def __getitem__(self, device_id: str) -> Hello:
+        """The hello ``device_id`` registered with.
 
-    def get(self, device_id: str) -> dict[str, Any] | None:
-        entry = self._entries.get(device_id)
-        return None if entry is None else dict(entry)
+        Raises:
+            KeyError: the device is not registered.
+        """
+        return self._entries[device_id]
+
+    @property
+    def entries(self) -> dict[str, Hello]:
+        """Device id -> the hello it registered with (a copy of the mapping; hellos are
+        frozen)."""
+        return dict(self._entries)
+
+    def get(self, device_id: str) -> Hello | None:
+        """The hello ``device_id`` registered with; None if it did not."""
+        return self._entries.get(device_id)
 
     def register(self, hello: Hello) -> bool:
         """Add or refresh the device of ``hello`` and mark it online.

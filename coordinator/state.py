@@ -56,12 +56,13 @@ from typing import Any, Literal, cast, get_args
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import ValidationError
 
 from coordinator.aggregate import WeightedSum
 from coordinator.errors import StateMismatchError, StoreError
 from coordinator.groups import GroupModels
 from coordinator.store import Store
-from protocol.messages import WeightFormat
+from protocol.messages import Hello, WeightFormat
 
 __all__ = ["STATE_FORMAT", "Base", "OcaCache", "RunMeta", "RunState", "StoredUpdate"]
 
@@ -263,18 +264,28 @@ class RunState:
     def save_run(self, run: RunMeta) -> None:
         self.store.write("run", run.to_meta())
 
-    def load_registry(self) -> dict[str, dict[str, Any]]:
-        """Every registered device's entry, by device id."""
+    def load_registry(self) -> dict[str, Hello]:
+        """Every registered device's entry (the hello it registered with), by device id.
+
+        Raises:
+            StoreError: an entry is not a hello.
+        """
         out = {}
         for key in self.store.keys("registry"):
             meta = self.store.read_meta(key)
             if meta is not None:
-                out[key.removeprefix("registry/")] = meta
+                device_id = key.removeprefix("registry/")
+                try:
+                    out[device_id] = Hello.model_validate({**meta, "device_id": device_id})
+                except ValidationError as exc:
+                    raise StoreError(f"corrupt registry entry {key}: {exc}") from exc
         return out
 
-    def save_device(self, device_id: str, entry: Mapping[str, Any]) -> None:
-        """Persist one device's registry entry."""
-        self.store.write(f"registry/{device_id}", dict(entry))
+    def save_device(self, device_id: str, entry: Hello) -> None:
+        """Persist one device's registry entry: its hello less the id (the key holds it)
+        and the model it holds (which changes every round)."""
+        meta = entry.model_dump(mode="json", exclude={"kind", "device_id", "held_base"})
+        self.store.write(f"registry/{device_id}", meta)
 
     # -- models ------------------------------------------------------------------------
 

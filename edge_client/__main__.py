@@ -18,11 +18,12 @@ Commands:
               into (needs torch and onnx: the ``server`` extra).
     bundle    build an offline install bundle for a board (see edge_client.bundle.builder).
 
-``run`` and ``follow`` take ``--config FILE.toml`` (edge_client.device_config): every flag
-is a key, flags given on the command line win. Each command imports what it needs when it
-runs, so ``follow`` and ``infer`` never import torch. ``run`` and ``follow`` log to stderr
-(INFO; ``-v``: DEBUG), in journald's format under systemd (``--log-format``), and log the
-peak RSS on exit.
+The flags of ``run`` and ``follow`` are derived from
+:class:`~edge_client.config.DeviceSettings` (their defaults are its), and both take
+``--config FILE.toml``: every flag is a key, flags given on the command line win. Each
+command imports what it needs when it runs, so ``follow`` and ``infer`` never import
+torch. ``run`` and ``follow`` log to stderr (INFO; ``-v``: DEBUG), in journald's format
+under systemd (``--log-format``), and log the peak RSS on exit.
 
 Exit codes:
     0   success (``run`` / ``follow``: stopped by a signal, or the coordinator finished)
@@ -44,31 +45,27 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Protocol, get_args
+from typing import Any, Protocol
 
 import numpy as np
 
-from edge_client.errors import EdgeClientError
-from protocol.messages import WeightFormat
-from protocol.tensors import Precision
-from protocol.transport.config import PASSWORD_ENV
-
-if TYPE_CHECKING:
-    from edge_client.config import ClientConfig
+from edge_client.config import FOLLOW_KEYS, RUN_KEYS, DeviceSettings, device_settings
+from edge_client.errors import ConfigError, EdgeClientError
+from protocol.flags import ModelFlags
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 COMMANDS = ("run", "follow", "infer", "template", "bundle")
-CONFIGURABLE = ("run", "follow")
-"""Commands that take ``--config``."""
+KEYS = {"run": RUN_KEYS, "follow": FOLLOW_KEYS}
+"""The device commands (they take ``--config``) and the settings each takes."""
+CONFIGURABLE = tuple(KEYS)
 MEMORY_CHECK_BATCH = 64
 """Batch size the start-up memory check assumes: the largest default of the strategies
 (FedKF's B = 64); a task's own batch size is what training then uses."""
 
 _Handler = Callable[[argparse.Namespace], int]
-_PRECISIONS = tuple(p.value for p in Precision)
-"""Transfer precisions a device may ask for (:class:`protocol.tensors.Precision`)."""
+_DeviceHandler = Callable[[DeviceSettings], int]
 
 
 class _CliError(Exception):
@@ -97,8 +94,23 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     )
     commands = parser.add_subparsers(dest="command", metavar="<command>")
     subparsers = {
-        "run": _add_run_parser(commands),
-        "follow": _add_follow_parser(commands),
+        "run": _add_device_parser(
+            commands,
+            "run",
+            _run_device,
+            help="run a training device (the default command)",
+            description="Run an edge device: train the coordinator's tasks on a local data "
+            "file and upload the updates, until SIGTERM / SIGINT.",
+        ),
+        "follow": _add_device_parser(
+            commands,
+            "follow",
+            _run_follow,
+            help="run an inference-only device: keep a local ONNX model current",
+            description="Keep --serve-onnx current with the model the coordinator "
+            "broadcasts after each round (coordinator --broadcast-model); trains nothing, "
+            "needs no torch.",
+        ),
         "infer": _add_infer_parser(commands),
         "template": _add_template_parser(commands),
         "bundle": _add_bundle_parser(commands),
@@ -106,153 +118,36 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     return parser, subparsers
 
 
-def _add_connection_args(p: argparse.ArgumentParser) -> None:
-    """Flags ``run`` and ``follow`` share: config file, broker, identity, serving, logs."""
-    p.add_argument(
+def _add_device_parser(
+    commands: Any, name: str, handler: _DeviceHandler, **text: str
+) -> argparse.ArgumentParser:
+    """The parser of ``run`` or ``follow``: ``--config`` and a flag per key the command
+    takes, derived from :class:`DeviceSettings`."""
+    command: argparse.ArgumentParser = commands.add_parser(name, **text)
+    command.add_argument(
         "--config",
         type=Path,
         help="TOML file of settings: every flag is a key (--device-id: device_id); "
         "flags given here win",
     )
-    p.add_argument(
-        "--broker",
-        default="mqtt://127.0.0.1:1883",
-        help="broker URL, mqtt://host[:port] or mqtts://host[:port] (default %(default)s)",
-    )
-    p.add_argument("--fleet", default="default", help="fleet name (default %(default)s)")
-    p.add_argument("--device-id", help="device id")
-    p.add_argument("--state-dir", type=Path, help="folder for the client state")
-    p.add_argument(
-        "--connect-retry",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="keep retrying the first connection this long (default 60)",
-    )
-    p.add_argument("--username", help="MQTT user name")
-    p.add_argument("--password-file", type=Path, help="file holding the MQTT password")
-    p.add_argument(
-        "--password-env",
-        default=PASSWORD_ENV,
-        metavar="NAME",
-        help="environment variable holding the MQTT password when no --password-file is "
-        "given (default %(default)s)",
-    )
-    p.add_argument(
-        "--auth-key-file",
-        type=Path,
-        help="file holding this device's key, 64 hex digits (python -m deploy device writes "
-        "it); every message is authenticated with it",
-    )
-    p.add_argument(
-        "--fleet-token-file",
-        type=Path,
-        help="instead of --auth-key-file: file holding the fleet token, 64 hex digits "
-        "(python -m protocol keys --new-fleet-token); this device's key is derived from it "
-        "and the coordinator enrols the device on first contact (docs/protocol.md, 2.4)",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="run without a key (tests and trusted networks only)",
-    )
-    p.add_argument("--tls-ca", type=Path, help="CA certificates (PEM) to verify the broker")
-    p.add_argument("--tls-cert", type=Path, help="client certificate (PEM)")
-    p.add_argument("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
-    p.add_argument(
-        "--tls-insecure", action="store_true", help="skip the broker host name check (tests only)"
-    )
-    p.add_argument("--mqtt-version", choices=("3.1.1", "5"), default="3.1.1", help="default 3.1.1")
-    p.add_argument(
-        "--serve-onnx",
-        type=Path,
-        help="keep this ONNX file current with the fleet's broadcast model (with --onnx-template)",
-    )
-    p.add_argument(
-        "--onnx-template",
-        type=Path,
-        help="ONNX template the served model is written into (python -m edge_client template)",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: info)")
-    p.add_argument(
-        "--log-format",
-        choices=("auto", "text", "journald"),
-        default="auto",
-        help="journald: one line per record with a syslog priority prefix; auto: journald "
-        "when stderr is the journal (default auto)",
-    )
+    flags = ModelFlags()
+    flags.add(command, DeviceSettings, include=KEYS[name], flags=_FLAGS, metavars=_METAVARS)
+    command.set_defaults(settings_flags=flags, device_handler=handler)
+    return command
 
 
-def _add_run_parser(commands: Any) -> argparse.ArgumentParser:
-    run: argparse.ArgumentParser = commands.add_parser(
-        "run",
-        help="run a training device (the default command)",
-        description="Run an edge device: train the coordinator's tasks on a local data "
-        "file and upload the updates, until SIGTERM / SIGINT.",
-    )
-    _add_connection_args(run)
-    run.add_argument("--data", type=Path, help="device data .npz file (required)")
-    run.add_argument(
-        "--threads", type=int, default=1, help="torch threads for training (default 1)"
-    )
-    run.add_argument("--model", default="lenet5", help="classifier name (default lenet5)")
-    run.add_argument(
-        "--init-seed",
-        type=int,
-        default=0,
-        help="seed of the model's initial weights; use the coordinator's --seed (default 0)",
-    )
-    run.add_argument(
-        "--precision",
-        choices=_PRECISIONS,
-        help="ask for this transfer precision both ways (default: the fleet's)",
-    )
-    run.add_argument(
-        "--downlink-precision", choices=_PRECISIONS, help="models in this precision (--precision)"
-    )
-    run.add_argument(
-        "--uplink-precision", choices=_PRECISIONS, help="updates in this precision (--precision)"
-    )
-    run.add_argument(
-        "--weight-format",
-        choices=get_args(WeightFormat),
-        default="float",
-        help="the number format this device runs its model's weights at, announced to the "
-        "coordinator, which trains the device through it: float, int8 (the int8 ONNX "
-        "model; quantization-aware where the run has --qat) or binary (binarized kernels, "
-        "sign(w) * mean|w| per output channel, always trained binarized) (default float)",
-    )
-    run.add_argument(
-        "--share-label-counts",
-        action="store_true",
-        help="consent to send per-class label counts when a task asks (FedGen)",
-    )
-    run.add_argument(
-        "--exit-when-finished",
-        action="store_true",
-        help="exit when the coordinator's run is finished (not when it stops or crashes)",
-    )
-    run.add_argument(
-        "--memory-budget-mb",
-        type=float,
-        metavar="MB",
-        help="memory the client may use; refuse to start when training cannot fit "
-        "(default: the cgroup limit, e.g. systemd's MemoryMax, or the free memory)",
-    )
-    run.set_defaults(handler=_run_device)
-    return run
+_FLAGS: dict[str, str | tuple[str, ...]] = {"verbose": ("-v", "--verbose")}
+_METAVARS = {"connect_retry": "SECONDS", "password_env": "NAME", "memory_budget_mb": "MB"}
 
 
-def _add_follow_parser(commands: Any) -> argparse.ArgumentParser:
-    follow: argparse.ArgumentParser = commands.add_parser(
-        "follow",
-        help="run an inference-only device: keep a local ONNX model current",
-        description="Keep --serve-onnx current with the model the coordinator broadcasts "
-        "after each round (coordinator --broadcast-model); trains nothing, needs no torch.",
-    )
-    _add_connection_args(follow)
-    follow.set_defaults(handler=_run_follow)
-    return follow
+def _device_settings(args: argparse.Namespace) -> DeviceSettings:
+    """The settings of ``run`` / ``follow``: the flags given over ``--config``'s file.
+
+    Raises:
+        ConfigError: the file or a flag holds an invalid setting.
+    """
+    flags: ModelFlags = args.settings_flags
+    return device_settings(flags.given(args), args.config, KEYS[args.command])
 
 
 def _add_infer_parser(commands: Any) -> argparse.ArgumentParser:
@@ -355,119 +250,25 @@ def _add_bundle_parser(commands: Any) -> argparse.ArgumentParser:
     return bundle
 
 
-def _configure_logging(args: argparse.Namespace) -> None:
+def _configure_logging(settings: DeviceSettings) -> None:
     from edge_client.logs import configure_logging
 
-    configure_logging(logging.DEBUG if args.verbose else logging.INFO, fmt=args.log_format)
+    level = logging.DEBUG if settings.verbose else logging.INFO
+    configure_logging(level, fmt=settings.log_format)
 
 
-def _password(args: argparse.Namespace) -> str | None:
-    from protocol.transport import read_password
-
-    try:
-        password = read_password(args.password_file, args.password_env)
-    except OSError as exc:
-        raise _CliError(f"cannot read password file {args.password_file}: {exc}") from exc
-    return None if password is None else password.get_secret_value()
-
-
-def _auth_key(args: argparse.Namespace, device_id: str) -> str | None:
-    """This device's key as hex: read from --auth-key-file, or derived from the fleet
-    token of --fleet-token-file for ``device_id``; None without either.
-
-    Raises:
-        _CliError: both given, or a file that is unreadable or not a 32-byte hex secret.
-    """
-    from protocol.auth import derive_device_key, read_fleet_token, read_key_file
-
-    if args.auth_key_file is not None and args.fleet_token_file is not None:
-        raise _CliError("give --auth-key-file or --fleet-token-file, not both")
-    try:
-        if args.auth_key_file is not None:
-            return read_key_file(args.auth_key_file).hex()
-        if args.fleet_token_file is not None:
-            return derive_device_key(read_fleet_token(args.fleet_token_file), device_id).hex()
-    except ValueError as exc:
-        raise _CliError(str(exc)) from exc
-    return None
-
-
-def _client_config(args: argparse.Namespace, device_id: str, **fields: Any) -> ClientConfig:
-    """The client configuration from the connection flags and ``fields``.
-
-    Raises:
-        _CliError: a flag or file is invalid.
-    """
-    from edge_client.config import ClientConfig
-    from protocol.transport import MqttVersion, TlsConfig
-
-    if args.connect_retry < 0:
-        raise _CliError(f"--connect-retry must be >= 0, got {args.connect_retry}")
-    tls_given = args.tls_ca or args.tls_cert or args.tls_key or args.tls_insecure
-    if tls_given and not str(args.broker).startswith("mqtts://"):
-        raise _CliError("--tls-* options need an mqtts:// broker URL")
-    for flag, path in (
-        ("--tls-ca", args.tls_ca),
-        ("--tls-cert", args.tls_cert),
-        ("--tls-key", args.tls_key),
-        ("--onnx-template", args.onnx_template),
-    ):
-        if path is not None and not path.is_file():
-            raise _CliError(f"{flag}: no such file {path}")
-    tls = None
-    if tls_given:
-        tls = TlsConfig(
-            ca_file=args.tls_ca,
-            cert_file=args.tls_cert,
-            key_file=args.tls_key,
-            insecure=args.tls_insecure,
-        )
-    try:
-        return ClientConfig.from_broker_url(
-            args.broker,
-            device_id=device_id,
-            tls=tls,
-            username=args.username,
-            password=_password(args),
-            mqtt_version=MqttVersion(args.mqtt_version),
-            fleet=args.fleet,
-            state_dir=args.state_dir,
-            connect_retry_s=args.connect_retry,
-            serve_onnx=args.serve_onnx,
-            onnx_template=args.onnx_template,
-            auth_key=_auth_key(args, device_id),
-            insecure_no_auth=args.insecure_no_auth,
-            **fields,
-        )
-    except (EdgeClientError, ValueError) as exc:  # pydantic's ValidationError too
-        raise _CliError(str(exc)) from exc
-
-
-def _run_device(args: argparse.Namespace) -> int:
-    if args.data is None:
+def _run_device(settings: DeviceSettings) -> int:
+    if settings.data is None:
         raise _CliError("--data (or data in the config file) is required")
-    if args.threads < 1:
-        raise _CliError(f"--threads must be >= 1, got {args.threads}")
-    _configure_logging(args)
+    _configure_logging(settings)
     # Lazy: torch and the runtime are loaded only by this command.
     from edge_client.train.data import load_device_data
 
     try:
-        data = load_device_data(args.data)
+        data = load_device_data(settings.data)
     except EdgeClientError as exc:
         raise _CliError(str(exc)) from exc
-    config = _client_config(
-        args,
-        args.device_id or data.device_id,
-        model=args.model,
-        threads=args.threads,
-        init_seed=args.init_seed,
-        share_label_counts=args.share_label_counts,
-        weight_format=args.weight_format,
-        downlink_precision=args.downlink_precision or args.precision,
-        uplink_precision=args.uplink_precision or args.precision,
-        exit_when_finished=args.exit_when_finished,
-    )
+    config = settings.client_config(settings.device_id or data.device_id)
     import torch
 
     from edge_client.train.resources import check_memory, estimate_training
@@ -479,7 +280,8 @@ def _run_device(args: argparse.Namespace) -> int:
         client = EdgeClient(config, MqttTransport(config.broker), data)
         model = client.model
         estimate = estimate_training(model, model.input_shape, MEMORY_CHECK_BATCH)
-        budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
+        megabytes = settings.memory_budget_mb
+        budget = None if megabytes is None else int(megabytes * 2**20)
         check_memory(estimate, budget_bytes=budget, what=f"{config.model} training")
     except EdgeClientError as exc:
         raise _CliError(str(exc)) from exc
@@ -489,16 +291,16 @@ def _run_device(args: argparse.Namespace) -> int:
     return _serve(client)
 
 
-def _run_follow(args: argparse.Namespace) -> int:
-    if args.device_id is None:
+def _run_follow(settings: DeviceSettings) -> int:
+    if settings.device_id is None:
         raise _CliError("--device-id (or device_id in the config file) is required")
-    if args.serve_onnx is None or args.onnx_template is None:
+    if settings.serve_onnx is None or settings.onnx_template is None:
         raise _CliError("follow needs --serve-onnx and --onnx-template (or the config keys)")
-    _configure_logging(args)
+    _configure_logging(settings)
     from edge_client.serve.follower import Follower, ModelRefresher
     from protocol.transport import MqttTransport
 
-    config = _client_config(args, args.device_id)
+    config = settings.client_config(settings.device_id)
     assert config.serve_onnx is not None and config.onnx_template is not None
     try:
         refresher = ModelRefresher(config.onnx_template, config.serve_onnx)
@@ -649,49 +451,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0] not in (*COMMANDS, "-h", "--help"):
         arguments.insert(0, "run")  # the default command
-    parser, subparsers = _build_parser()
+    parser, _ = _build_parser()
+    args = parser.parse_args(arguments)
     try:
-        args = parser.parse_args(arguments)
-        if args.command in CONFIGURABLE and args.config is not None:
-            args = _with_config_file(parser, subparsers[args.command], arguments, args.config)
-    except _CliError as exc:
-        _print_error(exc)
-        return EXIT_USAGE
-    handler: _Handler | None = getattr(args, "handler", None)
-    if handler is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    try:
+        if args.command in CONFIGURABLE:
+            device: _DeviceHandler = args.device_handler
+            return device(_device_settings(args))
+        handler: _Handler | None = getattr(args, "handler", None)
+        if handler is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
         return handler(args)
-    except _CliError as exc:
+    except (_CliError, ConfigError) as exc:
         _print_error(exc)
         return EXIT_USAGE
     except _RunError as exc:
         _print_error(exc)
         return EXIT_FAILURE
-
-
-def _with_config_file(
-    parser: argparse.ArgumentParser,
-    command: argparse.ArgumentParser,
-    arguments: list[str],
-    path: Path,
-) -> argparse.Namespace:
-    """Parse ``arguments`` again with the file's settings as the command's defaults, so
-    flags given on the command line win over the file.
-
-    Raises:
-        _CliError: the file cannot be read or holds invalid settings.
-    """
-    from edge_client.device_config import load_device_file
-
-    try:
-        values = load_device_file(path)
-    except EdgeClientError as exc:
-        raise _CliError(str(exc)) from exc
-    dests = {action.dest for action in command._actions}
-    command.set_defaults(**{key: value for key, value in values.items() if key in dests})
-    return parser.parse_args(arguments)
 
 
 def _print_error(exc: Exception) -> None:

@@ -6,7 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from coordinator.cli_flags import ModelFlags, add_fleet_flags, add_training_flags
+from coordinator.cli_flags import add_fleet_flags, add_training_flags
+from protocol.flags import ModelFlags
 from sim.budget import (
     LINK_PROFILES,
     Budget,

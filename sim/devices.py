@@ -34,7 +34,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from coordinator.cli_flags import ModelFlags
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
@@ -42,6 +41,7 @@ from edge_client.train.session import Job, JobResult, TrainJob
 from models import classifier_names
 from models.devices import resolve_device
 from protocol.auth import Keyring
+from protocol.flags import ModelFlags
 from protocol.transport import MqttConfig, MqttTransport, Transport
 from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.datasets import dataset_names, load_dataset

@@ -2,7 +2,7 @@
 
 Its flags are those of :class:`~sim.run.SimConfig` (the fleet's settings and their
 defaults are the coordinator's, :class:`~coordinator.config.FleetSettings`), built by
-:class:`~coordinator.cli_flags.ModelFlags`: a flag left out is not given, and the model
+:class:`~protocol.flags.ModelFlags`: a flag left out is not given, and the model
 fills it.
 """
 
@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coordinator.cli_flags import ModelFlags, add_fleet_flags, add_training_flags, given_settings
+from coordinator.cli_flags import add_fleet_flags, add_training_flags, given_settings
 from coordinator.config import FleetSettings
 from protocol.errors import BrokerError, TransportError
+from protocol.flags import ModelFlags
 from sim.datasets import dataset_names
 from sim.errors import SimError
 from sim.run import SimConfig

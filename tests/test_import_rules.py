@@ -88,7 +88,7 @@ def imported_modules(path: Path) -> set[str]:
 # edge_client holds three products: the inference device and the bundler never pull in the
 # training device or torch (the infer profile has neither).
 TORCH_FREE = ("edge_client/serve", "edge_client/bundle")
-TORCH_FREE_SHARED = ("config", "device_config", "errors", "link", "logs")
+TORCH_FREE_SHARED = ("config", "errors", "link", "logs")
 
 
 def _torch_free_files() -> list[Path]:

@@ -269,7 +269,7 @@ def _check_out(out: Path) -> None:
 
 
 def _check_config(path: Path) -> None:
-    from edge_client.device_config import load_device_file
+    from edge_client.config import load_device_file
 
     try:
         load_device_file(path)

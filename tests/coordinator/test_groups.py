@@ -133,7 +133,7 @@ def test_hello_and_updates_are_checked_against_the_devices_group() -> None:
     assert "dev-d" not in engine.registry
     (kept,) = acks(switched)
     assert not kept.accepted and "keeps its architecture" in kept.detail
-    assert engine.registry.get("dev-a")["architecture"] == "mlp"
+    assert engine.registry["dev-a"].architecture == "mlp"
     assert acks(wrong_tensors)[0].reason is ReasonCode.FINGERPRINT_MISMATCH
 
 

@@ -187,14 +187,17 @@ def test_bad_data_file_exits_2_and_unreachable_broker_exits_1(tmp_path: Path) ->
 
 
 def test_precision_flags_offer_the_protocols_precisions() -> None:
-    from edge_client.__main__ import _build_parser
+    from edge_client.__main__ import _build_parser, _device_settings
     from protocol.tensors import Precision
 
-    _, commands = _build_parser()
+    parser, commands = _build_parser()
     run = commands["run"]
-    args = run.parse_args(["--data", "d.npz", "--precision", "bf16", "--uplink-precision", "int4"])
+    flags = run.get_default("settings_flags")
+    arguments = ["run", "--data", "d.npz", "--precision", "bf16", "--uplink-precision", "int4"]
+    args = parser.parse_args(arguments)
 
-    for action in run._actions:
-        if action.dest in ("precision", "downlink_precision", "uplink_precision"):
-            assert list(action.choices or ()) == [p.value for p in Precision]
-    assert (args.precision, args.uplink_precision) == ("bf16", "int4")
+    precisions = [(k,) for k in ("precision", "downlink_precision", "uplink_precision")]
+    offered = [a.choices for a in run._actions if flags.dests.get(a.dest) in precisions]
+    assert offered == [[p.value for p in Precision]] * 3
+    settings = _device_settings(args)
+    assert (settings.precision, settings.uplink_precision) == (Precision.BF16, Precision.INT4)

@@ -51,9 +51,9 @@ def test_feddf_fuses_float_int8_and_binary_devices(
         assert set(record.models) == {"aca", "aca@int8", "aca@binary"}
         assert all(math.isfinite(m.amp) for m in record.models.values())
     registry = RunState(FileStore(tmp_path / "state" / "coordinator")).load_registry()
-    formats = sorted(entry.get("weight_format", "float") for entry in registry.values())
+    formats = sorted(entry.weight_format for entry in registry.values())
     assert formats == ["binary", "binary", "float", "float", "float", "float"]
-    links = sorted(entry["downlink_precision"] for entry in registry.values())
+    links = sorted(entry.downlink_precision for entry in registry.values())
     assert links == ["fp32", "fp32", "fp32", "fp32", "int8", "int8"]
     # the int8 links trained with QAT (--qat), so FedDF takes them at int8 too
     fused = [r.getMessage() for r in caplog.records if "distilled from" in r.getMessage()]

@@ -1,4 +1,5 @@
-"""Flags derived from settings models: names, types, choices, defaults, what was given."""
+"""Flags derived from settings models (protocol.flags): names, types, choices, defaults,
+what was given."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
-from coordinator.cli_flags import ModelFlags, comma_list
+from protocol.flags import ModelFlags, comma_list
 
 
 class Colour(enum.Enum):
@@ -94,3 +95,16 @@ def test_a_field_without_a_flag_form_is_a_type_error() -> None:
 
 def test_comma_list_drops_blanks() -> None:
     assert comma_list(" int8, ,int8/int4,") == ("int8", "int8/int4")
+
+
+def test_a_field_may_have_several_option_strings_and_dests_name_the_fields() -> None:
+    parser, flags = parser_for(flags={"deltas": ("-d", "--deltas"), "count": ("-n", "--count")})
+
+    args = parser.parse_args(["-d", "-n", "5", "--rate", "0.2"])
+
+    assert flags.given(args) == {"deltas": True, "count": 5, "inner": {"rate": 0.2}}
+    assert flags.given(parser.parse_args(["--no-deltas"])) == {"deltas": False}
+    paths = {action.dest: flags.dests.get(action.dest) for action in parser._actions}
+    assert paths.pop("help") is None
+    expected = [(name,) for name in Settings.model_fields if name != "inner"]
+    assert sorted(paths.values()) == sorted([*expected, ("inner", "rate")])
