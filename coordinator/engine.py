@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.aggregation import AggregationJob
+from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import RateLimitedLog, ReplayGuard
 from coordinator.config import CoordinatorConfig, participants, run_weight_format
 from coordinator.errors import ConfigError, StoreError, UpdateRejectedError

@@ -30,7 +30,7 @@ from typing import Any
 import numpy.typing as npt
 import torch
 
-from coordinator.aggregation import AggregationJob
+from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import RateLimitedLog, load_keys
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device

@@ -57,7 +57,7 @@ from typing import Any, Literal, cast, get_args
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.aggregate import WeightedSum
+from coordinator.averaging import WeightedSum
 from coordinator.errors import StateMismatchError, StoreError
 from coordinator.groups import GroupModels
 from coordinator.store import Store

@@ -38,7 +38,7 @@ and role, and hands them back to :meth:`Strategy.downlink` and the next aggregat
 strategies here average within a group (FedAvg of a mixed fleet is FedAvg per group);
 FedDF and DENSE fuse across groups by distillation; FedGen runs with one group only.
 
-``aggregation median`` / ``trimmed_mean`` (:mod:`coordinator.aggregate`) replace the
+``aggregation median`` / ``trimmed_mean`` (:mod:`coordinator.averaging`) replace the
 sample-weighted average of the updates by their unweighted coordinate-wise median or
 trimmed mean, for fleets that expect poisoned devices: in fedavg, fedprox, fedavg_oca
 and fedkf (the ACA; the OCA cache stays a running sample-weighted mean) and fedgen (the
@@ -70,7 +70,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from coordinator.aggregate import Accumulator, WeightedSum, accumulator
+from coordinator.averaging import Accumulator, WeightedSum, accumulator
 from coordinator.config import CoordinatorConfig, TrainingSettings
 from coordinator.context import ServerContext
 from coordinator.dense import DenseSettings, dense_distill, image_generator_config
@@ -288,7 +288,7 @@ class Strategy(abc.ABC):
         the engine thread; draws come from ``context.rng``, so a re-run gives the same.
         Here: each group's ACA is the sample-weighted average of its devices' updates
         (with ``aggregation median`` / ``trimmed_mean``, their unweighted coordinate-wise
-        median / trimmed mean: :mod:`coordinator.aggregate`); a group without an update
+        median / trimmed mean: :mod:`coordinator.averaging`); a group without an update
         keeps its models. The OCA model stays the sample-weighted mean of the cache.
 
         Raises:
