@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from coordinator.context import ServerContext
 from coordinator.groups import GroupModels
 from coordinator.state import RunState
-from coordinator.strategies import AggregateResult, Contribution, Strategy
+from coordinator.strategies.base import AggregateResult, Contribution, Strategy
 
 __all__ = ["AggregationJob"]
 

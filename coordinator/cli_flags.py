@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from coordinator.config import FleetSettings, TrainingSettings
-from coordinator.strategies import strategy_names
+from coordinator.strategies.registry import strategy_names
 from models import classifier_names
 from protocol.tensors import Precision
 

@@ -18,8 +18,9 @@ Round rules:
   deadline ``round_timeout_s`` ahead.
 * The round closes when every selected device's update is in, or at the deadline. Only
   on-time updates of selected devices are aggregated into the round's models; with no
-  update at all the strategy says so (:class:`~coordinator.strategies.NothingToAggregate`)
-  and the models stay as they were.
+  update at all the strategy says so
+  (:class:`~coordinator.strategies.base.NothingToAggregate`) and the models stay as they
+  were.
 * Aggregation is a phase of its own: closing a round returns
   :class:`AggregateRequested` (the runtime runs the job off the engine thread, server-side
   training included) and the round is closed by the :class:`AggregateDone` event that
@@ -64,7 +65,7 @@ from coordinator.registry import DeviceRegistry
 from coordinator.screening import NormScreen, delta_norm, model_norm
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies import AggregateResult, Arrays, NothingToAggregate, Strategy
+from coordinator.strategies.base import AggregateResult, Arrays, NothingToAggregate, Strategy
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
 from protocol.deltas import encode_full

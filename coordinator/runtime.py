@@ -53,7 +53,7 @@ from coordinator.errors import AggregationError, ConfigError, CoordinatorError, 
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.proxy import proxy_digest, server_proxy
 from coordinator.store import MemoryStore, Store
-from coordinator.strategies import build_strategy
+from coordinator.strategies.registry import build_strategy
 from models import Classifier, build_classifier, load_state_arrays, seeded
 from models.errors import ModelError
 from protocol.auth import AuthError, KeySource

@@ -22,7 +22,8 @@ from coordinator.engine import (
 from coordinator.groups import ArchitectureGroup
 from coordinator.runtime import build_models
 from coordinator.store import Store
-from coordinator.strategies import Strategy, build_strategy
+from coordinator.strategies.base import Strategy
+from coordinator.strategies.registry import build_strategy
 from models import Classifier
 from protocol.messages import DeviceStatus, Hello, Message, RoundTask, Update
 from protocol.tensors import Precision

@@ -16,7 +16,7 @@ from coordinator.engine import Finished, Received, RoundClosed, RoundEngine
 from coordinator.errors import ConfigError
 from coordinator.screening import NormScreen, delta_norm
 from coordinator.store import FileStore, MemoryStore
-from coordinator.strategies import build_strategy
+from coordinator.strategies.registry import build_strategy
 from protocol.messages import Ack, Message, ReasonCode
 from tests.coordinator.helpers import (
     GROUP,
