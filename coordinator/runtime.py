@@ -30,26 +30,21 @@ from typing import Any
 import numpy.typing as npt
 import torch
 
+from coordinator.actions import (
+    Action,
+    AggregateRequested,
+    Finished,
+    Publish,
+    RoundClosed,
+    RoundStarted,
+)
 from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import RateLimitedLog, load_keys
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
-from coordinator.engine import (
-    Action,
-    AggregateDone,
-    AggregateRequested,
-    Event,
-    Finished,
-    Publish,
-    Received,
-    Reconnected,
-    RoundClosed,
-    RoundEngine,
-    RoundStarted,
-    Tick,
-    Undecodable,
-)
+from coordinator.engine import RoundEngine
 from coordinator.errors import AggregationError, ConfigError, CoordinatorError, StoreError
+from coordinator.events import AggregateDone, Event, Received, Reconnected, Tick, Undecodable
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.proxy import proxy_digest, server_proxy
 from coordinator.store import MemoryStore, Store

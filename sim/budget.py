@@ -37,18 +37,11 @@ from typing import Any
 
 import torch
 
+from coordinator.actions import Action, AggregateRequested, Finished, Publish, RoundStarted
 from coordinator.context import ServerContext, resolve_server_device
-from coordinator.engine import (
-    Action,
-    AggregateDone,
-    AggregateRequested,
-    Finished,
-    Publish,
-    Received,
-    RoundEngine,
-    RoundStarted,
-)
+from coordinator.engine import RoundEngine
 from coordinator.errors import ConfigError
+from coordinator.events import AggregateDone, Received
 from coordinator.groups import ArchitectureGroup
 from coordinator.proxy import server_proxy
 from coordinator.runtime import build_models

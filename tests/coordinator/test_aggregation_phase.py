@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.actions import AggregateRequested, RoundClosed
 from coordinator.context import ServerContext
-from coordinator.engine import AggregateDone, AggregateRequested, RoundClosed, RoundEngine, Tick
+from coordinator.engine import RoundEngine
 from coordinator.errors import AggregationError
+from coordinator.events import AggregateDone, Tick
 from coordinator.runtime import Coordinator
 from coordinator.store import FileStore, MemoryStore, Store
 from coordinator.strategies.base import NothingToAggregate

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.engine import RoundClosed
+from coordinator.actions import RoundClosed
 from coordinator.errors import ConfigError
 from coordinator.groups import ArchitectureGroup
 from coordinator.runtime import build_models

@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.actions import Finished, RoundClosed
 from coordinator.averaging import CoordinateWise, accumulator
-from coordinator.engine import Finished, Received, RoundClosed, RoundEngine
+from coordinator.engine import RoundEngine
 from coordinator.errors import ConfigError
+from coordinator.events import Received
 from coordinator.screening import NormScreen, delta_norm
 from coordinator.store import FileStore, MemoryStore
 from coordinator.strategies.registry import build_strategy
