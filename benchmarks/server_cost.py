@@ -59,7 +59,8 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     from coordinator.context import ServerContext, resolve_server_device
     from coordinator.proxy import proxy_tensor, read_proxy_data
     from coordinator.runtime import build_models
-    from coordinator.strategies import Contribution, build_strategy
+    from coordinator.strategies.base import Contribution
+    from coordinator.strategies.registry import build_strategy
     from models import build_classifier, seeded, state_arrays
 
     steps = int(spec["distill_steps"])

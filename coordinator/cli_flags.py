@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from coordinator.config import FleetSettings, TrainingSettings
-from coordinator.strategies import strategy_names
+from coordinator.strategies.registry import strategy_names
 from models import classifier_names
 from protocol.flags import ModelFlags
 from protocol.tensors import Precision

@@ -24,10 +24,11 @@ from pydantic import (
     model_validator,
 )
 
-from coordinator.dense import DenseSettings
 from coordinator.errors import ConfigError
-from coordinator.feddf import DistillSettings
-from coordinator.feddf_generated import GeneratedSettings
+from coordinator.strategies.dense_settings import DenseOptions
+from coordinator.strategies.feddf_settings import FedDFOptions
+from coordinator.strategies.fedkf_settings import FedKFOptions
+from coordinator.strategies.options import StrategyOptions
 from models import classifier_names
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN, WeightFormat
@@ -47,9 +48,6 @@ __all__ = [
 
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
 ServerDevice = Literal["auto", "cpu", "cuda"]
-_DISTILL = DistillSettings()
-_DENSE = DenseSettings()
-_GENERATED = GeneratedSettings()
 
 
 class _Frozen(BaseModel):
@@ -63,7 +61,7 @@ class TrainingSettings(LocalTraining):
     their defaults are :class:`protocol.hyperparams.LocalTraining`'s, the schema the
     devices validate their tasks with. ``local_epochs``, ``local_steps`` and
     ``batch_size`` left unset (None) take the strategy's defaults
-    (:attr:`coordinator.strategies.Strategy.training_defaults`: E = 5, B = 32 for FedAvg;
+    (:attr:`coordinator.strategies.base.Strategy.training_defaults`: E = 5, B = 32 for FedAvg;
     E = 10, B = 64 for FedKF; 20 steps of B = 32 for FedGen).
     """
 
@@ -173,15 +171,12 @@ class BrokerSettings(_Frozen):
             raise ConfigError(f"invalid broker settings: {exc}") from exc
 
 
-class FleetSettings(_Frozen):
-    """How a federated run trains its fleet: the settings ``python -m coordinator`` and
-    the lab emulator (``sim.run.SimConfig``) share, with their one set of defaults."""
+class _SharedFleetSettings(_Frozen):
+    """The fleet settings every strategy reads (see :class:`FleetSettings`)."""
 
     strategy: str = "fedavg"
     """Federated algorithm (a strategy registry name; the README's table says what each
     does; dense is one-shot: one round in which every device uploads once)."""
-    downlink: Literal["dual", "single"] = "dual"
-    """fedkf: send ACA (student) + OCA (teacher), or the ACA alone (FedKF-)."""
     final_model: Literal["aca", "oca"] | None = None
     """The model the run delivers (unset: oca where the strategy keeps one, else aca)."""
     sharing: Literal["full", "head"] = "full"
@@ -193,8 +188,6 @@ class FleetSettings(_Frozen):
     downlink_deltas: bool = True
     """Lossy downlinks: send a delta against the model a device holds (off: always
     full models)."""
-    teacher_budget: float = Field(default=0.25, gt=0, le=1)
-    """fedkf dual: teacher delta bytes as a fraction of the model's."""
     model: str = "lenet5"
     """Classifier (a model registry name), or a comma-separated list of them for a
     fleet that mixes architectures: one architecture group each (the sim assigns them
@@ -207,40 +200,6 @@ class FleetSettings(_Frozen):
     strategy's own default where it has one, such as dense's 1.0)."""
     round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     """Seconds devices have per round to deliver their update."""
-    drop_worst: bool = False
-    """feddf: leave out of the ensemble the teachers no better than chance on the
-    held-out proxy images (their predictions agree with the ensemble's on at most
-    1 / classes of them); the log names them."""
-    distill_steps: int = Field(default=_DISTILL.max_steps, ge=1)
-    """feddf: most Adam steps of server-side distillation per group and round (it stops
-    earlier when the held-out KL stops improving)."""
-    distill_batch_size: int = Field(default=_DISTILL.batch_size, ge=1)
-    """feddf: proxy images per distillation step."""
-    distill_lr: float = Field(default=_DISTILL.lr, gt=0, allow_inf_nan=False)
-    """feddf: Adam learning rate of the distillation."""
-    distill_temperature: float = Field(default=_DISTILL.temperature, gt=0, allow_inf_nan=False)
-    """feddf: softmax temperature of teachers and student."""
-    distill_patience: int = Field(default=_DISTILL.patience, ge=1)
-    """feddf: held-out measurements (one every 25 steps) without improvement before the
-    distillation stops."""
-    distill_data: Literal["proxy", "generator"] = "proxy"
-    """feddf: what the server distils on: ``proxy``, the run's unlabeled proxy images
-    (``proxy_data``, required), or ``generator``, images of an image generator trained
-    each round against the round's ensemble (DENSE's generator phase; no proxy data,
-    which is then refused)."""
-    distill_generator_batches: int = Field(default=_GENERATED.batches, ge=1)
-    """feddf with distill_data generator: generated batches (of 128 images, each from
-    its own generator phase) per round, a fifth of the images held out for early
-    stopping and drop-worst."""
-    distill_generator_steps: int = Field(default=_GENERATED.dense.generator_steps, ge=1)
-    """feddf with distill_data generator: generator Adam steps per generated batch."""
-    dense_epochs: int = Field(default=_DENSE.epochs, ge=1)
-    """dense: alternations of a generator phase and a student phase on the server (more:
-    closer students, proportionally more server time)."""
-    dense_generator_steps: int = Field(default=_DENSE.generator_steps, ge=1)
-    """dense: generator Adam steps per epoch."""
-    dense_student_steps: int = Field(default=_DENSE.student_steps, ge=1)
-    """dense: student Adam steps per epoch."""
     max_update_norm_ratio: float = Field(default=10.0, ge=0, allow_inf_nan=False)
     """Norm screening: reject an update whose distance (L2) from the model the device
     was sent exceeds this many times the round's reference (the median of the round's
@@ -261,20 +220,37 @@ class FleetSettings(_Frozen):
     training: TrainingSettings = TrainingSettings()
     """What each selected device is asked to do per round (sent in the task)."""
 
+
+class FleetSettings(DenseOptions, FedDFOptions, FedKFOptions, _SharedFleetSettings):
+    """How a federated run trains its fleet: the settings ``python -m coordinator`` and
+    the lab emulator (``sim.run.SimConfig``) share, with their one set of defaults.
+
+    The fields every strategy reads are declared in :class:`_SharedFleetSettings`;
+    those one strategy reads are declared beside it, as its
+    :class:`~coordinator.strategies.options.StrategyOptions`, and mixed in here, flat,
+    as the TOML keys and flags spell them: FedKF's ``downlink`` and ``teacher_budget``,
+    FedDF's ``drop_worst`` and ``distill_*``, DENSE's ``dense_*``.
+    """
+
     @model_validator(mode="before")
     @classmethod
     def _strategy_defaults(cls, data: Any) -> Any:
         """Settings left out take the strategy's own defaults where it has some
-        (:attr:`coordinator.strategies.Strategy.fleet_defaults`: dense is one-shot, so
-        a run of it is one round of every device unless told otherwise). Given settings
-        win, so an explicit ``rounds`` reaches the strategy, which may refuse it."""
+        (:attr:`~coordinator.strategies.options.StrategyOptions.fleet_defaults` of its
+        options: dense is one-shot, so a run of it is one round of every device unless
+        told otherwise). Given settings win, so an explicit ``rounds`` reaches the
+        strategy, which may refuse it."""
         if not isinstance(data, Mapping):
             return data
-        # imported here: the strategies import this module
-        from coordinator.strategies import fleet_defaults
-
         strategy = data.get("strategy", cls.model_fields["strategy"].default)
-        return {**fleet_defaults(str(strategy)), **data}
+        for options in cls.__mro__:
+            if (
+                issubclass(options, StrategyOptions)
+                and options is not StrategyOptions
+                and options.strategy_name == strategy
+            ):
+                return {**options.fleet_defaults, **data}
+        return data
 
     @field_validator("model")
     @classmethod

@@ -1,8 +1,8 @@
 """What a strategy's server step runs with: :class:`ServerContext`.
 
 Server-side training (FedGen's generator today) runs in the aggregation phase, off the
-engine thread (:mod:`coordinator.aggregation`). It gets everything outside its inputs
-from the context: the torch device to train on, the unlabeled proxy data where the run
+engine thread (:mod:`coordinator.aggregation_phase`). It gets everything outside its
+inputs from the context: the torch device to train on, the unlabeled proxy data where the run
 has some, and a random generator seeded by the run's seed and the round, so that an
 aggregation re-run after a crash draws exactly what the first attempt drew.
 """

@@ -1,8 +1,9 @@
 """The round logic as a state machine: events in, actions out.
 
 :class:`RoundEngine` never touches a broker or a clock. The runtime (or a test) feeds it
-events — a device's hello, status or update, and clock ticks — each with the current time,
-and carries out the actions it returns (publish a message, report a round). It persists
+events (:mod:`coordinator.events`: a device's hello, status or update, and clock ticks),
+each with the current time, and carries out the actions it returns
+(:mod:`coordinator.actions`: publish a message, report a round). It persists
 through a :class:`~coordinator.store.Store` before it returns an action that depends on
 the write, so an Ack for an update is only sent once the update is stored.
 
@@ -18,8 +19,9 @@ Round rules:
   deadline ``round_timeout_s`` ahead.
 * The round closes when every selected device's update is in, or at the deadline. Only
   on-time updates of selected devices are aggregated into the round's models; with no
-  update at all the strategy says so (:class:`~coordinator.strategies.NothingToAggregate`)
-  and the models stay as they were.
+  update at all the strategy says so
+  (:class:`~coordinator.strategies.base.NothingToAggregate`) and the models stay as they
+  were.
 * Aggregation is a phase of its own: closing a round returns
   :class:`AggregateRequested` (the runtime runs the job off the engine thread, server-side
   training included) and the round is closed by the :class:`AggregateDone` event that
@@ -55,16 +57,31 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.aggregation import AggregationJob
+from coordinator.actions import (
+    Action,
+    AggregateRequested,
+    Finished,
+    Publish,
+    RoundClosed,
+    RoundStarted,
+)
+from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import RateLimitedLog, ReplayGuard
 from coordinator.config import CoordinatorConfig, participants, run_weight_format
 from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
+from coordinator.events import (
+    AggregateDone,
+    Event,
+    Reconnected,
+    Tick,
+    Undecodable,
+)
 from coordinator.groups import ArchitectureGroup, GroupModels
 from coordinator.registry import DeviceRegistry
 from coordinator.screening import NormScreen, delta_norm, model_norm
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies import AggregateResult, Arrays, NothingToAggregate, Strategy
+from coordinator.strategies.base import Arrays, NothingToAggregate, Strategy
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
 from protocol.deltas import encode_full
@@ -83,147 +100,11 @@ from protocol.messages import (
 from protocol.sets import GLOBAL_SET, WEIGHTS_SET
 from protocol.topics import Topics
 
-__all__ = [
-    "Action",
-    "AggregateDone",
-    "AggregateRequested",
-    "Event",
-    "Finished",
-    "Publish",
-    "Received",
-    "Reconnected",
-    "RoundClosed",
-    "RoundEngine",
-    "RoundStarted",
-    "Tick",
-    "Undecodable",
-]
+__all__ = ["RoundEngine", "device_seed"]
 
 log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
-
-
-# -- events ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Received:
-    """A decoded message from a device, with the device id its topic names."""
-
-    topic_device: str
-    message: Message
-    now: float
-    """Unix time (s) of arrival."""
-    skew_ms: int = 0
-    """The message's ``sent_at_ms`` minus the wall clock at arrival (ms), as the runtime
-    measured it; hellos and updates further off than the replay window are refused."""
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passes (the runtime sends one every fraction of a second)."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class Reconnected:
-    """The connection to the broker was restored (retained messages may be gone)."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class AggregateDone:
-    """The aggregation an :class:`AggregateRequested` asked for has finished."""
-
-    round: int
-    result: AggregateResult
-    now: float
-    """Unix time (s) it finished."""
-    seconds: float = 0.0
-    """How long the server step ran (the strategy's ``aggregate``), seconds."""
-
-
-@dataclass(frozen=True)
-class Undecodable:
-    """Input on a device's topic that never became a message: it failed decoding or
-    reassembly (the runtime maps the error to a reason code)."""
-
-    topic_device: str
-    reason: ReasonCode
-    """``malformed`` (failed a check of the codec or the reassembler) or ``oversize``
-    (no room for it within the device's quota)."""
-    detail: str
-    now: float
-    ref: str | None = None
-    """Id of the message, where its envelope could be read."""
-    round: int | None = None
-    """Round of the message, where its envelope could be read."""
-
-
-Event = Received | Tick | Reconnected | AggregateDone | Undecodable
-
-
-# -- actions -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Publish:
-    topic: str
-    message: Message
-    retain: bool = False
-    latest: bool = False  # retained when it fits in one frame (protocol.channel.Channel.send)
-
-
-@dataclass(frozen=True)
-class RoundStarted:
-    round: int
-    selected: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class AggregateRequested:
-    """Run ``job`` (off the engine thread) and hand its result back as
-    :class:`AggregateDone`; the round closes then. A failure of the job is fatal to the
-    run: its state stays consistent and a resumed coordinator requests the job again."""
-
-    job: AggregationJob
-
-
-@dataclass(frozen=True)
-class RoundClosed:
-    """A finished round: what came in and the new global models of each group (``aca``,
-    ``oca``)."""
-
-    round: int
-    selected: int
-    on_time: int
-    late: int
-    rejected: int
-    duration_s: float
-    models: GroupModels
-    train_loss: float | None = None
-    """Mean training loss the on-time devices reported (sample-weighted)."""
-    train_accuracy: float | None = None
-    device_train_s: float | None = None
-    """Mean local training time the on-time devices reported, seconds."""
-    aggregate_s: float = 0.0
-    """How long the round's server step ran (distillation, generator training ...),
-    seconds."""
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The last round closed; ``models`` are the final global models of each group,
-    ``final`` the role of the one the run delivers (``aca`` or ``oca``)."""
-
-    models: GroupModels
-    final: str = "aca"
-
-
-Action = Publish | RoundStarted | AggregateRequested | RoundClosed | Finished
 
 
 _ANSWERED = frozenset({ReasonCode.NON_FINITE, ReasonCode.UPDATE_NORM})

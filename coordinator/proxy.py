@@ -24,7 +24,7 @@ from models.errors import DataFileError
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
-    from coordinator.strategies import Strategy
+    from coordinator.strategies.base import Strategy
 
 __all__ = ["proxy_digest", "proxy_tensor", "read_proxy_data", "server_proxy"]
 

@@ -36,30 +36,25 @@ from typing import Any
 import numpy.typing as npt
 import torch
 
-from coordinator.aggregation import AggregationJob
+from coordinator.actions import (
+    Action,
+    AggregateRequested,
+    Finished,
+    Publish,
+    RoundClosed,
+    RoundStarted,
+)
+from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import RateLimitedLog, load_keys
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
-from coordinator.engine import (
-    Action,
-    AggregateDone,
-    AggregateRequested,
-    Event,
-    Finished,
-    Publish,
-    Received,
-    Reconnected,
-    RoundClosed,
-    RoundEngine,
-    RoundStarted,
-    Tick,
-    Undecodable,
-)
+from coordinator.engine import RoundEngine
 from coordinator.errors import AggregationError, ConfigError, CoordinatorError, StoreError
+from coordinator.events import AggregateDone, Event, Received, Reconnected, Tick, Undecodable
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.proxy import proxy_digest, server_proxy
 from coordinator.store import MemoryStore, Store
-from coordinator.strategies import build_strategy
+from coordinator.strategies.registry import build_strategy
 from models import Classifier, build_classifier, load_state_arrays, seeded
 from models.errors import ModelError
 from protocol.auth import AuthError, KeySource

@@ -25,7 +25,7 @@ depends only on the state a crash leaves behind.
 What it catches: gross outliers such as an update with every weight set to 3.0 (its
 delta norm is ~100x the model's norm for LeNet-5). What it does not: attacks that stay
 within the honest range (a sign-flipped delta of ordinary size); robust aggregation
-(:mod:`coordinator.aggregate`) is the answer to those.
+(:mod:`coordinator.averaging`) is the answer to those.
 """
 
 from __future__ import annotations

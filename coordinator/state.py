@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import ValidationError
 
-from coordinator.aggregate import WeightedSum
+from coordinator.averaging import WeightedSum
 from coordinator.errors import StateMismatchError, StoreError
 from coordinator.groups import GroupModels
 from coordinator.store import Store

@@ -38,23 +38,17 @@ from typing import Any
 
 import torch
 
+from coordinator.actions import Action, AggregateRequested, Finished, Publish, RoundStarted
 from coordinator.context import ServerContext, resolve_server_device
-from coordinator.engine import (
-    Action,
-    AggregateDone,
-    AggregateRequested,
-    Finished,
-    Publish,
-    Received,
-    RoundEngine,
-    RoundStarted,
-)
+from coordinator.engine import RoundEngine
 from coordinator.errors import ConfigError
+from coordinator.events import AggregateDone, Received
 from coordinator.groups import ArchitectureGroup
 from coordinator.proxy import server_proxy
 from coordinator.runtime import build_models
 from coordinator.store import MemoryStore
-from coordinator.strategies import Strategy, build_strategy
+from coordinator.strategies.base import Strategy
+from coordinator.strategies.registry import build_strategy
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import session as dev

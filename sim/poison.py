@@ -16,7 +16,7 @@ A poisoned upload is a full fp32 set (an attacker chooses its own encoding; a de
 upload is first reconstructed against the model the device received). Everything
 else the device does (hello, sample counts, timing) is honest. The coordinator's
 defences are :mod:`coordinator.screening` and robust aggregation
-(:mod:`coordinator.aggregate`); ``benchmarks/poisoning.py`` measures them.
+(:mod:`coordinator.averaging`); ``benchmarks/poisoning.py`` measures them.
 """
 
 from __future__ import annotations

@@ -8,21 +8,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from coordinator.actions import Action, AggregateRequested, Publish
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext
-from coordinator.engine import (
-    Action,
-    AggregateDone,
-    AggregateRequested,
-    Event,
-    Publish,
-    Received,
-    RoundEngine,
-)
+from coordinator.engine import RoundEngine
+from coordinator.events import AggregateDone, Event, Received
 from coordinator.groups import ArchitectureGroup
 from coordinator.runtime import build_models
 from coordinator.store import Store
-from coordinator.strategies import Strategy, build_strategy
+from coordinator.strategies.base import Strategy
+from coordinator.strategies.registry import build_strategy
 from models import Classifier
 from protocol.messages import DeviceStatus, Hello, Message, RoundTask, Update
 from protocol.tensors import Precision

@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.actions import AggregateRequested, RoundClosed
 from coordinator.context import ServerContext
-from coordinator.engine import AggregateDone, AggregateRequested, RoundClosed, RoundEngine, Tick
+from coordinator.engine import RoundEngine
 from coordinator.errors import AggregationError
-from coordinator.feddf import DistillSettings
+from coordinator.events import AggregateDone, Tick
 from coordinator.runtime import Coordinator
 from coordinator.store import FileStore, MemoryStore, Store
-from coordinator.strategies import NothingToAggregate, build_strategy
+from coordinator.strategies.base import NothingToAggregate
+from coordinator.strategies.feddf_settings import DistillSettings
+from coordinator.strategies.registry import build_strategy
 from models import state_arrays
 from models.errors import ModelError
 from protocol.messages import Ack, ReasonCode

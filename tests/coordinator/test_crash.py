@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.engine import Event, Finished, Received, RoundEngine, Tick
+from coordinator.actions import Finished
+from coordinator.engine import RoundEngine
 from coordinator.errors import StateMismatchError
+from coordinator.events import Event, Received, Tick
 from coordinator.state import STATE_FORMAT
 from coordinator.store import FileStore, Record, Store
 from tests.coordinator.helpers import (

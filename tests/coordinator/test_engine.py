@@ -7,9 +7,10 @@ import logging
 import numpy as np
 import pytest
 
-from coordinator.engine import Finished, Publish, RoundClosed, RoundStarted, Tick
+from coordinator.actions import Finished, Publish, RoundClosed, RoundStarted
+from coordinator.events import Tick
 from coordinator.store import MemoryStore
-from coordinator.strategies import FedAvg
+from coordinator.strategies.fedavg import FedAvg
 from protocol.messages import Ack, CoordinatorStatus, Message, ModelPayload, ReasonCode, RoundTask
 from protocol.tensors import Precision
 from tests.coordinator.helpers import (

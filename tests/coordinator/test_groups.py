@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.engine import RoundClosed
+from coordinator.actions import RoundClosed
 from coordinator.errors import ConfigError
 from coordinator.groups import ArchitectureGroup
 from coordinator.runtime import build_models
 from coordinator.store import MemoryStore, Store
-from coordinator.strategies import build_strategy
+from coordinator.strategies.registry import build_strategy
 from models import Classifier, build_classifier
 from protocol.messages import Ack, ModelPayload, ReasonCode, RoundTask
 from protocol.tensors import Encoding, Precision

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from coordinator.engine import Publish
+from coordinator.actions import Publish
 from coordinator.runtime import Coordinator
 from coordinator.store import MemoryStore
 from protocol.channel import Channel

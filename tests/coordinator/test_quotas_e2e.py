@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.engine import Publish, RoundClosed
+from coordinator.actions import Publish, RoundClosed
 from coordinator.runtime import Coordinator
 from coordinator.store import MemoryStore
 from edge_client.config import ClientConfig

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator.auth import RateLimitedLog, ReplayGuard
-from coordinator.engine import Received
+from coordinator.events import Received
 from coordinator.store import MemoryStore
 from protocol.messages import Ack, ReasonCode
 from tests.coordinator.helpers import (

@@ -97,7 +97,7 @@ def test_a_run_survives_a_broker_restart_mid_round() -> None:
     restarted = threading.Event()
 
     def restart_during_round_2(action) -> None:
-        from coordinator.engine import RoundStarted
+        from coordinator.actions import RoundStarted
 
         if isinstance(action, RoundStarted) and action.round == 2 and not restarted.is_set():
             restarted.set()

@@ -1,4 +1,4 @@
-"""Update screening (coordinator.screening) and robust aggregation (coordinator.aggregate):
+"""Update screening (coordinator.screening) and robust aggregation (coordinator.averaging):
 the known attack (every weight 3.0) is rejected with ``update_norm``, decisions survive a
 crash, and the coordinate-wise aggregates match numpy."""
 
@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.aggregate import CoordinateWise, accumulator
-from coordinator.engine import Finished, Received, RoundClosed, RoundEngine
+from coordinator.actions import Finished, RoundClosed
+from coordinator.averaging import CoordinateWise, accumulator
+from coordinator.engine import RoundEngine
 from coordinator.errors import ConfigError
+from coordinator.events import Received
 from coordinator.screening import NormScreen, delta_norm
 from coordinator.store import FileStore, MemoryStore
-from coordinator.strategies import build_strategy
+from coordinator.strategies.registry import build_strategy
 from protocol.messages import Ack, Message, ReasonCode
 from tests.coordinator.helpers import (
     GROUP,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.engine import AggregateRequested
+from coordinator.actions import AggregateRequested
 from coordinator.store import MemoryStore
 from edge_client.train.transfer import TransferState
 from protocol.arrays import content_fingerprint

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator.config import CoordinatorConfig, TrainingSettings
-from coordinator.strategies import build_strategy
+from coordinator.strategies.registry import build_strategy
 from edge_client.train.training import TrainConfig
 from models import build_classifier
 from protocol.hyperparams import Hyperparameters, LocalTraining

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from coordinator.config import TrainingSettings
-from coordinator.strategies import Dense
+from coordinator.strategies.dense import Dense
 from models import build_classifier, seeded, state_arrays
 from sim.run import SimConfig, run_simulation
-from tests.coordinator.test_dense import TINY, TINY_FLAGS
+from tests.coordinator.strategies.test_dense import TINY, TINY_FLAGS
 
 
 def test_a_dense_run_is_one_round_of_one_upload_per_device_and_a_model_per_group(

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.actions import Action, RoundClosed
 from coordinator.config import TrainingSettings
-from coordinator.engine import Action, RoundClosed
 from coordinator.runtime import Coordinator
 from edge_client.train.client_state import MODEL_FILE, STATE_FILE, read_state
 from edge_client.train.session import (

@@ -1,4 +1,5 @@
-"""FedGen's server step: train the conditional latent generator against the devices' heads.
+"""FedGen: the strategy, and its server step, the conditional latent generator trained
+against the devices' heads.
 
 FedGen (Zhu, Hong and Zhou, "Data-Free Knowledge Distillation for Heterogeneous
 Federated Learning", ICML 2021) shares only each device's prediction head ``f_d`` (a
@@ -43,20 +44,40 @@ caller seeds, so equal seeds and inputs give equal generators.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from coordinator.config import CoordinatorConfig
+from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
+from coordinator.groups import GroupModels
+from coordinator.strategies.base import (
+    Aggregated,
+    AggregateResult,
+    Array,
+    Arrays,
+    Contribution,
+    NothingToAggregate,
+    Scalar,
+    Strategy,
+    head_of,
+)
+from models import Classifier, LatentGeneratorConfig, state_arrays
+from models import load_state_arrays as load_arrays
 from models.classifiers import HEAD_PREFIX
 from models.generators import LatentGenerator
 from models.optim import Adam
+from protocol.messages import Hello, UploadSpec
+from protocol.sets import GENERATOR_SET, PRIOR_SET, PRIOR_TENSOR
 
 __all__ = [
+    "FedGen",
     "GeneratorTraining",
     "diversity_loss",
     "ensemble_accuracy",
@@ -351,3 +372,105 @@ def ensemble_accuracy(
     finally:
         generator.train(was_training)
     return float(correct)
+
+
+class FedGen(Strategy):
+    """FedGen (data-free knowledge distillation): the module docstring says what the
+    server trains.
+
+    ``sharing full``: devices upload their whole model, the server averages it and sends
+    it back as ``global``. ``sharing head``: devices upload only the prediction head
+    (the feature extractor never leaves the device) and the server sends the averaged
+    head as ``head``. Either way every update carries the device's label counts (which
+    needs the device's consent in its hello), the server trains the latent generator
+    against this round's heads and sends it with the label prior from round 2 on;
+    devices weigh the generator term with ``alpha_t = generative_alpha *
+    generative_alpha_decay ** (t - 1)``. Defaults from the paper: 20 local steps of
+    batch 32. One architecture group: the generator lives in its latent space.
+    """
+
+    name = "fedgen"
+    head_sharing = True
+    training_defaults: ClassVar[Mapping[str, int]] = {"local_steps": 20, "batch_size": 32}
+    generator_training = GeneratorTraining()
+
+    def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
+        super().__init__(config, templates)
+        if len(templates) != 1:
+            raise ConfigError(f"strategy {self.name!r} runs one architecture, not {len(templates)}")
+        (template,) = templates.values()
+        self._generator_config = LatentGeneratorConfig.for_classifier(
+            template,
+            noise_dim=self.training.generator_noise_dim,
+            hidden_dim=self.training.generator_hidden,
+        )
+
+    def task_settings(self, round_number: int) -> dict[str, Scalar]:
+        t = self.training
+        alpha = t.generative_alpha * t.generative_alpha_decay ** (round_number - 1)
+        return {
+            **super().task_settings(round_number),
+            "generative_alpha": alpha,
+            "generator_noise_dim": self._generator_config.noise_dim,
+            "generator_hidden": self._generator_config.hidden_dim,
+        }
+
+    def uplink(self) -> UploadSpec:
+        return super().uplink().model_copy(update={"label_counts": True})
+
+    def refuse(self, hello: Hello) -> str | None:
+        if hello.share_label_counts:
+            return None
+        return (
+            "fedgen needs the device's label counts (the server's generator is trained "
+            "against them); the device did not consent: start it with --share-label-counts"
+        )
+
+    def downlink(self, models: Mapping[str, Arrays]) -> dict[str, Arrays]:
+        sets = super().downlink(models)
+        if GENERATOR_SET in models:
+            sets[GENERATOR_SET] = models[GENERATOR_SET]
+            sets[PRIOR_SET] = models[PRIOR_SET]
+        return sets
+
+    def aggregate(
+        self,
+        current: GroupModels,
+        updates: Iterable[Contribution],
+        round_number: int,
+        context: ServerContext,
+    ) -> AggregateResult:
+        ((group, models),) = current.items()
+        acc = self.accumulator()
+        heads: list[dict[str, Array]] = []
+        counts: list[tuple[int, ...]] = []
+        for update in updates:
+            acc.add(update.weights, update.num_samples)
+            heads.append(head_of(update.weights))
+            if update.label_counts is None:  # the engine checks; kept as a guard
+                raise ValueError(f"update of {update.device_id} has no label counts")
+            counts.append(update.label_counts)
+        if acc.weight <= 0:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
+        aca = self._merge(models, acc.mean())
+        generator = self._generator(models).to(context.device)
+        train_latent_generator(generator, heads, counts, self.generator_training, rng=context.rng)
+        prior = label_prior(np.asarray(counts, dtype=np.int64))
+        server = {
+            "aca": aca,
+            GENERATOR_SET: state_arrays(generator),
+            PRIOR_SET: {PRIOR_TENSOR: prior.astype(np.float32)},
+        }
+        return Aggregated({group: server})
+
+    def _generator(self, current: Mapping[str, Arrays]) -> LatentGenerator:
+        """Last round's generator, or in round 1 a new one seeded by the run's seed."""
+        if GENERATOR_SET in current:
+            with torch.device("meta"):  # every tensor comes from the stored state
+                generator = LatentGenerator(self._generator_config)
+            generator = generator.to_empty(device="cpu")
+            load_arrays(generator, current[GENERATOR_SET])
+            return generator
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.config.seed)
+            return LatentGenerator(self._generator_config)

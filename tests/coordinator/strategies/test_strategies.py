@@ -7,10 +7,10 @@ import pytest
 
 from coordinator.config import TrainingSettings
 from coordinator.errors import ConfigError
-from coordinator.fedgen import label_prior
 from coordinator.runtime import build_models
 from coordinator.store import MemoryStore
-from coordinator.strategies import build_strategy
+from coordinator.strategies.fedgen import label_prior
+from coordinator.strategies.registry import build_strategy
 from models import state_arrays
 from protocol.deltas import decode_sets
 from protocol.messages import Ack, ModelPayload, ReasonCode, RoundTask

@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from coordinator.fedgen import (
+from coordinator.strategies.fedgen import (
     GeneratorTraining,
     diversity_loss,
     ensemble_accuracy,

@@ -12,24 +12,19 @@ from torch import nn
 
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext
-from coordinator.dense import (
-    BatchNormMatching,
-    DenseSettings,
-    adversarial_loss,
-    batch_norm_loss,
-    dense_distill,
-    ensemble_logits,
-    generator_phase,
-)
 from coordinator.errors import ConfigError
 from coordinator.runtime import build_models
-from coordinator.strategies import (
-    Aggregated,
-    Contribution,
-    Dense,
-    NothingToAggregate,
-    build_strategy,
+from coordinator.strategies.base import Aggregated, Contribution, NothingToAggregate
+from coordinator.strategies.dense import Dense, dense_distill
+from coordinator.strategies.dense_settings import DenseSettings
+from coordinator.strategies.ensemble import ensemble_logits
+from coordinator.strategies.image_generation import (
+    BatchNormMatching,
+    adversarial_loss,
+    batch_norm_loss,
+    generator_phase,
 )
+from coordinator.strategies.registry import build_strategy
 from models import ImageGenerator, ImageGeneratorConfig, build_classifier, seeded, state_arrays
 from models.optim import Adam
 from sim.synthetic import make_synthetic

@@ -2,10 +2,10 @@
 
 When a round closes, :class:`~coordinator.engine.RoundEngine` persists the set of updates
 the round aggregates (the run's phase becomes ``aggregating``) and returns an
-:class:`~coordinator.engine.AggregateRequested` action holding an
+:class:`~coordinator.actions.AggregateRequested` action holding an
 :class:`AggregationJob`. The runtime runs the job off the engine thread (server-side
 training may take a while, on a GPU where there is one) and feeds the engine an
-:class:`~coordinator.engine.AggregateDone` event with its result; only then does the
+:class:`~coordinator.events.AggregateDone` event with its result; only then does the
 round close. A job is a pure function of the persisted state: the models the round
 started from and the accepted updates it names. A coordinator that crashed before the
 round closed requests the same job again on resume, and it gives the same result.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from coordinator.context import ServerContext
 from coordinator.groups import GroupModels
 from coordinator.state import RunState
-from coordinator.strategies import AggregateResult, Contribution, Strategy
+from coordinator.strategies.base import AggregateResult, Contribution, Strategy
 
 __all__ = ["AggregationJob"]
 

@@ -9,16 +9,12 @@ import pytest
 import torch
 
 from coordinator.context import ServerContext
-from coordinator.feddf import (
-    DistillSettings,
-    chance_teachers,
-    distill,
-    holdout_split,
-    kl_to_ensemble,
-    teacher_logits,
-)
 from coordinator.runtime import build_models
-from coordinator.strategies import Aggregated, Contribution, NothingToAggregate, build_strategy
+from coordinator.strategies.base import Aggregated, Contribution, NothingToAggregate
+from coordinator.strategies.ensemble import kl_to_ensemble, teacher_logits
+from coordinator.strategies.feddf import chance_teachers, distill, holdout_split
+from coordinator.strategies.feddf_settings import DistillSettings
+from coordinator.strategies.registry import build_strategy
 from models import build_classifier, load_state_arrays, state_arrays
 from models.weight_formats import binarize, fake_quantize_int8, run_weights_
 from tests.coordinator.helpers import config

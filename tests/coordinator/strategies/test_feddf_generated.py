@@ -14,20 +14,16 @@ import torch
 from coordinator.__main__ import build_parser, config_from_args
 from coordinator.config import build_config
 from coordinator.context import ServerContext
-from coordinator.dense import DenseSettings
 from coordinator.errors import ConfigError, StateMismatchError
-from coordinator.feddf import (
-    DistillSettings,
-    distill,
-    holdout_split,
-    kl_to_ensemble,
-    teacher_logits,
-)
-from coordinator.feddf_generated import GeneratedSettings, generate_images
 from coordinator.proxy import server_proxy
 from coordinator.runtime import Coordinator, build_models
 from coordinator.store import FileStore
-from coordinator.strategies import Aggregated, Contribution, NothingToAggregate, build_strategy
+from coordinator.strategies.base import Aggregated, Contribution, NothingToAggregate
+from coordinator.strategies.dense_settings import DenseSettings
+from coordinator.strategies.ensemble import kl_to_ensemble, teacher_logits
+from coordinator.strategies.feddf import distill, generate_images, holdout_split
+from coordinator.strategies.feddf_settings import DistillSettings, GeneratedSettings
+from coordinator.strategies.registry import build_strategy
 from models import ImageGenerator, ImageGeneratorConfig, build_classifier, state_arrays
 from protocol.transport import MemoryBroker, MemoryTransport
 from tests.coordinator.helpers import config
