@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from coordinator.engine import Action, Publish, RoundClosed, RoundStarted
+from coordinator.actions import Action, Publish, RoundClosed, RoundStarted
 from coordinator.groups import Models
 from models import Classifier, load_state_arrays, state_arrays
 from models.classifiers import HEAD_PREFIX

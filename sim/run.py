@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
-from coordinator.actions import Action, Publish, RoundClosed, RoundStarted
 from coordinator.config import CoordinatorConfig, FleetSettings, run_weight_format
 from coordinator.enrolment import FleetKeys
 from coordinator.errors import ConfigError

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.harness import RoundClose, Status, wait_status
-from coordinator.engine import RoundClosed, RoundStarted
+from coordinator.actions import RoundClosed, RoundStarted
 from coordinator.runtime import STATUS_FILE, RunStatus
 from tests.coordinator.helpers import config
 

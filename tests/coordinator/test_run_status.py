@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, cast
 
-from coordinator.engine import AggregateRequested, Finished, RoundClosed, RoundStarted
+from coordinator.actions import AggregateRequested, Finished, RoundClosed, RoundStarted
 from coordinator.runtime import RunStatus
 from tests.coordinator.helpers import config
 
