@@ -9,11 +9,11 @@ namespaces.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import tomllib
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -34,6 +34,11 @@ from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN, WeightFormat
 from protocol.tensors import Precision
 from protocol.transport import MqttConfig, MqttVersion, TlsConfig, read_password
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "BrokerSettings",

@@ -26,12 +26,13 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy.typing as npt
 import torch
@@ -64,6 +65,14 @@ from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
 from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
+
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # Python 3.10: the same exhaustiveness check for the type checker
+
+    def assert_never(value: NoReturn) -> NoReturn:
+        raise AssertionError(f"unhandled: {value!r}")
+
 
 __all__ = [
     "STATUS_FILE",
@@ -372,21 +381,24 @@ class Coordinator:
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, Publish):
-                self._publish(action)
-            elif isinstance(action, RoundStarted):
-                log.info(
-                    "round %d/%d started: %d devices",
-                    action.round,
-                    self.config.rounds,
-                    len(action.selected),
-                )
-            elif isinstance(action, AggregateRequested):
-                self._aggregate(action.job)
-            elif isinstance(action, RoundClosed):
-                self._log_round(action)
-            elif isinstance(action, Finished):
-                self._finish(action)
+            match action:  # exhaustive: an action the engine adds fails the type check here
+                case Publish():
+                    self._publish(action)
+                case RoundStarted():
+                    log.info(
+                        "round %d/%d started: %d devices",
+                        action.round,
+                        self.config.rounds,
+                        len(action.selected),
+                    )
+                case AggregateRequested():
+                    self._aggregate(action.job)
+                case RoundClosed():
+                    self._log_round(action)
+                case Finished():
+                    self._finish(action)
+                case _:
+                    assert_never(action)
             for observer in self._observers:
                 observer(action)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from torch import nn
 from edge_client.train.training import TrainHook
 from models import Classifier
 from models.optim import Adam, adam_update_
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
+    from typing import Self
 
 __all__ = [
     "BatchedHook",

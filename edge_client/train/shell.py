@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, assert_never
+from typing import NoReturn, Protocol
 
 from edge_client.train.client_state import DeviceStore
 from edge_client.train.retry import RetrySchedule
@@ -54,6 +55,14 @@ from models import Classifier, state_arrays
 from protocol.channel import Channel
 from protocol.errors import EncodeError, TransportError
 from protocol.messages import Message
+
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # Python 3.10 (JetPack 6 devices): the same exhaustiveness check for the type checker
+
+    def assert_never(value: NoReturn) -> NoReturn:
+        raise AssertionError(f"unhandled: {value!r}")
+
 
 __all__ = ["DeviceEffects", "DeviceShell", "Retry", "Upload", "publish_once"]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -58,6 +58,9 @@ from models import (
 )
 from models.classifiers import HEAD_PREFIX
 from protocol.sets import GENERATOR_SET, PRIOR_SET, PRIOR_TENSOR
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
+    from typing import Self
 
 __all__ = [
     "PRIOR_TOLERANCE",

@@ -44,7 +44,7 @@ import copy
 import logging
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 import torch
@@ -84,6 +84,9 @@ from models.classifiers import FEATURES_PREFIX, HEAD_PREFIX
 from models.losses import distillation_kl, fedkf_generator_loss, fedkf_generator_objective
 from models.optim import Adam
 from protocol.sets import STUDENT_SET, TEACHER_SET
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
+    from typing import Self
 
 __all__ = [
     "DEFAULT_NOISE_DIM",

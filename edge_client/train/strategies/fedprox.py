@@ -13,7 +13,7 @@ Pure: tensors in, tensors out; no I/O, no global state.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from edge_client.train.batched import BatchedHook, StackedTerm, Tensors, select_
 from edge_client.train.strategies.strategy import DeviceStrategy
 from edge_client.train.training import TrainConfig, TrainHook
 from models import Classifier
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
+    from typing import Self
 
 __all__ = ["FedProx", "ProximalHook", "proximal_term"]
 
