@@ -18,18 +18,20 @@ from tests.protocol.brokers import require_mosquitto
 @pytest.mark.slow
 def test_coordinator_killed_three_times_resumes_to_the_reference_models(tmp_path: Path) -> None:
     require_mosquitto()
-    cfg = FaultConfig(devices=2, rounds=4, kills=3, seed=1)
+    # rounds of this size take a few tenths of a second: six of them, and kills at most
+    # half a second after each coordinator's first status, leave every kill a run to hit
+    cfg = FaultConfig(devices=2, rounds=6, kills=3, seed=1, kill_after=(0.05, 0.5))
 
     report = run_benchmark(cfg, tmp_path)
 
     assert report.finished, report.problems
     assert report.kills == 3 and report.restarts == 3
-    assert report.rounds_completed == 4
+    assert report.rounds_completed == cfg.rounds
     assert report.lost == 0 and report.twice == 0
     assert report.identical_to_reference
-    assert report.updates_acknowledged == 2 * 4
+    assert report.updates_acknowledged == cfg.devices * cfg.rounds
     events = [json.loads(line) for line in (tmp_path / "faults" / "events.jsonl").open()]
-    assert sum(1 for e in events if e["accepted"] and e["update_round"] is not None) >= 8
+    assert sum(1 for e in events if e["accepted"] and e["update_round"] is not None) >= 12
     table = markdown(report).splitlines()
     row = dict(zip(cells(table[0]), cells(table[2]), strict=True))
     assert row["faults injected"] == "coordinator_kill 3"
