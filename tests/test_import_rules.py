@@ -1,4 +1,4 @@
-"""DESIGN.md's package boundaries, enforced.
+"""The package boundaries (docs/architecture.md, "Packages and boundaries"), enforced.
 
 - protocol never imports torch (nor any of our other packages);
 - edge_client never imports coordinator or sim;
