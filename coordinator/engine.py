@@ -171,6 +171,10 @@ class RoundEngine:
         self._caches: dict[str, OcaCache] = {}
         """Each group's OCA cache; empty where the strategy keeps none."""
         self._run: RunMeta | None = None
+        self._selected: frozenset[str] = frozenset()
+        """The round's selected devices (``run.selected`` as a set, for O(1) look-ups)."""
+        self._answered: set[str] = set()
+        """Selected devices of the round whose update is stored or was screened out."""
         self._models: GroupModels = {}
         self._counters = _RoundCounters()
         self._status_sent = ""
@@ -227,6 +231,10 @@ class RoundEngine:
             log.info("resuming: round %d, phase %s", run.round, run.phase)
             self._state.recover(run.round, self._caches)
         self._run = run
+        self._selected = frozenset(run.selected)
+        self._answered = {
+            d for d in run.selected if d in run.screened_out or self._state.has_update(d, run.round)
+        }
         self._models = self._state.load_models(run.round, self._groups, required=("aca",))
         self._screen.new_round(run.norm_floor)
         for device_id in self._state.round_updates(run.round):  # a resume: same reference
@@ -236,11 +244,7 @@ class RoundEngine:
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
-            missing = [
-                d
-                for d in run.selected
-                if d not in run.screened_out and not self._state.has_update(d, run.round)
-            ]
+            missing = [d for d in run.selected if d not in self._answered]
             if not missing:  # the crash came after the last update, before the close
                 return actions + self._close_round()
             sets = self._server_sets()
@@ -355,7 +359,7 @@ class RoundEngine:
         run = self._require_run()
         if (
             run.phase == "training"
-            and device_id in run.selected
+            and device_id in self._selected
             and not self._state.has_update(device_id, run.round)
         ):
             actions += self._task_messages(device_id, self._server_sets())  # it may have lost it
@@ -441,6 +445,7 @@ class RoundEngine:
             ack = self._ack(device_id, message, False, exc.reason, exc.detail)
             if on_time and exc.reason in _ANSWERED and device_id not in run.screened_out:
                 run.screened_out.append(device_id)
+                self._answered.add(device_id)
                 self._state.save_run(run)  # a resumed round does not wait for it either
                 return [ack, *self._close_if_answered()]
             return [ack]
@@ -459,6 +464,8 @@ class RoundEngine:
             update_norm=norm,
         )
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
+        if message.round == run.round:
+            self._answered.add(device_id)
         if on_time:
             self._screen.accepted(norm)
         if base is not None:
@@ -482,9 +489,9 @@ class RoundEngine:
         return actions + self._close_if_answered()
 
     def _close_if_answered(self) -> list[Action]:
-        """Close the round once every selected device's update is in or was rejected."""
-        run = self._require_run()
-        if all(d in run.screened_out or self._state.has_update(d, run.round) for d in run.selected):
+        """Close the round once every selected device's update is in or was rejected
+        (counted as they come: O(1) per update, not a walk over the selected devices)."""
+        if len(self._answered) >= len(self._selected):
             return self._close_round()
         return []
 
@@ -497,7 +504,7 @@ class RoundEngine:
         if round_number > run.round or (run.phase == "finished" and round_number >= run.round):
             raise UpdateRejectedError(ReasonCode.WRONG_ROUND, f"current round is {run.round}")
         current = round_number == run.round and run.phase == "training"
-        if current and device_id not in run.selected:
+        if current and device_id not in self._selected:
             raise UpdateRejectedError(ReasonCode.NOT_SELECTED, f"not selected in round {run.round}")
         if current and update.task_message not in (None, run.task_ids.get(device_id)):
             raise UpdateRejectedError(ReasonCode.WRONG_ROUND, "answers another task")
@@ -555,11 +562,7 @@ class RoundEngine:
     def _on_tick(self, now: float) -> list[Action]:
         run = self._require_run()
         if run.phase == "training" and now > run.deadline:
-            missing = [
-                d
-                for d in run.selected
-                if d not in run.screened_out and not self._state.has_update(d, run.round)
-            ]
+            missing = [d for d in run.selected if d not in self._answered]  # once a round
             log.warning(
                 "round %d deadline passed; missing %d of %d devices: %s",
                 run.round,
@@ -585,6 +588,7 @@ class RoundEngine:
         run.deadline = now + self.config.round_timeout_s
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
         run.screened_out = []
+        self._selected, self._answered = frozenset(selected), set()
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
         self._screen.new_round(run.norm_floor)

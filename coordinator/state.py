@@ -222,6 +222,7 @@ class RunState:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._updates: dict[int, set[str]] | None = None
 
     # -- run and registry ---------------------------------------------------------------
 
@@ -329,11 +330,25 @@ class RunState:
     def update_key(device_id: str, round_number: int) -> str:
         return f"updates/{device_id}/{_round_key(round_number)}"
 
+    def _update_index(self) -> dict[int, set[str]]:
+        """Round -> the devices with a stored update for it: an in-memory index over the
+        store (the durable record), built from its keys on first use and kept by
+        :meth:`put_update` and :meth:`delete_update`, so a look-up per event costs no
+        store call (O(1) whatever the fleet's size)."""
+        if self._updates is None:
+            index: dict[int, set[str]] = {}
+            for device_id, rounds in self.update_rounds().items():
+                for number in rounds:
+                    index.setdefault(number, set()).add(device_id)
+            self._updates = index
+        return self._updates
+
     def has_update(self, device_id: str, round_number: int) -> bool:
-        return self.store.exists(self.update_key(device_id, round_number))
+        return device_id in self._update_index().get(round_number, ())
 
     def put_update(self, update: StoredUpdate, arrays: Mapping[str, Array]) -> None:
         self.store.write(self.update_key(update.device_id, update.round), update.to_meta(), arrays)
+        self._update_index().setdefault(update.round, set()).add(update.device_id)
 
     def read_update(
         self, device_id: str, round_number: int
@@ -352,6 +367,11 @@ class RunState:
 
     def delete_update(self, device_id: str, round_number: int) -> None:
         self.store.delete(self.update_key(device_id, round_number))
+        devices = self._update_index().get(round_number)
+        if devices is not None:
+            devices.discard(device_id)
+            if not devices:
+                del self._update_index()[round_number]
 
     def update_rounds(self) -> dict[str, list[int]]:
         """Device -> sorted rounds of its stored update records."""
@@ -364,8 +384,8 @@ class RunState:
         return {d: sorted(r) for d, r in found.items()}
 
     def round_updates(self, round_number: int) -> list[str]:
-        """Devices with an accepted update for ``round_number``."""
-        return sorted(d for d, rounds in self.update_rounds().items() if round_number in rounds)
+        """Devices with an accepted update for ``round_number``, sorted."""
+        return sorted(self._update_index().get(round_number, ()))
 
     # -- per-device bases (quantized transfers) -----------------------------------------
 
