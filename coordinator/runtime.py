@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -65,14 +64,6 @@ from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
 from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
-
-if sys.version_info >= (3, 11):
-    from typing import assert_never
-else:  # Python 3.10: the same exhaustiveness check for the type checker
-
-    def assert_never(value: NoReturn) -> NoReturn:
-        raise AssertionError(f"unhandled: {value!r}")
-
 
 __all__ = [
     "STATUS_FILE",
@@ -397,8 +388,9 @@ class Coordinator:
                     self._log_round(action)
                 case Finished():
                     self._finish(action)
-                case _:
-                    assert_never(action)
+                case _:  # mypy: every action type has a case above
+                    unhandled: NoReturn = action
+                    raise AssertionError(f"unhandled action {unhandled!r}")
             for observer in self._observers:
                 observer(action)
 

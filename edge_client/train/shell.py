@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -55,14 +54,6 @@ from models import Classifier, state_arrays
 from protocol.channel import Channel
 from protocol.errors import EncodeError, TransportError
 from protocol.messages import Message
-
-if sys.version_info >= (3, 11):
-    from typing import assert_never
-else:  # Python 3.10 (JetPack 6 devices): the same exhaustiveness check for the type checker
-
-    def assert_never(value: NoReturn) -> NoReturn:
-        raise AssertionError(f"unhandled: {value!r}")
-
 
 __all__ = ["DeviceEffects", "DeviceShell", "Retry", "Upload", "publish_once"]
 
@@ -169,8 +160,9 @@ class DeviceShell:
                 self._effects.commit_upload()
             case Stop():
                 self._effects.stop()
-            case _:
-                assert_never(action)
+            case _:  # mypy: every action type has a case above
+                unhandled: NoReturn = action
+                raise AssertionError(f"unhandled action {unhandled!r}")
 
 
 @dataclass(frozen=True)
