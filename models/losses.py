@@ -1,7 +1,9 @@
 """Loss functions of the data-free distillation algorithms (FedKF, DAFL, FedDF).
 
-Pure torch functions of logits and features; no modules, no state, no I/O. Notation:
-``B`` samples per batch, ``C`` classes, ``p_i = softmax(z_i)`` the predicted class
+Pure torch functions of logits and features; no modules, no state, no I/O. Each takes
+one batch, ``(B, C)``, or a batch per model with leading axes, ``(..., B, C)`` (the sim's
+cohort engine: one batch per emulated device), and then returns one value per model.
+Notation: ``B`` samples per batch, ``C`` classes, ``p_i = softmax(z_i)`` the predicted class
 distribution of sample ``i`` with logits ``z_i``; ``ln`` is the natural logarithm.
 
 - :func:`information_entropy_loss`: ``sum_c pbar_c ln pbar_c`` with ``pbar = mean_i p_i``;
@@ -42,13 +44,13 @@ def information_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
     it therefore balances the classes of generated samples.
 
     Args:
-        logits: ``(B, C)`` logits, ``B >= 1``.
+        logits: ``(..., B, C)`` logits, ``B >= 1``.
 
     Returns:
-        A scalar tensor (differentiable in ``logits``).
+        ``(...)``: a scalar tensor for one batch (differentiable in ``logits``).
     """
-    mean_prob = F.softmax(logits, dim=1).mean(dim=0)  # (C,)
-    return (mean_prob * torch.log(mean_prob.clamp_min(_LOG_EPS))).sum()
+    mean_prob = F.softmax(logits, dim=-1).mean(dim=-2)  # (..., C)
+    return (mean_prob * torch.log(mean_prob.clamp_min(_LOG_EPS))).sum(dim=-1)
 
 
 def one_hot_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -58,51 +60,56 @@ def one_hot_loss(logits: torch.Tensor) -> torch.Tensor:
     classified confidently (its prediction is close to a one-hot vector).
 
     Args:
-        logits: ``(B, C)`` logits.
+        logits: ``(..., B, C)`` logits.
 
     Returns:
-        A scalar tensor (differentiable in ``logits``; the arg-max labels are constants).
+        ``(...)``: a scalar tensor for one batch (differentiable in ``logits``; the
+        arg-max labels are constants).
     """
-    pseudo_labels = logits.detach().argmax(dim=1)  # (B,)
-    return F.cross_entropy(logits, pseudo_labels)
+    pseudo_labels = logits.detach().argmax(dim=-1, keepdim=True)  # (..., B, 1)
+    picked = F.log_softmax(logits, dim=-1).gather(-1, pseudo_labels).squeeze(-1)
+    return -picked.mean(dim=-1)
 
 
-def activation_loss(features: torch.Tensor) -> torch.Tensor:
-    """Negative mean absolute activation: ``-(1 / n) sum_k |f_k|`` over all ``n`` elements.
+def activation_loss(features: torch.Tensor, leading: int = 0) -> torch.Tensor:
+    """Negative mean absolute activation: ``-(1 / n) sum_k |f_k|`` over all ``n`` elements
+    of a batch.
 
     DAFL's activation loss (the negative L1 norm per element): minimising it makes the
     features respond strongly, as they do on real samples.
 
     Args:
-        features: the teacher's features of any shape, e.g. ``(B, latent_dim)``.
+        features: the teacher's features of any shape, e.g. ``(B, latent_dim)``, after
+            ``leading`` axes of models.
+        leading: the axes before the batch's (one value per model is returned).
 
     Returns:
-        A scalar tensor ``<= 0``.
+        ``features.shape[:leading]`` values ``<= 0`` (a scalar tensor for one batch).
     """
-    return -features.abs().mean()
+    return -features.abs().flatten(leading).mean(dim=-1)
 
 
 def fedkf_generator_objective(
     logits: torch.Tensor, features: torch.Tensor, lambda1: float, lambda2: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FedKF's generator objective ``L_G = L_IE + lambda1 * L_OH + lambda2 * L_A`` and its
-    unweighted parts, all as tensors (no host synchronisation, so ``torch.func.vmap`` can
-    batch it over devices).
+    unweighted parts, all as tensors (no host synchronisation), one value per model for a
+    batch per model.
 
     Args:
-        logits: the teacher's logits of the generated batch, ``(B, C)``.
-        features: the teacher's features of the same batch, ``(B, latent_dim)``; the
-            logits are ``head(features)``.
+        logits: the teacher's logits of the generated batch, ``(..., B, C)``.
+        features: the teacher's features of the same batch, ``(..., B, latent_dim)``;
+            the logits are ``head(features)``.
         lambda1: weight of :func:`one_hot_loss`.
         lambda2: weight of :func:`activation_loss`.
 
     Returns:
-        ``(total, entropy, one_hot, activation)``: the scalar ``L_G`` (differentiable),
-        then L_IE, L_OH and L_A.
+        ``(total, entropy, one_hot, activation)``: ``L_G`` (differentiable), then L_IE,
+        L_OH and L_A; each a scalar for one batch, ``(...)`` for a batch per model.
     """
     entropy = information_entropy_loss(logits)
     one_hot = one_hot_loss(logits)
-    activation = activation_loss(features)
+    activation = activation_loss(features, leading=logits.dim() - 2)
     total = entropy + lambda1 * one_hot + lambda2 * activation
     return total, entropy, one_hot, activation
 
@@ -139,12 +146,13 @@ def distillation_kl(
     al., 2015). The teacher is a constant: no gradient flows into ``teacher_logits``.
 
     Args:
-        teacher_logits: ``(B, C)``.
-        student_logits: ``(B, C)``.
+        teacher_logits: ``(..., B, C)``.
+        student_logits: ``(..., B, C)``.
         temperature: ``T > 0``.
 
     Returns:
-        A scalar tensor ``>= 0``, zero when the two distributions are equal.
+        ``(...)`` values ``>= 0`` (a scalar tensor for one batch), zero where the two
+        distributions are equal.
 
     Raises:
         ValueError: ``temperature`` is not positive, or the shapes differ.
@@ -156,7 +164,7 @@ def distillation_kl(
             f"teacher and student logits differ in shape: {tuple(teacher_logits.shape)} "
             f"!= {tuple(student_logits.shape)}"
         )
-    log_teacher = F.log_softmax(teacher_logits.detach() / temperature, dim=1)  # (B, C)
-    log_student = F.log_softmax(student_logits / temperature, dim=1)  # (B, C)
-    kl = F.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True)
+    log_teacher = F.log_softmax(teacher_logits.detach() / temperature, dim=-1)  # (..., B, C)
+    log_student = F.log_softmax(student_logits / temperature, dim=-1)  # (..., B, C)
+    kl = (log_teacher.exp() * (log_teacher - log_student)).sum(dim=-1).mean(dim=-1)
     return kl * temperature**2

@@ -111,7 +111,7 @@ class SimConfig(FleetSettings):
     fleet: str = "sim"
     """Fleet name of the emulated run (topics fl/FLEET/)."""
     engine: Engine = "auto"
-    """How the devices of a round train: batched (all at once, torch.func), loop (one
+    """How the devices of a round train: batched (all at once, sim.cohort), loop (one
     after the other, the per-device reference) or auto (batched on a GPU, loop on a CPU,
     where batching measured no faster)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

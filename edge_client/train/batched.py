@@ -1,16 +1,18 @@
 """The batched form of a training hook: one strategy's term over many devices at once.
 
 A batched trainer (the sim's cohort engine) stacks the weights of N devices along a
-leading device axis and takes every device's gradient in one
-``torch.func.vmap(torch.func.grad(loss))`` call. A strategy whose device side adds to
+leading device axis, runs every device's batch through a
+:class:`~models.stacked.StackedModule` of the architecture at once, and takes every
+device's gradient from the sum of the devices' losses (no weight is shared, so row ``i``
+of each gradient is device ``i``'s own). A strategy whose device side adds to
 the loss of :func:`~edge_client.train.training.train_local` gives its hook a batched form
 by deriving it from :class:`BatchedHook`: :meth:`BatchedHook.stack` turns the N devices'
 prepared hooks into one :class:`StackedTerm`, which
 
-1. builds each step's per-device inputs (:meth:`StackedTerm.inputs`, outside ``vmap``:
-   received anchors, generated batches, their own optimizer steps),
-2. computes one device's term of the loss from them (:meth:`StackedTerm.loss`, called
-   under ``vmap``; functional: parameters in, loss out, the same function the hook's
+1. builds each step's per-device inputs (:meth:`StackedTerm.inputs`, outside the
+   gradient: received anchors, generated batches, their own optimizer steps),
+2. computes each stepping device's term of the loss from them (:meth:`StackedTerm.loss`;
+   functional: stacked parameters in, one loss per device out, what the hook's
    per-device ``extra_loss`` computes),
 3. keeps what it measured per device (:meth:`StackedTerm.record`,
    :meth:`StackedTerm.metrics`) and writes its per-device state back
@@ -34,8 +36,8 @@ import torch
 from torch import nn
 
 from edge_client.train.training import TrainHook
-from models import Classifier
 from models.optim import Adam, adam_update_
+from models.stacked import StackedModule
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
     from typing import Self
@@ -89,20 +91,21 @@ class StackedTerm(ABC):
 
     @abstractmethod
     def loss(
-        self, model: Classifier, point: Tensors, state: Tensors, inputs: Tensors
+        self, model: StackedModule, point: Tensors, state: Tensors, inputs: Tensors
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One device's term of the loss, called under ``vmap`` (no device axis).
+        """The term of the loss of each of the n devices that step.
 
         Args:
-            model: the architecture (use it with ``torch.func.functional_call``).
-            point: the trainable weights the gradient is taken at, by name.
+            model: the classifier's architecture, stacked: ``model(state, x)`` with
+                ``x`` (n, B, ...) gives each device's logits (n, B, classes).
+            point: the trainable weights the gradient is taken at, by name, (n, ...).
             state: ``point`` and the constants (frozen parameters, buffers): the model's
-                full state by name.
-            inputs: this device's slice of :meth:`inputs`.
+                full state by name, (n, ...).
+            inputs: :meth:`inputs` of this step.
 
         Returns:
-            The weighted term added to the loss (scalar), and the unweighted value the
-            term measures (scalar, detached) for :meth:`record`.
+            The weighted term added to each device's loss (n,), and the unweighted value
+            the term measures (n,), detached, for :meth:`record`.
         """
 
     def record(self, rows: torch.Tensor, measured: torch.Tensor) -> None:

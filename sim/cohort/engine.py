@@ -2,11 +2,16 @@
 
 :func:`train_cohort` runs the round of every device of a cohort that shares an
 architecture, a strategy and its hyperparameters (all but the shuffling seed) as one
-batched computation: the devices' parameters are stacked along a leading device axis,
-``torch.func.vmap(torch.func.grad(...))`` over :func:`torch.func.functional_call` gives
-every device its own gradient of its own batch in one call, and the optimizer steps act
-on the stacked tensors (SGD with momentum and weight decay: elementwise, so exactly N
-independent optimizers).
+batched computation: the devices' parameters are stacked along a leading device axis, a
+:class:`~models.stacked.StackedModule` of the architecture runs every device's batch
+with its own weights at once, the gradient of the sum of the devices' losses gives each
+device its own gradient (row ``i`` depends on device ``i``'s loss alone), and the
+optimizer steps act on the stacked tensors (SGD with momentum and weight decay:
+elementwise, so exactly N independent optimizers). Nothing of it imports torch's
+compiler (``torch.func.vmap`` does, seconds of stall on the first round).
+
+The devices' samples are one tensor on the training device, and each device's batches
+rows of one index tensor, both built once per chunk: a step's batches are one gather.
 
 It computes what the per-device reference,
 :func:`edge_client.train.local_update.local_update`, computes, with the same pieces:
@@ -34,8 +39,8 @@ It computes what the per-device reference,
 
 Same seeds, data and hyperparameters give the loop's updates within float tolerance
 (tests/sim/cohort bound the largest difference per strategy). A device the engine cannot
-batch (a hook without a batched form, or one that says it cannot be batched) trains on
-the per-device path and the outcome says why.
+batch (a layer without a stacked form, a hook without a batched form, or one that says
+it cannot be batched) trains on the per-device path and the outcome says why.
 
 Pure: models, data and tasks in, results out (the members' models and learning states
 are updated as the loop would update them); no I/O, no global RNG.
@@ -50,7 +55,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch.func import functional_call, grad, vmap
 
 from edge_client.errors import TaskError
 from edge_client.train.batched import (
@@ -59,7 +63,6 @@ from edge_client.train.batched import (
     Tensors,
     select_rows,
     stacked,
-    unprefixed,
     write_back,
 )
 from edge_client.train.binary import clip_latent_
@@ -70,6 +73,7 @@ from edge_client.train.task import LocalResult, LocalTask, local_result
 from edge_client.train.training import TrainConfig, TrainHook, as_tensor, batch_indices
 from models import Classifier
 from models.optim import sgd_update_
+from models.stacked import StackedModule
 from models.weight_formats import binarize, fake_quantize_int8
 
 __all__ = ["CohortOutcome", "Member", "train_cohort"]
@@ -200,10 +204,18 @@ def train_cohort(
             continue
         groups.setdefault(_batch_key(prepared), []).append((index, prepared))
     for group in groups.values():
+        architecture = StackedModule(group[0][1].member.model)
+        if architecture.unstackable:
+            reason = f"the model cannot be batched: {architecture.unstackable}"
+            for index, prepared in group:
+                outcomes[index] = _run_loop(prepared, device, reason)
+            if progress is not None:
+                progress(len(group))
+            continue
         size = max_cohort or len(group)
         for start in range(0, len(group), size):
             chunk = group[start : start + size]
-            results = _BatchedRound([p for _, p in chunk], device).run()
+            results = _BatchedRound([p for _, p in chunk], device, architecture).run()
             for (index, _), result in zip(chunk, results, strict=True):
                 outcomes[index] = CohortOutcome(result)
             if progress is not None:
@@ -233,12 +245,15 @@ def _run_loop(prepared: _Prepared, device: torch.device, reason: str) -> CohortO
 class _BatchedRound:
     """One chunk of same-key members trained as one batched computation."""
 
-    def __init__(self, prepared: Sequence[_Prepared], device: torch.device) -> None:
+    def __init__(
+        self, prepared: Sequence[_Prepared], device: torch.device, architecture: StackedModule
+    ) -> None:
         self.prepared = list(prepared)
         self.device = device
         first = prepared[0]
         self.config = first.config
         self.model = first.member.model
+        self.stacked = architecture.train()
         self.models = [p.member.model for p in prepared]
         named = list(self.model.named_parameters())
         self.trainable = [n for n, p in named if p.requires_grad]
@@ -256,55 +271,44 @@ class _BatchedRound:
             type(hook).stack([p.batched[j] for p in prepared], device)
             for j, hook in enumerate(first.batched)
         ]
-        self.data = [
-            (
-                as_tensor(p.member.data.x, torch.float32),
-                as_tensor(p.member.data.y, torch.int64),
-            )
-            for p in prepared
-        ]
-        self.batches = []
-        for p, (_, ys) in zip(prepared, self.data, strict=True):
-            n = int(ys.shape[0])
-            self.batches.append(list(batch_indices(n, p.config, p.config.total_steps(n))))
+        self.samples = _CohortSamples(
+            [p.member.data for p in prepared], [p.config for p in prepared], device
+        )
         count = len(prepared)
         self.loss_sum = torch.zeros(count, dtype=torch.float64, device=device)
         self.correct = torch.zeros(count, dtype=torch.float64, device=device)
-        self.seen = [0] * count
-        self.steps = [0] * count
 
-    # -- the loss of one device, as vmap sees it --------------------------------------
+    # -- the loss of the devices that step --------------------------------------------
 
     def _loss(
-        self, point: Tensors, constants: Tensors, extra: Tensors
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]]:
-        """One device's loss at ``point`` (its trainable weights, or their fake-quantized
-        values) on its batch ``extra["x"]`` / ``"y"`` / ``"mask"`` (1: a real sample), plus
-        each term's, with the term's inputs under ``extra["<term index>.<name>"]``."""
-        x, y, mask = extra["x"], extra["y"], extra["mask"]
+        self, point: Tensors, constants: Tensors, batch: _Batch, extra: list[Tensors]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The summed loss of the stepping devices at ``point`` (their trainable weights,
+        or the fake-quantized values) on their batches (``batch.mask`` 1: a real
+        sample), plus each term's with its inputs ``extra[j]``; and per device (n,): the
+        data loss, the correct predictions and each term's measured value."""
         full = point | constants
-        logits = functional_call(self.model, full, (x,))  # (B, classes)
-        ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
-        data_loss = (ce * mask).sum() / mask.sum()
-        correct = ((logits.argmax(dim=1) == y).to(mask.dtype) * mask).sum()
+        logits = self.stacked(full, batch.x)  # (n, B, classes)
+        ce = F.cross_entropy(logits.flatten(0, 1), batch.y.flatten(), reduction="none")
+        ce = ce.view(batch.mask.shape)
+        data_loss = (ce * batch.mask).sum(dim=1) / batch.mask.sum(dim=1)  # (n,)
+        hits = (logits.argmax(dim=2) == batch.y).to(batch.mask.dtype)
+        correct = (hits * batch.mask).sum(dim=1)
         total = data_loss
         measured = []
-        for j, term in enumerate(self.terms):
-            value, seen = term.loss(self.model, point, full, unprefixed(extra, f"{j}."))
+        for term, inputs in zip(self.terms, extra, strict=True):
+            value, seen = term.loss(self.stacked, point, full, inputs)
             total = total + value
             measured.append(seen)
-        return total, (data_loss.detach(), correct.detach(), tuple(measured))
+        return total.sum(), data_loss.detach(), correct.detach(), measured
 
     # -- the round --------------------------------------------------------------------
 
     def run(self) -> list[LocalResult]:
         start = time.perf_counter()
-        longest = max((len(b) for b in self.batches), default=0)
-        loss_and_grad = vmap(grad(self._loss, has_aux=True))
-        for step in range(longest):
-            active = [i for i, b in enumerate(self.batches) if step < len(b)]
-            for rows in self._groups(active, step):
-                self._step(loss_and_grad, rows, step)
+        for step in range(self.samples.longest):
+            for rows in self._groups(self.samples.active(step), step):
+                self._step(rows, step)
         write_back(self.models, self.params | self.constants)
         for term in self.terms:
             term.write_back()
@@ -318,46 +322,34 @@ class _BatchedRound:
             return [active] if active else []
         by_size: dict[int, list[int]] = {}
         for i in active:
-            by_size.setdefault(len(self.batches[i][step]), []).append(i)
+            by_size.setdefault(self.samples.batch_size(i, step), []).append(i)
         return list(by_size.values())
 
-    def _step(self, loss_and_grad: Any, rows: list[int], step: int) -> None:
+    def _step(self, rows: list[int], step: int) -> None:
         every = len(rows) == len(self.prepared)
         index = None if every else torch.tensor(rows, device=self.device)
-        sizes = [len(self.batches[i][step]) for i in rows]
-        width = max(sizes)
-        x0, _ = self.data[rows[0]]
-        x = torch.zeros((len(rows), width, *x0.shape[1:]), dtype=torch.float32)
-        y = torch.zeros((len(rows), width), dtype=torch.int64)
-        mask = torch.zeros((len(rows), width), dtype=torch.float32)
-        for j, i in enumerate(rows):
-            idx = self.batches[i][step]
-            xs, ys = self.data[i]
-            x[j, : len(idx)] = xs[idx]
-            y[j, : len(idx)] = ys[idx]
-            mask[j, : len(idx)] = 1.0
-        x, y, mask = (t.to(self.device) for t in (x, y, mask))
-
+        batch = self.samples.batch(rows, index, step)
         params = select_rows(index, self.params)
         constants = select_rows(index, self.constants)
-        extra: Tensors = {"x": x, "y": y, "mask": mask}
-        for j, term in enumerate(self.terms):
-            extra |= {f"{j}.{k}": v for k, v in term.inputs(rows, index, width).items()}
-        point = params
-        run_value = fake_quantize_int8 if self.config.qat else binarize
+        width = int(batch.x.shape[1])
+        extra = [term.inputs(rows, index, width) for term in self.terms]
         if self.config.qat or self.config.binarize:  # the STE: grads at Q(w), applied to w
-            point = {k: vmap(run_value)(v) if v.ndim >= 3 else v for k, v in params.items()}
-        grads, (data_loss, correct, measured) = loss_and_grad(point, constants, extra)
+            run_value = fake_quantize_int8 if self.config.qat else binarize
+            point = {k: _per_row(run_value, v) if v.ndim >= 3 else v for k, v in params.items()}
+        else:
+            point = params
+        leaves = {k: v.detach().requires_grad_() for k, v in point.items()}
+        with torch.enable_grad():
+            total, data_loss, correct, measured = self._loss(leaves, constants, batch, extra)
+            names = list(leaves)
+            found = torch.autograd.grad(total, [leaves[k] for k in names]) if names else ()
+            grads = dict(zip(names, found, strict=True))
         self._sgd(params, grads, index)
-        batch = torch.tensor(sizes, dtype=torch.float64, device=self.device)
-        rows_t = torch.tensor(rows, device=self.device)
-        self.loss_sum.index_add_(0, rows_t, data_loss.double() * batch)
+        rows_t = torch.arange(len(rows), device=self.device) if index is None else index
+        self.loss_sum.index_add_(0, rows_t, data_loss.double() * batch.sizes)
         self.correct.index_add_(0, rows_t, correct.double())
         for term, values in zip(self.terms, measured, strict=True):
             term.record(rows_t, values)
-        for j, i in enumerate(rows):
-            self.seen[i] += sizes[j]
-            self.steps[i] += 1
 
     def _sgd(self, params: Tensors, grads: Tensors, index: torch.Tensor | None) -> None:
         """Each row's SGD step (:func:`sgd_update_`); ``index``: the rows that step
@@ -386,7 +378,7 @@ class _BatchedRound:
 
     def _result(self, i: int, seconds: float) -> LocalResult:
         prepared = self.prepared[i]
-        seen, steps = self.seen[i], self.steps[i]
+        seen, steps = self.samples.seen[i], self.samples.steps[i]
         metrics: dict[str, float] = {}
         if steps:
             for term in self.terms:
@@ -396,8 +388,92 @@ class _BatchedRound:
         return local_result(
             prepared.member.model,
             prepared.member.task,
-            num_samples=int(self.data[i][1].shape[0]),
+            num_samples=prepared.member.data.num_samples,
             metrics=metrics,
             timings={"load_s": prepared.load_s, "train_s": seconds},
             steps=steps,
+        )
+
+
+def _per_row(function: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+    """A per-output-channel weight function (axis 0) of each row of a stacked weight
+    (N, C, ...): the rows' channels are channels of one (N * C, ...) tensor."""
+    return function(value.reshape(-1, *value.shape[2:])).reshape(value.shape)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One step's batches of the devices that step, padded to one width."""
+
+    x: torch.Tensor
+    """Samples (n, B, ...)."""
+    y: torch.Tensor
+    """Labels (n, B)."""
+    mask: torch.Tensor
+    """1.0 for a real sample, 0.0 for padding (n, B)."""
+    sizes: torch.Tensor
+    """Real samples per device (n,), float64."""
+
+
+class _CohortSamples:
+    """The training samples of a chunk's devices as one tensor on the training device,
+    and each device's batches as rows of one index tensor: a step's batches are one
+    gather, whatever the number of devices.
+
+    Each device's batches are :func:`~edge_client.train.training.batch_indices` with
+    its own seed (its own config) (the loop's batches); a device with fewer batches than the longest
+    takes no step once it is done.
+    """
+
+    def __init__(
+        self, datas: Sequence[DeviceData], configs: Sequence[TrainConfig], device: torch.device
+    ) -> None:
+        counts = [d.num_samples for d in datas]
+        xs = [as_tensor(d.x, torch.float32) for d in datas]
+        ys = [as_tensor(d.y, torch.int64) for d in datas]
+        self.x = torch.cat(xs).to(device)  # (sum of samples, ...)
+        self.y = torch.cat(ys).to(device)
+        offsets = [0]
+        for count in counts[:-1]:
+            offsets.append(offsets[-1] + count)
+        batches = [
+            list(batch_indices(n, config, config.total_steps(n))) if n else []
+            for n, config in zip(counts, configs, strict=True)
+        ]
+        self.steps = [len(b) for b in batches]
+        self.seen = [sum(len(i) for i in b) for b in batches]
+        self.longest = max(self.steps, default=0)
+        self.width = max((len(i) for b in batches for i in b), default=1)
+        rows = len(datas)
+        # (devices, steps, width): sample numbers into self.x; -1 pads
+        index = torch.full((rows, max(1, self.longest), self.width), -1, dtype=torch.int64)
+        self._sizes = torch.zeros((rows, max(1, self.longest)), dtype=torch.int64)
+        for row, (offset, device_batches) in enumerate(zip(offsets, batches, strict=True)):
+            for step, idx in enumerate(device_batches):
+                index[row, step, : len(idx)] = idx + offset
+                self._sizes[row, step] = len(idx)
+        self.index = index.to(device)
+        self.device = device
+
+    def active(self, step: int) -> list[int]:
+        """The devices that take step ``step``."""
+        return [i for i, steps in enumerate(self.steps) if step < steps]
+
+    def batch_size(self, row: int, step: int) -> int:
+        """The samples of device ``row``'s batch at ``step``."""
+        return int(self._sizes[row, step])
+
+    def batch(self, rows: list[int], index: torch.Tensor | None, step: int) -> _Batch:
+        """The batches of devices ``rows`` (``index`` on the device; None: all) at
+        ``step``, padded to the widest of them."""
+        width = max(self.batch_size(i, step) for i in rows)
+        picked = self.index[:, step, :width] if index is None else self.index[index, step, :width]
+        mask = picked >= 0
+        safe = picked.clamp_min(0)
+        sizes = torch.tensor([self.batch_size(i, step) for i in rows], dtype=torch.float64)
+        return _Batch(
+            x=self.x[safe],
+            y=self.y[safe],
+            mask=mask.to(torch.float32),
+            sizes=sizes.to(self.device),
         )

@@ -37,7 +37,6 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch.func import functional_call
 
 from edge_client.errors import TaskError
 from edge_client.train.batched import BatchedHook, StackedTerm, Tensors, unprefixed
@@ -57,6 +56,7 @@ from models import (
     state_shapes,
 )
 from models.classifiers import HEAD_PREFIX
+from models.stacked import StackedModule
 from protocol.sets import GENERATOR_SET, PRIOR_SET, PRIOR_TENSOR
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
@@ -229,6 +229,7 @@ class _StackedFedGen(StackedTerm):
         self.hooks = list(hooks)
         self.device = device
         self.alpha = hooks[0].alpha
+        self.head = StackedModule(hooks[0].model.head)
 
     def inputs(self, rows: Sequence[int], index: torch.Tensor | None, width: int) -> Tensors:
         """Each row's next latents and labels, from its own hook's noise (none when
@@ -242,13 +243,16 @@ class _StackedFedGen(StackedTerm):
         }
 
     def loss(
-        self, model: Classifier, point: Tensors, state: Tensors, inputs: Tensors
+        self, model: StackedModule, point: Tensors, state: Tensors, inputs: Tensors
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not inputs:
-            zero = torch.zeros((), device=next(iter(state.values())).device)
+            some = next(iter(state.values()))
+            zero = torch.zeros(some.shape[0], device=some.device)
             return zero, zero
-        head = functional_call(model.head, unprefixed(state, HEAD_PREFIX), (inputs["latents"],))
-        ce = F.cross_entropy(head, inputs["labels"])
+        logits = self.head(unprefixed(state, HEAD_PREFIX), inputs["latents"])  # (n, Bg, C)
+        labels = inputs["labels"]
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        ce = ce.view(labels.shape).mean(dim=1)  # (n,)
         return self.alpha * ce, ce.detach()
 
     def metrics(self, row: int, steps: int) -> dict[str, float]:

@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 from edge_client.errors import TaskError
 from edge_client.train.batched import (
@@ -83,6 +82,7 @@ from models import (
 from models.classifiers import FEATURES_PREFIX, HEAD_PREFIX
 from models.losses import distillation_kl, fedkf_generator_loss, fedkf_generator_objective
 from models.optim import Adam
+from models.stacked import StackedModule
 from protocol.sets import STUDENT_SET, TEACHER_SET
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
@@ -339,32 +339,11 @@ class _StackedFedKF(StackedTerm):
         self.adam = StackedAdam([g.optimizer for g in generators], self.param_names, device)
         self.generator_loss = torch.zeros(len(hooks), dtype=torch.float64, device=device)
         """Sum over the steps of each device's ``L_G`` before its generator step (N,)."""
-        self.module.train()
-        cfg = hooks[0].config
-
-        def objective(
-            params: Tensors, buffers: Tensors, teacher: Tensors, z: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            images = functional_call(self.module, params | buffers, (z,))
-            features = functional_call(
-                self.teacher.features, unprefixed(teacher, FEATURES_PREFIX), (images,)
-            )
-            logits = functional_call(
-                self.teacher.head, unprefixed(teacher, HEAD_PREFIX), (features,)
-            )
-            total, *_ = fedkf_generator_objective(logits, features, cfg.lambda1, cfg.lambda2)
-            return total, total.detach()
-
-        self._grad = vmap(grad(objective, has_aux=True))
-
-        def sample(params: Tensors, buffers: Tensors, z: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.module, params | buffers, (z,))  # type: ignore[no-any-return]
-
-        def teach(teacher: Tensors, images: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.teacher, teacher, (images,))  # type: ignore[no-any-return]
-
-        self._sample = vmap(sample)
-        self._teach = vmap(teach)
+        self.stacked = StackedModule(self.module).train()
+        self.teacher_features = StackedModule(self.teacher.features).train(False)
+        self.teacher_head = StackedModule(self.teacher.head).train(False)
+        self.teacher_model = StackedModule(self.teacher).train(False)
+        self.lambdas = (hooks[0].config.lambda1, hooks[0].config.lambda2)
 
     def inputs(self, rows: Sequence[int], index: torch.Tensor | None, width: int) -> Tensors:
         """One Adam step of each row's generator, then each row's generated batch and
@@ -379,25 +358,32 @@ class _StackedFedKF(StackedTerm):
 
         params = select_rows(index, self.params)
         buffers, teachers = select_rows(index, self.buffers), select_rows(index, self.teachers)
-        grads, loss = self._grad(params, buffers, teachers, zs)
-        self.adam.update(params, grads, index)
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        with torch.enable_grad():
+            images = self.stacked(leaves | buffers, zs)  # (n, B, C, H, W)
+            features = self.teacher_features(unprefixed(teachers, FEATURES_PREFIX), images)
+            logits = self.teacher_head(unprefixed(teachers, HEAD_PREFIX), features)
+            loss, *_ = fedkf_generator_objective(logits, features, *self.lambdas)  # (n,)
+            names = list(leaves)
+            values = torch.autograd.grad(loss.sum(), [leaves[k] for k in names])
+        self.adam.update(params, dict(zip(names, values, strict=True)), index)
         with torch.no_grad():
-            images = self._sample(params, buffers, zs_sample)
-            teacher_logits = self._teach(teachers, images)
+            images = self.stacked(params | buffers, zs_sample)
+            teacher_logits = self.teacher_model(teachers, images)
         if index is not None:
             for name, value in params.items():
                 self.params[name][index] = value
             for name, value in buffers.items():
                 self.buffers[name][index] = value
         rows_t = torch.tensor(list(rows), device=self.device)
-        self.generator_loss.index_add_(0, rows_t, loss.double())
+        self.generator_loss.index_add_(0, rows_t, loss.detach().double())
         return {"images": images, "teacher_logits": teacher_logits}
 
     def loss(
-        self, model: Classifier, point: Tensors, state: Tensors, inputs: Tensors
+        self, model: StackedModule, point: Tensors, state: Tensors, inputs: Tensors
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        student = functional_call(model, state, (inputs["images"],))
-        kd = distillation_kl(inputs["teacher_logits"], student)
+        student = model(state, inputs["images"])  # (n, B, classes)
+        kd = distillation_kl(inputs["teacher_logits"], student)  # (n,)
         return self.gamma * kd, kd.detach()
 
     def metrics(self, row: int, steps: int) -> dict[str, float]:

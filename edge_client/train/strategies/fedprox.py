@@ -21,7 +21,7 @@ from torch import nn
 from edge_client.train.batched import BatchedHook, StackedTerm, Tensors, select_rows, stack
 from edge_client.train.strategies.strategy import DeviceStrategy
 from edge_client.train.training import TrainConfig, TrainHook
-from models import Classifier
+from models.stacked import StackedModule
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
     from typing import Self
@@ -89,12 +89,14 @@ class _StackedProximal(StackedTerm):
         return select_rows(index, self.anchor)
 
     def loss(
-        self, model: Classifier, point: Tensors, state: Tensors, inputs: Tensors
+        self, model: StackedModule, point: Tensors, state: Tensors, inputs: Tensors
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = next(iter(state.values())).shape[0]
         if not inputs:  # no trainable parameter: nothing to anchor
-            zero = torch.zeros((), device=next(iter(state.values())).device)
+            zero = torch.zeros(rows, device=next(iter(state.values())).device)
             return zero, zero
-        term = proximal_term(point, inputs, self.mu)
+        squares = [(point[name] - w).pow(2).flatten(1).sum(dim=1) for name, w in inputs.items()]
+        term = 0.5 * self.mu * torch.stack(squares).sum(dim=0)  # (n,)
         return term, term.detach()
 
 

@@ -55,3 +55,25 @@ def test_a_hook_without_a_batched_form_trains_on_the_per_device_path(
     assert outcome.result is not None
     for name, value in reference.sets["weights"].items():
         np.testing.assert_array_equal(outcome.result.sets["weights"][name], value)
+
+
+def test_a_model_with_a_layer_without_a_stacked_form_trains_on_the_per_device_path() -> None:
+    """An ``nn.LayerNorm`` (weights, no stacked form here) in the classifier's features:
+    the engine trains the device on the loop and says which layer."""
+    torch.manual_seed(0)
+    start = build_classifier("mlp", num_classes=4, in_channels=1, image_size=8)
+    start.features.add_module("extra_norm", nn.LayerNorm(start.latent_dim))
+    rng = np.random.default_rng(3)
+    x = rng.random((20, 1, 8, 8), dtype=np.float32)
+    y = (np.arange(20) % 4).astype(np.int64)
+    data = DeviceData("dev-0", x, y, x[:0], y[:0], 4)
+    task = LocalTask("fedavg", {"seed": 1, "batch_size": 8}, {"global": state_arrays(start)})
+
+    (outcome,) = train_cohort([Member(copy.deepcopy(start), data, task)])
+    reference = local_update(copy.deepcopy(start), data, task)
+
+    assert not outcome.batched
+    assert "features.extra_norm (LayerNorm) has no stacked form" in outcome.fallback_reason
+    assert outcome.result is not None
+    for name, value in reference.sets["weights"].items():
+        np.testing.assert_array_equal(outcome.result.sets["weights"][name], value)

@@ -1,0 +1,278 @@
+"""N models of one architecture evaluated at once, each with its own weights.
+
+:class:`StackedModule` is a twin of a module whose layers take *stacked* weights: every
+parameter and buffer gains a leading axis of N rows, row ``i`` being model ``i``'s
+tensor. Called with those stacked tensors and a batch for each model, ``(N, B, ...)``,
+it returns each model's output, ``(N, B, ...)``; the sum of N per-model losses then has,
+through plain autograd, row ``i`` of its gradient equal to model ``i``'s own gradient
+(the losses share no weight). This is how the sim trains a cohort of emulated devices as
+one computation without ``torch.func.vmap`` (whose first use imports torch's compiler,
+seconds of stall, and which runs some layers' backward twice).
+
+The samples of all N models travel as one ``(N * B, ...)`` batch through the module's
+own ``forward`` code; only the layers with weights are replaced:
+
+* ``Linear``: one batched matrix product, ``(N, B, in) @ (N, in, out)``;
+* ``Conv2d``: a grouped convolution with the N models as groups (the batch moved into
+  the channels: ``(B, N * C, H, W)``, channels-last, which the CPU's kernels run about as
+  fast as one model's convolution over ``N * B`` samples), or a batched matrix product
+  when the kernel covers the whole input (LeNet-5's last convolution);
+* ``GroupNorm``: the per-sample normalisation, then each model's scale and shift;
+* ``BatchNorm1d`` / ``BatchNorm2d``: each model's batch statistics (its B samples) and
+  running statistics, through the grouped-channels layout.
+
+Layers without weights that act on each sample alone (activations, pooling, flatten,
+upsampling, identity) are kept. A module with any other layer, or with weights outside
+these layers, cannot be stacked: :attr:`StackedModule.unstackable` says why, and the
+caller trains such models one at a time.
+
+Pure: tensors in, tensors out; running statistics of stacked BatchNorm buffers are
+updated in place, as ``nn.BatchNorm`` updates its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import cast
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.func import functional_call
+
+__all__ = ["PER_SAMPLE_LAYERS", "StackedModule"]
+
+PER_SAMPLE_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.GELU,
+    nn.SiLU,
+    nn.ELU,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool2d,
+    nn.Flatten,
+    nn.Identity,
+    nn.Upsample,
+)
+"""Weight-free layers that act on each sample on its own: kept as they are."""
+
+
+def _rows(weight: torch.Tensor) -> int:
+    return int(weight.shape[0])
+
+
+class _Linear(nn.Module):
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.weight = layer.weight  # replaced by functional_call
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = _rows(self.weight)
+        flat = x.reshape(n, -1, x.shape[-1])  # (N, B*, in)
+        if self.bias is None:
+            out = torch.bmm(flat, self.weight.transpose(1, 2))
+        else:
+            out = torch.baddbmm(self.bias.unsqueeze(1), flat, self.weight.transpose(1, 2))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _Conv2d(nn.Module):
+    def __init__(self, layer: nn.Conv2d) -> None:
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.stride = layer.stride
+        self.padding = layer.padding
+        self.dilation = layer.dilation
+        self.groups = layer.groups
+
+    def _covers_input(self, x: torch.Tensor) -> bool:
+        """The kernel spans the whole unpadded input once: a matrix product."""
+        k = self.weight.shape[-2:]
+        return (
+            self.padding in ((0, 0), "valid")
+            and self.groups == 1
+            and self.dilation == (1, 1)
+            and tuple(x.shape[-2:]) == tuple(k)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = _rows(self.weight)
+        out_channels = int(self.weight.shape[1])
+        samples = x.shape[0] // n
+        if self._covers_input(x):
+            flat = x.reshape(n, samples, -1)  # (N, B, C*H*W)
+            weight = self.weight.reshape(n, out_channels, -1).transpose(1, 2)
+            if self.bias is None:
+                out = torch.bmm(flat, weight)
+            else:
+                out = torch.baddbmm(self.bias.unsqueeze(1), flat, weight)
+            return out.reshape(n * samples, out_channels, 1, 1)
+        channels, height, width = x.shape[1:]
+        grouped = x.reshape(n, samples, channels, height, width).transpose(0, 1)
+        grouped = grouped.reshape(samples, n * channels, height, width)
+        grouped = grouped.contiguous(memory_format=torch.channels_last)
+        weight = self.weight.reshape(n * out_channels, *self.weight.shape[2:])
+        bias = None if self.bias is None else self.bias.reshape(n * out_channels)
+        out = F.conv2d(
+            grouped, weight, bias, self.stride, self.padding, self.dilation, self.groups * n
+        )  # (B, N * C_out, H', W')
+        out = out.reshape(samples, n, out_channels, *out.shape[-2:]).transpose(0, 1)
+        return out.reshape(n * samples, out_channels, *out.shape[-2:])
+
+
+class _GroupNorm(nn.Module):
+    def __init__(self, layer: nn.GroupNorm) -> None:
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.num_groups = layer.num_groups
+        self.eps = layer.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.group_norm(x, self.num_groups, eps=self.eps)
+        if self.weight is None:
+            return out
+        n = _rows(self.weight)
+        shape = (n, -1, x.shape[1]) + (1,) * (x.dim() - 2)
+        scaled = out.reshape(n, -1, *x.shape[1:]) * self.weight.reshape(shape)
+        if self.bias is not None:
+            scaled = scaled + self.bias.reshape(shape)
+        return scaled.reshape(x.shape)
+
+
+class _BatchNorm(nn.Module):
+    def __init__(self, layer: nn.modules.batchnorm._BatchNorm) -> None:
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.register_buffer("running_mean", layer.running_mean)
+        self.register_buffer("running_var", layer.running_var)
+        self.register_buffer("num_batches_tracked", layer.num_batches_tracked)
+        self.eps = layer.eps
+        self.momentum = layer.momentum
+        self.track_running_stats = layer.track_running_stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stats = cast("torch.Tensor | None", self.running_mean)
+        variance = cast("torch.Tensor | None", self.running_var)
+        tracked = cast("torch.Tensor | None", self.num_batches_tracked)
+        weight = cast("torch.Tensor | None", self.weight)
+        bias = cast("torch.Tensor | None", self.bias)
+        some = weight if weight is not None else stats
+        assert some is not None  # a BatchNorm without weights or statistics has no state
+        n = _rows(some)
+        samples, channels = x.shape[0] // n, x.shape[1]
+        rest = x.shape[2:]
+        grouped = x.reshape(n, samples, channels, *rest).transpose(0, 1)
+        grouped = grouped.reshape(samples, n * channels, *rest)
+        use_batch = self.training or stats is None
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and tracked is not None:
+            tracked.add_(1)
+            if self.momentum is None:  # a cumulative average, as nn.BatchNorm keeps it
+                momentum = 1.0 / float(tracked.reshape(-1)[0])
+        out = F.batch_norm(
+            grouped,
+            None if stats is None else stats.view(n * channels),
+            None if variance is None else variance.view(n * channels),
+            None if weight is None else weight.reshape(n * channels),
+            None if bias is None else bias.reshape(n * channels),
+            use_batch,
+            momentum,
+            self.eps,
+        )
+        out = out.reshape(samples, n, channels, *rest).transpose(0, 1)
+        return out.reshape(x.shape)
+
+
+def _stacked_layer(layer: nn.Module) -> nn.Module | None:
+    """The stacked twin of a layer with weights, or None when there is none."""
+    if type(layer) is nn.Linear:
+        return _Linear(layer)
+    if type(layer) is nn.Conv2d and layer.padding_mode == "zeros":
+        return _Conv2d(layer)
+    if type(layer) is nn.GroupNorm:
+        return _GroupNorm(layer)
+    if type(layer) in (nn.BatchNorm1d, nn.BatchNorm2d):
+        return _BatchNorm(layer)  # type: ignore[arg-type]
+    return None
+
+
+class StackedModule:
+    """N copies of ``module``'s architecture, each with its own stacked weights.
+
+    Args:
+        module: the architecture (its weights are not used and not copied: the twin is
+            built on the meta device).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        memo: dict[int, object] = {}
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            memo[id(tensor)] = (
+                nn.Parameter(torch.empty_like(tensor, device="meta"), tensor.requires_grad)
+                if isinstance(tensor, nn.Parameter)
+                else torch.empty_like(tensor, device="meta")
+            )
+        self.twin: nn.Module = copy.deepcopy(module, memo)
+        self.unstackable = self._replace_layers()
+        """Why the module cannot be stacked, or "" when it can."""
+
+    def _replace_layers(self) -> str:
+        def refused(name: str, layer: nn.Module) -> str:
+            kind = type(layer).__name__
+            return f"layer {name or kind} ({kind}) has no stacked form"
+
+        for name, layer in list(self.twin.named_modules()):
+            own = list(layer.named_parameters(recurse=False))
+            own += list(layer.named_buffers(recurse=False))
+            leaf = next(layer.children(), None) is None
+            if not own:
+                if leaf and not isinstance(layer, PER_SAMPLE_LAYERS):
+                    return refused(name, layer)
+                continue
+            stacked = _stacked_layer(layer)
+            if stacked is None or not leaf:
+                return refused(name, layer)
+            if not name:  # the module itself is one layer
+                self.twin = stacked
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            parent = self.twin.get_submodule(parent_name) if parent_name else self.twin
+            setattr(parent, attr, stacked)
+        return ""
+
+    def train(self, mode: bool = True) -> StackedModule:
+        """Training or evaluation mode (BatchNorm's batch or running statistics)."""
+        self.twin.train(mode)
+        return self
+
+    def __call__(self, state: Mapping[str, torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        """Each model's output for its own inputs.
+
+        Args:
+            state: every parameter and buffer of the module by name, stacked ``(N, ...)``.
+            inputs: the module's inputs, each ``(N, B, ...)``: model ``i`` gets row ``i``.
+
+        Returns:
+            ``(N, B, ...)``: row ``i`` is model ``i``'s output.
+
+        Raises:
+            ValueError: the module cannot be stacked (see :attr:`unstackable`).
+        """
+        if self.unstackable:
+            raise ValueError(self.unstackable)
+        n, b = inputs[0].shape[:2]
+        flat = [x.reshape(n * b, *x.shape[2:]) for x in inputs]
+        out: torch.Tensor = functional_call(self.twin, dict(state), tuple(flat), strict=True)
+        return out.reshape(n, b, *out.shape[1:])
