@@ -76,7 +76,7 @@ from models.optim import sgd_update_
 from models.stacked import StackedModule
 from models.weight_formats import binarize, fake_quantize_int8
 
-__all__ = ["CohortOutcome", "Member", "train_cohort"]
+__all__ = ["CohortOutcome", "Member", "SampleCache", "train_cohort"]
 
 
 @dataclass
@@ -173,6 +173,7 @@ def train_cohort(
     device: torch.device = torch.device("cpu"),  # noqa: B008
     max_cohort: int | None = None,
     progress: Callable[[int], None] | None = None,
+    samples: SampleCache | None = None,
 ) -> list[CohortOutcome]:
     """Train every member's round; batched where members share a batch key.
 
@@ -183,6 +184,8 @@ def train_cohort(
         max_cohort: most devices in one batched computation (None: no limit); larger
             cohorts are trained in chunks.
         progress: called with the number of members finished after each chunk.
+        samples: keeps each chunk's samples on ``device`` from one call to the next
+            (a fleet whose chunks recur trains on resident data); None: built per call.
 
     Returns:
         One outcome per member, in order.
@@ -215,11 +218,16 @@ def train_cohort(
         size = max_cohort or len(group)
         for start in range(0, len(group), size):
             chunk = group[start : start + size]
-            results = _BatchedRound([p for _, p in chunk], device, architecture).run()
+            members_of = [p for _, p in chunk]
+            cache = samples if samples is not None else SampleCache()
+            data = cache.get([p.member.data for p in members_of], device)
+            results = _BatchedRound(members_of, device, architecture, data).run()
             for (index, _), result in zip(chunk, results, strict=True):
                 outcomes[index] = CohortOutcome(result)
             if progress is not None:
                 progress(len(chunk))
+    if samples is not None:
+        samples.forget_unused()
     return [o if o is not None else CohortOutcome(None, RuntimeError("lost")) for o in outcomes]
 
 
@@ -246,7 +254,11 @@ class _BatchedRound:
     """One chunk of same-key members trained as one batched computation."""
 
     def __init__(
-        self, prepared: Sequence[_Prepared], device: torch.device, architecture: StackedModule
+        self,
+        prepared: Sequence[_Prepared],
+        device: torch.device,
+        architecture: StackedModule,
+        data: _Concatenated,
     ) -> None:
         self.prepared = list(prepared)
         self.device = device
@@ -271,9 +283,7 @@ class _BatchedRound:
             type(hook).stack([p.batched[j] for p in prepared], device)
             for j, hook in enumerate(first.batched)
         ]
-        self.samples = _CohortSamples(
-            [p.member.data for p in prepared], [p.config for p in prepared], device
-        )
+        self.samples = _CohortSamples(data, [p.config for p in prepared], device)
         count = len(prepared)
         self.loss_sum = torch.zeros(count, dtype=torch.float64, device=device)
         self.correct = torch.zeros(count, dtype=torch.float64, device=device)
@@ -421,21 +431,15 @@ class _CohortSamples:
     gather, whatever the number of devices.
 
     Each device's batches are :func:`~edge_client.train.training.batch_indices` with
-    its own seed (its own config) (the loop's batches); a device with fewer batches than the longest
-    takes no step once it is done.
+    its own config's seed (the loop's batches); a device with fewer batches than the
+    longest takes no step once it is done.
     """
 
     def __init__(
-        self, datas: Sequence[DeviceData], configs: Sequence[TrainConfig], device: torch.device
+        self, data: _Concatenated, configs: Sequence[TrainConfig], device: torch.device
     ) -> None:
-        counts = [d.num_samples for d in datas]
-        xs = [as_tensor(d.x, torch.float32) for d in datas]
-        ys = [as_tensor(d.y, torch.int64) for d in datas]
-        self.x = torch.cat(xs).to(device)  # (sum of samples, ...)
-        self.y = torch.cat(ys).to(device)
-        offsets = [0]
-        for count in counts[:-1]:
-            offsets.append(offsets[-1] + count)
+        self.x, self.y = data.x, data.y
+        counts, offsets = data.counts, data.offsets
         batches = [
             list(batch_indices(n, config, config.total_steps(n))) if n else []
             for n, config in zip(counts, configs, strict=True)
@@ -444,7 +448,7 @@ class _CohortSamples:
         self.seen = [sum(len(i) for i in b) for b in batches]
         self.longest = max(self.steps, default=0)
         self.width = max((len(i) for b in batches for i in b), default=1)
-        rows = len(datas)
+        rows = len(counts)
         # (devices, steps, width): sample numbers into self.x; -1 pads
         index = torch.full((rows, max(1, self.longest), self.width), -1, dtype=torch.int64)
         self._sizes = torch.zeros((rows, max(1, self.longest)), dtype=torch.int64)
@@ -477,3 +481,56 @@ class _CohortSamples:
             mask=mask.to(torch.float32),
             sizes=sizes.to(self.device),
         )
+
+
+@dataclass(frozen=True)
+class _Concatenated:
+    """A chunk's devices' samples, one after the other, on the training device."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    counts: list[int]
+    """Samples per device, in row order."""
+    offsets: list[int]
+    """Where each device's samples start in :attr:`x`."""
+
+    @classmethod
+    def of(cls, datas: Sequence[DeviceData], device: torch.device) -> _Concatenated:
+        counts = [d.num_samples for d in datas]
+        offsets = [0]
+        for count in counts[:-1]:
+            offsets.append(offsets[-1] + count)
+        x = torch.cat([as_tensor(d.x, torch.float32) for d in datas]).to(device)
+        y = torch.cat([as_tensor(d.y, torch.int64) for d in datas]).to(device)
+        return cls(x, y, counts, offsets)
+
+
+class SampleCache:
+    """The chunks' samples kept on the training device between rounds.
+
+    A chunk is known by its devices' data objects, in order; the chunks not used by a
+    call of :func:`train_cohort` are dropped at its end, so what stays is the last
+    round's (a fleet whose devices all train every round keeps its data resident, and
+    one whose cohort changes holds no more than one round's).
+    """
+
+    def __init__(self) -> None:
+        self._chunks: dict[tuple[object, ...], tuple[list[DeviceData], _Concatenated]] = {}
+        self._used: set[tuple[object, ...]] = set()
+
+    def get(self, datas: Sequence[DeviceData], device: torch.device) -> _Concatenated:
+        """The samples of ``datas`` on ``device``, built once."""
+        key = (str(device), *(id(d) for d in datas))
+        found = self._chunks.get(key)
+        if found is None:
+            # the data objects are held with the chunk: their ids stay theirs
+            found = (list(datas), _Concatenated.of(datas, device))
+            self._chunks[key] = found
+        self._used.add(key)
+        return found[1]
+
+    def forget_unused(self) -> None:
+        """Drop the chunks not used since the last call."""
+        for key in set(self._chunks) - self._used:
+            del self._chunks[key]
+        self._used = set()

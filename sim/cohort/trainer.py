@@ -26,7 +26,7 @@ from edge_client.train.resources import estimate_training, memory_limit
 from edge_client.train.session import Cancelled, DecodeJob, Failed, Job, JobResult, TrainJob
 from edge_client.train.training import TrainConfig
 from models import Classifier
-from sim.cohort.engine import Member, train_cohort
+from sim.cohort.engine import Member, SampleCache, train_cohort
 from sim.fleet.trainer import FleetDevice, LoopTrainer
 
 __all__ = [
@@ -103,6 +103,9 @@ class BatchedTrainer(LoopTrainer):
         self.engine = resolve_engine(engine, device)
         self.device = device
         self.max_cohort = max_cohort
+        # the devices' samples stay on an accelerator between rounds; on the CPU they
+        # are the host's arrays already, and a resident copy would double them
+        self._samples = SampleCache() if device.type != "cpu" else None
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
         slots = train_workers if train_workers is not None else len(os.sched_getaffinity(0))
         self._trainers_pool = ThreadPoolExecutor(max(1, slots), thread_name_prefix="cohort-loop")
@@ -163,7 +166,9 @@ class BatchedTrainer(LoopTrainer):
             if limit is None:
                 config = TrainConfig.from_hyperparameters(members[0].task.hyperparameters)
                 limit = auto_max_cohort(members[0].model, config.batch_size, self.device)
-            outcomes = train_cohort(members, device=self.device, max_cohort=limit)
+            outcomes = train_cohort(
+                members, device=self.device, max_cohort=limit, samples=self._samples
+            )
         reasons = Counter(o.fallback_reason for o in outcomes if o.fallback_reason)
         for reason, count in reasons.items():
             if reason not in self._warned:
