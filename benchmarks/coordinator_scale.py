@@ -17,19 +17,23 @@ fleet size:
 
 * ``us_per_update``: microseconds per update over the round's first N - 1 updates (the
   last one closes the round: ``close_s``, persisting which updates it aggregates);
-* ``us_per_hello``: the same over the first N - 1 hellos (registration: the entry
-  written to the store); ``round_start_s``: the last hello, whose round start sends
-  every device its model and task;
+  ``cpu_us_per_update``: the process's CPU time over the same updates (all its threads),
+  steadier than the wall clock on a machine other work shares;
+* ``us_per_hello``, ``cpu_us_per_hello``: the same over the first N - 1 hellos
+  (registration: the entry written to the store); ``round_start_s``: the last hello,
+  whose round start sends every device its model and task;
 * ``finish_s``: from the last update to the run's end (aggregation of the N updates,
   read back from the store, and the cleanup of their records); ``aggregate_s`` is the
   server step alone, as the coordinator reports it.
 
 The coordinator's work per event does not depend on N, so ``us_per_update`` should stay
 flat within 2x from 1,000 to 100,000 devices (printed as the ratio of the largest to
-the smallest size). The store writes without fsync by default (``--fsync`` turns it on):
-an fsynced write costs what the disk takes to flush (milliseconds on a virtual disk, the
-same at every fleet size), which would hide the coordinator's own work and make 100,000
-devices take hours; a real coordinator keeps fsync on.
+the smallest size). The state directory goes to ``/dev/shm`` where there is one
+(``--tmp`` chooses another folder) and the store writes without fsync (``--fsync``
+turns it on): on a virtual disk creating a file alone can take a millisecond and an
+fsynced write several, the same at every fleet size, which would hide the coordinator's
+own work and make 100,000 devices take hours. A real coordinator keeps fsync on: add
+what its disk takes for a write per new hello and per update.
 
 Run from the repository root::
 
