@@ -175,6 +175,16 @@ class RoundEngine:
         """The round's selected devices (``run.selected`` as a set, for O(1) look-ups)."""
         self._answered: set[str] = set()
         """Selected devices of the round whose update is stored or was screened out."""
+        self._screened: set[str] = set()
+        """Selected devices whose on-time update of the round was screened out (persisted
+        one record each, :meth:`RunState.screen_out`)."""
+        self._on_time: set[str] = set()
+        """Devices with an on-time update of the round stored: what closing it aggregates,
+        known without reading the round's update records back."""
+        self._counted: frozenset[str] = frozenset()
+        """``run.counted`` as a set: the devices the previous round aggregated."""
+        self._aggregating: frozenset[str] = frozenset()
+        """``run.aggregating`` as a set, while the round's aggregation runs."""
         self._models: GroupModels = {}
         self._counters = _RoundCounters()
         self._status_sent = ""
@@ -231,16 +241,16 @@ class RoundEngine:
             log.info("resuming: round %d, phase %s", run.round, run.phase)
             self._state.recover(run.round, self._caches)
         self._run = run
-        self._selected = frozenset(run.selected)
-        self._answered = {
-            d for d in run.selected if d in run.screened_out or self._state.has_update(d, run.round)
-        }
+        self._index_run(run)
         self._models = self._state.load_models(run.round, self._groups, required=("aca",))
         self._screen.new_round(run.norm_floor)
+        self._on_time = set()
         for device_id in self._state.round_updates(run.round):  # a resume: same reference
             stored = self._state.read_update_meta(device_id, run.round)
-            if stored.on_time and stored.update_norm is not None:
-                self._screen.accepted(stored.update_norm)
+            if stored.on_time:
+                self._on_time.add(device_id)
+                if stored.update_norm is not None:
+                    self._screen.accepted(stored.update_norm)
         self.registry = DeviceRegistry(self._state.load_registry())
         actions: list[Action] = self._status("starting", force=True)
         if run.phase == "training":
@@ -255,6 +265,19 @@ class RoundEngine:
         elif run.phase == "finished":
             actions += [*self._status("finished"), self._finished()]
         return actions
+
+    def _index_run(self, run: RunMeta) -> None:
+        """Rebuild the in-memory sets over ``run`` and the store (at start, a resume
+        among them): O(devices) once, so that each event then looks up in O(1)."""
+        self._selected = frozenset(run.selected)
+        self._counted = frozenset(run.counted)
+        self._aggregating = frozenset(run.aggregating)
+        self._screened = {
+            d for d in {*run.screened_out, *self._state.screened(run.round)} if d in self._selected
+        }
+        self._answered = {
+            d for d in self._selected if d in self._screened or self._state.has_update(d, run.round)
+        }
 
     def handle(self, event: Event) -> list[Action]:
         """Process one event; returns the actions to carry out, in order."""
@@ -402,7 +425,7 @@ class RoundEngine:
     def _on_update(self, message: Message, update: Update, now: float) -> list[Action]:
         device_id, run = message.sender, self._require_run()
         on_time = False
-        if message.round == run.round - 1 and device_id in run.counted:
+        if message.round == run.round - 1 and device_id in self._counted:
             # its update of the round just closed is in the model; the ack was lost
             detail = f"counted in round {message.round}"
             log.debug(
@@ -443,10 +466,12 @@ class RoundEngine:
                 exc,
             )
             ack = self._ack(device_id, message, False, exc.reason, exc.detail)
-            if on_time and exc.reason in _ANSWERED and device_id not in run.screened_out:
-                run.screened_out.append(device_id)
+            if on_time and exc.reason in _ANSWERED and device_id not in self._screened:
+                # one record of its own, not the run record (O(devices) to rewrite): a
+                # resumed round does not wait for it either
+                self._state.screen_out(device_id, run.round)
+                self._screened.add(device_id)
                 self._answered.add(device_id)
-                self._state.save_run(run)  # a resumed round does not wait for it either
                 return [ack, *self._close_if_answered()]
             return [ack]
         stored = StoredUpdate(
@@ -467,6 +492,7 @@ class RoundEngine:
         if message.round == run.round:
             self._answered.add(device_id)
         if on_time:
+            self._on_time.add(device_id)
             self._screen.accepted(norm)
         if base is not None:
             self._transfers.confirm(device_id, base)
@@ -515,7 +541,7 @@ class RoundEngine:
         if (
             run.phase == "aggregating"
             and round_number == run.round
-            and device_id in run.aggregating
+            and device_id in self._aggregating
         ):
             return False  # a duplicate of an update being aggregated; acknowledged as such
         if not self._caches:
@@ -589,6 +615,7 @@ class RoundEngine:
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
         run.screened_out = []
         self._selected, self._answered = frozenset(selected), set()
+        self._screened, self._on_time = set(), set()
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
         self._screen.new_round(run.norm_floor)
@@ -665,11 +692,8 @@ class RoundEngine:
         """Persist which updates the round aggregates, then ask for the aggregation."""
         run = self._require_run()
         run.phase = "aggregating"
-        run.aggregating = [
-            d
-            for d in self._state.round_updates(run.round)
-            if self._state.read_update_meta(d, run.round).on_time
-        ]
+        run.aggregating = sorted(d for d in self._on_time if self._state.has_update(d, run.round))
+        self._aggregating = frozenset(run.aggregating)
         self._state.save_run(run)  # a resumed coordinator aggregates these same updates
         log.info("round %d: aggregating %d update(s)", run.round, len(run.aggregating))
         return [self._aggregate_requested(run)]
@@ -702,6 +726,7 @@ class RoundEngine:
         )
         self._state.save_run(next_run)  # the commit point of the round
         self._run, self._models = next_run, server
+        self._counted, self._aggregating = frozenset(next_run.counted), frozenset()
         self._cleanup(closing)
         models = self.models()
         metrics = [(u.num_samples, {**u.timings, **u.metrics}) for u in stats]

@@ -6,9 +6,12 @@ Layout of the :class:`~coordinator.store.Store` (one atomic record per key):
 key                        record
 =========================  =================================================================
 ``run``                    state format, config fingerprint, current round, phase, selected
-                           devices, task ids, deadline, the devices whose update the round
-                           screened out, the updates a closing round aggregates
-                           (metadata only)
+                           devices, task ids, deadline, the updates a closing round
+                           aggregates (metadata only)
+``screened/rNNNNNN/DEVICE`` a selected device whose on-time update of round ``N`` was
+                           rejected for its values (empty; one record each, so screening
+                           one out writes O(1) whatever the fleet's size, where rewriting
+                           ``run`` is O(devices)): the round does not wait for it
 ``registry/DEVICE``        the registry's entry of ``DEVICE``, what its hello announced
                            (metadata only; one record per device, so registering one
                            writes O(1) whatever the fleet's size)
@@ -41,9 +44,10 @@ Write order makes every crash recoverable (:meth:`RunState.recover`):
 
 Recovery redoes what a crash interrupted: it folds into its group's ``oca/G`` any newest
 update record the sum does not hold yet (each device's slot is its newest record, and the
-sum records which round it holds, so nothing is counted twice), and deletes records and model
-versions the committed ``run`` no longer needs. The cache slots live only in the store;
-RAM holds the running sum, O(model) whatever the number of devices.
+sum records which round it holds, so nothing is counted twice), and deletes records, model
+versions and screened-out marks the committed ``run`` no longer needs. The cache slots
+live only in the store; RAM holds the running sum, O(model) whatever the number of
+devices.
 """
 
 from __future__ import annotations
@@ -123,8 +127,9 @@ class RunMeta:
     norm_floor: float | None = None
     """Norm screening's reference from the rounds before (:mod:`coordinator.screening`)."""
     screened_out: list[str] = field(default_factory=list)
-    """Selected devices whose on-time update of this round was rejected for its values:
-    the round does not wait for them, also after a resume."""
+    """Selected devices whose on-time update of this round was rejected for its values,
+    as versions before the ``screened/rNNNNNN/DEVICE`` records kept them (written empty
+    now, still honoured on resume): the round does not wait for them."""
     state_format: int = STATE_FORMAT
     """The :data:`STATE_FORMAT` the store was written with."""
 
@@ -387,6 +392,25 @@ class RunState:
         """Devices with an accepted update for ``round_number``, sorted."""
         return sorted(self._update_index().get(round_number, ()))
 
+    # -- screened-out devices -------------------------------------------------------------
+
+    def screen_out(self, device_id: str, round_number: int) -> None:
+        """Persist that ``device_id``'s on-time update of ``round_number`` was rejected
+        for its values (one record: O(1) whatever the fleet's size)."""
+        self.store.write(f"screened/{_round_key(round_number)}/{device_id}", {})
+
+    def screened(self, round_number: int) -> set[str]:
+        """The devices :meth:`screen_out` marked in ``round_number`` (a store listing:
+        for a resume, not per event)."""
+        prefix = f"screened/{_round_key(round_number)}"
+        return {key.removeprefix(f"{prefix}/") for key in self.store.keys(prefix)}
+
+    def drop_screened_except(self, round_number: int) -> None:
+        keep = f"screened/{_round_key(round_number)}/"
+        for key in self.store.keys("screened"):
+            if not key.startswith(keep):
+                self.store.delete(key)
+
     # -- per-device bases (quantized transfers) -----------------------------------------
 
     def save_base(self, device_id: str, kind: BaseKind, base: Base) -> None:
@@ -415,6 +439,7 @@ class RunState:
         ``caches``: the OCA cache of each group (none: the strategy keeps no OCA).
         """
         self.drop_models_except(current_round)
+        self.drop_screened_except(current_round)
         for device_id, rounds in self.update_rounds().items():
             keep = {current_round}
             if caches:

@@ -194,6 +194,15 @@ class FileStore(Store):
             raise StoreError(f"cannot clean the state directory {self.root}: {exc}") from exc
 
     def read(self, key: str) -> Record | None:
+        return self._read(key, arrays=True)
+
+    def read_meta(self, key: str) -> dict[str, Any] | None:
+        """Only the metadata: the record's arrays are not decoded (a round's close reads
+        the metadata of every update it aggregated)."""
+        record = self._read(key, arrays=False)
+        return None if record is None else record.meta
+
+    def _read(self, key: str, *, arrays: bool) -> Record | None:
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -203,13 +212,14 @@ class FileStore(Store):
             raise StoreError(f"cannot read {path}: {exc}") from exc
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in npz.files}
-            meta = json.loads(arrays.pop(_META).tobytes())
+                names = npz.files if arrays else [_META]
+                loaded = {name: npz[name] for name in names}
+            meta = json.loads(loaded.pop(_META).tobytes())
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
             raise StoreError(f"corrupt state record {path}: {exc}") from exc
         if not isinstance(meta, dict):
             raise StoreError(f"corrupt state record {path}: metadata is not an object")
-        return Record(meta, arrays)
+        return Record(meta, loaded)
 
     def write(self, key: str, meta: Mapping[str, Any], arrays: Mapping[str, Array] = {}) -> None:
         path = self._path(key)
