@@ -9,8 +9,10 @@ through plain autograd, row ``i`` of its gradient equal to model ``i``'s own gra
 one computation without ``torch.func.vmap`` (whose first use imports torch's compiler,
 seconds of stall, and which runs some layers' backward twice).
 
-The samples of all N models travel as one ``(N * B, ...)`` batch through the module's
-own ``forward`` code; only the layers with weights are replaced:
+The samples of all N models travel as one ``(B * N, ...)`` batch through the module's
+own ``forward`` code, sample-major (sample ``j`` of model ``i`` is sample ``j * N + i``,
+so that ``(B * N, C, H, W)`` is ``(B, N * C, H, W)`` as it lies in memory); only the
+layers with weights are replaced:
 
 * ``Linear``: one batched matrix product, ``(N, B, in) @ (N, in, out)``;
 * ``Conv2d``: a grouped convolution with the N models as groups (the batch moved into
@@ -77,11 +79,14 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = _rows(self.weight)
-        flat = x.reshape(n, -1, x.shape[-1])  # (N, B*, in)
+        samples = x.shape[0] // n
+        rows = x.reshape(samples, n, -1, x.shape[-1]).transpose(0, 1)  # (N, B, ..., in)
+        rows = rows.reshape(n, -1, x.shape[-1])
         if self.bias is None:
-            out = torch.bmm(flat, self.weight.transpose(1, 2))
+            out = torch.bmm(rows, self.weight.transpose(1, 2))
         else:
-            out = torch.baddbmm(self.bias.unsqueeze(1), flat, self.weight.transpose(1, 2))
+            out = torch.baddbmm(self.bias.unsqueeze(1), rows, self.weight.transpose(1, 2))
+        out = out.reshape(n, samples, -1, out.shape[-1]).transpose(0, 1)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -110,24 +115,22 @@ class _Conv2d(nn.Module):
         out_channels = int(self.weight.shape[1])
         samples = x.shape[0] // n
         if self._covers_input(x):
-            flat = x.reshape(n, samples, -1)  # (N, B, C*H*W)
+            rows = x.reshape(samples, n, -1).transpose(0, 1)  # (N, B, C*H*W)
             weight = self.weight.reshape(n, out_channels, -1).transpose(1, 2)
             if self.bias is None:
-                out = torch.bmm(flat, weight)
+                out = torch.bmm(rows, weight)
             else:
-                out = torch.baddbmm(self.bias.unsqueeze(1), flat, weight)
-            return out.reshape(n * samples, out_channels, 1, 1)
-        channels, height, width = x.shape[1:]
-        grouped = x.reshape(n, samples, channels, height, width).transpose(0, 1)
-        grouped = grouped.reshape(samples, n * channels, height, width)
+                out = torch.baddbmm(self.bias.unsqueeze(1), rows, weight)
+            return out.transpose(0, 1).reshape(samples * n, out_channels, 1, 1)
+        # sample-major rows: (B * N, C, H, W) is (B, N * C, H, W) as it lies in memory
+        grouped = x.reshape(samples, -1, *x.shape[2:])
         grouped = grouped.contiguous(memory_format=torch.channels_last)
         weight = self.weight.reshape(n * out_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(n * out_channels)
         out = F.conv2d(
             grouped, weight, bias, self.stride, self.padding, self.dilation, self.groups * n
         )  # (B, N * C_out, H', W')
-        out = out.reshape(samples, n, out_channels, *out.shape[-2:]).transpose(0, 1)
-        return out.reshape(n * samples, out_channels, *out.shape[-2:])
+        return out.contiguous().reshape(samples * n, out_channels, *out.shape[-2:])
 
 
 class _GroupNorm(nn.Module):
@@ -143,8 +146,8 @@ class _GroupNorm(nn.Module):
         if self.weight is None:
             return out
         n = _rows(self.weight)
-        shape = (n, -1, x.shape[1]) + (1,) * (x.dim() - 2)
-        scaled = out.reshape(n, -1, *x.shape[1:]) * self.weight.reshape(shape)
+        shape = (1, n, x.shape[1]) + (1,) * (x.dim() - 2)
+        scaled = out.reshape(-1, n, *x.shape[1:]) * self.weight.reshape(shape)
         if self.bias is not None:
             scaled = scaled + self.bias.reshape(shape)
         return scaled.reshape(x.shape)
@@ -173,8 +176,7 @@ class _BatchNorm(nn.Module):
         n = _rows(some)
         samples, channels = x.shape[0] // n, x.shape[1]
         rest = x.shape[2:]
-        grouped = x.reshape(n, samples, channels, *rest).transpose(0, 1)
-        grouped = grouped.reshape(samples, n * channels, *rest)
+        grouped = x.reshape(samples, n * channels, *rest)  # sample-major: a view
         use_batch = self.training or stats is None
         momentum = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and tracked is not None:
@@ -191,7 +193,6 @@ class _BatchNorm(nn.Module):
             momentum,
             self.eps,
         )
-        out = out.reshape(samples, n, channels, *rest).transpose(0, 1)
         return out.reshape(x.shape)
 
 
@@ -273,6 +274,8 @@ class StackedModule:
         if self.unstackable:
             raise ValueError(self.unstackable)
         n, b = inputs[0].shape[:2]
-        flat = [x.reshape(n * b, *x.shape[2:]) for x in inputs]
+        # sample-major: row i's sample j is sample j * N + i of the module's batch, so
+        # that (B * N, C, ...) is (B, N * C, ...) without a copy
+        flat = [x.transpose(0, 1).reshape(b * n, *x.shape[2:]) for x in inputs]
         out: torch.Tensor = functional_call(self.twin, dict(state), tuple(flat), strict=True)
-        return out.reshape(n, b, *out.shape[1:])
+        return out.reshape(b, n, *out.shape[1:]).transpose(0, 1)

@@ -155,11 +155,16 @@ def stacked(modules: Sequence[nn.Module], names: Sequence[str], device: torch.de
 
 def write_back(modules: Sequence[nn.Module], values: Mapping[str, torch.Tensor]) -> None:
     """Copy row i of each stacked tensor in ``values`` into the parameter / buffer of
-    that name of ``modules[i]``."""
+    that name of ``modules[i]`` (each stacked tensor moved to the modules' device in one
+    transfer, not one per row)."""
+    if not modules:
+        return
     with torch.no_grad():
+        first = dict(modules[0].named_parameters()) | dict(modules[0].named_buffers())
+        moved = {name: value.to(first[name].device) for name, value in values.items()}
         for index, module in enumerate(modules):
             state = dict(module.named_parameters()) | dict(module.named_buffers())
-            for name, value in values.items():
+            for name, value in moved.items():
                 state[name].copy_(value[index])
 
 

@@ -476,7 +476,8 @@ class _CohortSamples:
         safe = picked.clamp_min(0)
         sizes = torch.tensor([self.batch_size(i, step) for i in rows], dtype=torch.float64)
         return _Batch(
-            x=self.x[safe],
+            # gathered sample-major, as the stacked module runs it: no copy there
+            x=self.x[safe.T].transpose(0, 1),
             y=self.y[safe],
             mask=mask.to(torch.float32),
             sizes=sizes.to(self.device),
