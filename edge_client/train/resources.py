@@ -10,8 +10,9 @@ how much is needed, how much there is and where that limit comes from.
   limit (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``, the smallest along the path
   to the root) and its current RSS plus the kernel's ``MemAvailable``.
 - :func:`estimate_training` counts the bytes one training step needs for a model and a
-  batch size, running the forward pass on the ``meta`` device (shapes only, no data), so
-  it is fast and allocates nothing proportional to the batch.
+  batch size, from one forward pass of a single sample (the activations grow linearly
+  in the batch), so it is fast, allocates nothing proportional to the batch and leaves
+  the model as it was.
 - :func:`check_memory` compares current RSS + the estimate with the limit and raises
   :class:`ResourceError` when it does not fit.
 
@@ -21,7 +22,6 @@ limit is "none" (:data:`NO_LIMIT` bytes).
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -290,10 +290,14 @@ def estimate_training(
     - model copies: ``model_copies`` extra copies of the weights (received models, the
       held base, the error-feedback residual).
 
-    The forward pass runs on a copy of the model on the ``meta`` device (shapes only;
-    the copy's weights are meta tensors too), in training mode and without autograd, so
-    nothing proportional to the batch or to the weights is allocated and ``model`` is
-    not touched.
+    The activations come from one forward pass of a single zero sample through
+    ``model`` itself, on its device, without autograd and in eval mode (each module's
+    training flag is restored, BatchNorm's running statistics are not updated), times
+    ``batch_size`` (exact for leaves that compute each sample on its own, as those of
+    every built-in classifier do): nothing proportional to the batch or to the weights is allocated,
+    the weights and training state are left as they were, and the global random
+    generator is not drawn from. Forward hooks the model already has run on that
+    sample too.
 
     Args:
         model: the model to train (a :class:`~models.classifiers.Classifier` or any
@@ -304,8 +308,8 @@ def estimate_training(
         optimizer_slots: optimizer state tensors per parameter, >= 0.
 
     Raises:
-        ResourceError: an argument is out of range, or the model cannot run on the meta
-            device (the cause is chained).
+        ResourceError: an argument is out of range, or the model cannot run a sample of
+            ``input_shape`` (the cause is chained).
     """
     if batch_size < 1:
         raise ResourceError(f"batch_size must be at least 1, got {batch_size}")
@@ -331,45 +335,60 @@ def estimate_training(
     )
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are meta tensors.
-
-    The memo makes deepcopy take the meta tensors instead of copying the real ones, so
-    no real copy of the weights is ever made.
-    """
-    memo: dict[int, object] = {}
-    for param in model.parameters():
-        memo[id(param)] = nn.Parameter(
-            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
-        )
-    for buffer in model.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(model, memo)
-
-
 def _leaf_output_elements(
     model: nn.Module, name: str, input_shape: tuple[int, ...], batch_size: int
 ) -> int:
+    """Elements of every leaf module's output for ``batch_size`` samples.
+
+    One real forward pass of a single zero sample, on the model's own device and dtype,
+    under ``torch.no_grad()`` and in eval mode (so BatchNorm neither uses nor updates
+    batch statistics and dropout is off; each module's training flag is restored
+    afterwards), counted by forward hooks on the leaves and removed again. The leaves
+    of the built-in classifiers (convolutions, linear layers, ReLU, pooling, flatten,
+    GroupNorm, identity) all compute each sample on its own, so their outputs grow
+    linearly in the batch: the count for one sample times ``batch_size``.
+
+    Why not the ``meta`` device (shapes only, no data): torch runs many meta kernels
+    through ``torch._refs``, which imports ``torch._dynamo``, the compiler (about a
+    second, tens of MB, far more under a profiler) on the first call.
+    """
     total = 0
 
     def count(_module: nn.Module, _args: object, output: object) -> None:
         nonlocal total
         total += _numel(output)
 
+    modes = [(module, module.training) for module in model.modules()]
+    handles = [
+        module.register_forward_hook(count)
+        for module in model.modules()
+        if next(module.children(), None) is None
+    ]
     try:
-        meta = _meta_copy(model)
-        meta.train()
-        for module in meta.modules():
-            if next(module.children(), None) is None:
-                module.register_forward_hook(count)
+        model.eval()
+        device, dtype = _device_and_dtype(model)
         with torch.no_grad():
-            meta(torch.empty((batch_size, *input_shape), device="meta"))
+            model(torch.zeros((1, *input_shape), device=device, dtype=dtype))
     except Exception as exc:
         raise ResourceError(
-            f"cannot estimate the activations of {name} for input {input_shape} at batch "
-            f"{batch_size} on the meta device: {type(exc).__name__}: {exc}"
+            f"cannot estimate the activations of {name} for input {input_shape}: "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
-    return total
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes:
+            module.training = training
+    return total * batch_size
+
+
+def _device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Where the model's floating-point weights live and their dtype (the first found;
+    the CPU and float32 for a model without any)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.device, tensor.dtype
+    return torch.device("cpu"), torch.float32
 
 
 def _numel(output: object) -> int:

@@ -99,14 +99,23 @@ def test_stacked_updates_are_each_rows_own_update() -> None:
         torch.testing.assert_close(buf[i], b_sgd)
 
 
-def test_stepping_does_not_import_torchs_compiler() -> None:
-    """What the module is for: torch.optim imports torch._dynamo (seconds, tens of MB)."""
+def test_stepping_and_the_memory_check_do_not_import_torchs_compiler() -> None:
+    """What the module is for: torch.optim imports torch._dynamo (seconds, tens of MB).
+
+    The device's start-time memory check (and the sim's cohort sizing) is on the same
+    path: an estimate run on the meta device imports it too (torch._refs).
+    """
     code = (
         "import sys, torch\n"
+        "from models import build_classifier\n"
         "from models.optim import SGD, Adam\n"
+        "from edge_client.train.resources import check_memory, estimate_training\n"
         "p = torch.zeros(2, requires_grad=True)\n"
         "for opt in (SGD([p], lr=0.1, momentum=0.9), Adam([p], lr=0.1)):\n"
         "    p.grad = torch.ones(2); opt.step()\n"
+        "for name in ('lenet5', 'resnet8'):\n"
+        "    model = build_classifier(name)\n"
+        "    check_memory(estimate_training(model, model.input_shape, 64), budget_bytes=2**40)\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,5 +1,5 @@
 """edge_client.train.resources: memory limits from fake /proc and cgroup trees, the training
-estimate (hand counts, linearity, meta device) and the start-time check."""
+estimate (hand counts, linearity, the model left alone) and the start-time check."""
 
 from __future__ import annotations
 
@@ -226,7 +226,7 @@ def test_estimate_grows_linearly_in_the_batch_size() -> None:
     assert e5.total - e5.activations == fixed
 
 
-def test_estimate_runs_on_meta_and_leaves_the_model_alone() -> None:
+def test_estimate_is_cheap_at_any_batch_and_leaves_the_model_alone() -> None:
     model = build_classifier("lenet5")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model.eval()
@@ -242,6 +242,65 @@ def test_estimate_runs_on_meta_and_leaves_the_model_alone() -> None:
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", classifier_names())
+def test_one_sample_times_the_batch_is_what_a_real_training_forward_outputs(name: str) -> None:
+    """The estimate runs one sample in eval mode; every leaf of the built-in classifiers
+    computes each sample on its own, so a training-mode forward of a whole batch has
+    exactly that many output elements per leaf."""
+    model = build_classifier(name)
+    batch = 5
+    outputs = 0
+
+    def count(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
+        nonlocal outputs
+        outputs += output.numel()
+
+    handles = [
+        m.register_forward_hook(count) for m in model.modules() if next(m.children(), None) is None
+    ]
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(batch, *model.input_shape))
+    for handle in handles:
+        handle.remove()
+
+    assert estimate_training(model, model.input_shape, batch).activations == 2 * 4 * outputs
+
+
+def test_estimate_keeps_training_flags_statistics_hooks_and_random_state() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model.train()
+    model[2].eval()  # mixed flags come back as they were
+    stats = {k: v.clone() for k, v in model[1].state_dict().items()}
+    rng = torch.get_rng_state()
+
+    estimate = estimate_training(model, (4,), 3)
+
+    assert estimate.activations == 2 * 4 * 3 * (8 + 8 + 8 + 2)
+    assert [m.training for m in model] == [True, True, False, True] and model.training
+    for key, value in model[1].state_dict().items():  # running stats, batches tracked
+        assert torch.equal(value, stats[key]), key
+    assert all(not m._forward_hooks for m in model.modules())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_failing_forward_still_restores_the_model() -> None:
+    model = nn.Sequential(nn.Linear(10, 2), nn.Dropout())
+    model.train()
+    with pytest.raises(ResourceError, match=r"RuntimeError"):
+        estimate_training(model, (11,), 4)
+    assert model.training and all(m.training for m in model)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_estimate_runs_the_sample_where_the_model_is() -> None:
+    model = build_classifier("lenet5")
+    on_cpu = estimate_training(model, model.input_shape, 64)
+    assert estimate_training(model.cuda(), model.input_shape, 64) == on_cpu
 
 
 @pytest.mark.parametrize("name", classifier_names())
