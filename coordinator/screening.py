@@ -51,6 +51,13 @@ moves it more is not an outlier worth rejecting (with K = 10 an update may alway
 the model by its own norm)."""
 
 
+def _squares(values: Array) -> float:
+    """The sum of the squares of ``values``, without BLAS: numpy's ``dot`` hands a long
+    vector to the BLAS threads, which wake and spin against torch's own threads (7.9 ms
+    against 0.11 ms for 61,706 doubles on this project's 2-core CPU)."""
+    return float(np.square(values).sum())
+
+
 def delta_norm(weights: Mapping[str, Array], sent: Mapping[str, Array]) -> float:
     """L2 norm of ``weights - sent`` over the floating tensors of ``weights`` (float64)."""
     total = 0.0
@@ -58,7 +65,7 @@ def delta_norm(weights: Mapping[str, Array], sent: Mapping[str, Array]) -> float
         if array.dtype.kind != "f":
             continue
         diff = np.asarray(array, np.float64) - np.asarray(sent[name], np.float64)
-        total += float(np.dot(diff.ravel(), diff.ravel()))
+        total += _squares(diff)
     return float(np.sqrt(total))
 
 
@@ -68,8 +75,7 @@ def model_norm(weights: Mapping[str, Array], names: Any = None) -> float:
     for name, array in weights.items():
         if array.dtype.kind != "f" or (names is not None and name not in names):
             continue
-        flat = np.asarray(array, np.float64).ravel()
-        total += float(np.dot(flat, flat))
+        total += _squares(np.asarray(array, np.float64))
     return float(np.sqrt(total))
 
 
