@@ -52,6 +52,7 @@ from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.datasets import load_dataset, load_proxy_images
 from sim.errors import SimError
 from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
+from sim.fleet.pacing import DEFAULT_RATE
 from sim.partition import Federation, partition_dataset
 from sim.poison import PoisoningTrainer, PoisonKind, poisoned_devices
 from sim.progress import Progress
@@ -106,6 +107,10 @@ class SimConfig(FleetSettings):
     connections: int | None = Field(default=None, ge=1)
     """MQTT connections carrying the emulated devices, each device on one of them with
     its own id and topics (unset: min(devices, 16))."""
+    max_rate: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Messages per second the emulated devices publish at most, all connections
+    together (unset: 500 through an MQTT broker, which drops what overflows its queue
+    for the coordinator; no limit in process, where nothing is dropped)."""
     state_dir: Path | None = None
     """Keep the coordinator's and the devices' state here (unset: a temporary folder)."""
     fleet: str = "sim"
@@ -244,12 +249,19 @@ class SimConfig(FleetSettings):
         )
 
     def fleet_options(self, shard: Shard | None = None) -> FleetOptions:
-        """How the emulated devices are carried: connections and cohorts (in a sharded
-        run, each rank's connections have client ids of their own)."""
+        """How the emulated devices are carried: connections, cohorts and pacing (in a
+        sharded run, each rank's connections have client ids of their own). Through the
+        in-memory broker the devices publish unpaced unless ``max_rate`` says otherwise:
+        it queues whatever the coordinator has not read yet (the answer window still
+        bounds the hellos and updates waiting for an answer)."""
         prefix = f"{self.fleet}-fleet" if shard is None else f"{self.fleet}-fleet-r{shard.rank}"
+        rate = self.max_rate
+        if rate is None and self.transport == "mqtt":
+            rate = DEFAULT_RATE
         return FleetOptions(
             connections=self.connections,
             max_cohort=self.max_cohort or DEFAULT_MAX_COHORT,
+            max_rate=rate,
             client_id_prefix=prefix,
         )
 

@@ -78,9 +78,9 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
     flags.add(
         run.add_argument_group("transport"),
         SimConfig,
-        include=("transport", "broker_url", "connections"),
+        include=("transport", "broker_url", "connections", "max_rate"),
         flags={"broker_url": "--broker"},
-        metavars={"broker_url": "URL", "connections": "K"},
+        metavars={"broker_url": "URL", "connections": "K", "max_rate": "PER_S"},
     )
     add_engine_flags(run, flags)
     flags.add(
