@@ -39,6 +39,7 @@ FLEET_FIELDS = ("devices", *(n for n in FleetSettings.model_fields if n != "trai
 DATA_FIELDS = (
     "dataset",
     "data_dir",
+    "samples_per_device",
     "class_fraction",
     "alpha",
     "min_samples",
@@ -73,7 +74,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         SimConfig,
         include=DATA_FIELDS,
         choices=DATA_CHOICES,
-        metavars={"proxy_data": "DIR", "proxy_size": "N"},
+        metavars={"proxy_data": "DIR", "proxy_size": "N", "samples_per_device": "N"},
     )
     flags.add(
         run.add_argument_group("transport"),

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 from edge_client.config import ClientConfig
@@ -135,8 +136,9 @@ class SharedDecodes(Codec):
     :class:`Message`, not one copy per device.
 
     The channel checks each frame's tag under its device's key before it decodes it; two
-    frames whose bytes after the tag are the same hold the same message, so the second
-    gets the first's (frozen) decoding. Thread-safe: the connections' threads share it.
+    frames whose bytes after the tag are the same hold the same message, so the later
+    gets the first's (frozen) decoding, waiting for it where it is under way on another
+    connection's thread. Thread-safe.
 
     Args:
         codec: the codec whose limits and level it keeps.
@@ -144,10 +146,10 @@ class SharedDecodes(Codec):
 
     def __init__(self, codec: Codec) -> None:
         super().__init__(level=codec.level, limits=codec.limits)
-        self._decoded: OrderedDict[tuple[bytes, memoryview], Message] = OrderedDict()
+        self._decoded: OrderedDict[tuple[bytes, memoryview], Future[Message]] = OrderedDict()
         self._lock = threading.Lock()
         self.shared = 0
-        """Frames that reused a decoding (for tests and benchmarks)."""
+        """Frames that reused a decoding."""
 
     def decode(self, frame: bytes) -> Message:
         if len(frame) < SHARED_FRAME_BYTES:
@@ -155,16 +157,30 @@ class SharedDecodes(Codec):
         # the header, then the message after the tag (the tag differs per device)
         key = (frame[:FRAME_HEADER_SIZE], memoryview(frame)[MESSAGE_PREFIX_SIZE:])
         with self._lock:
-            message = self._decoded.get(key)
-            if message is not None:
+            decoding = self._decoded.get(key)
+            if decoding is None:
+                mine = self._decoded[key] = Future()
+                while len(self._decoded) > SHARED_FRAMES_KEPT:
+                    self._decoded.popitem(last=False)
+            else:
                 self._decoded.move_to_end(key)
-                self.shared += 1
-                return message
-        message = super().decode(frame)
+        if decoding is None:
+            try:
+                message = super().decode(frame)
+            except BaseException:
+                with self._lock:
+                    if self._decoded.get(key) is mine:
+                        del self._decoded[key]
+                mine.cancel()  # waiters decode it themselves, and fail as it did
+                raise
+            mine.set_result(message)
+            return message
+        try:
+            message = decoding.result()
+        except CancelledError:
+            return super().decode(frame)
         with self._lock:
-            self._decoded[key] = message
-            while len(self._decoded) > SHARED_FRAMES_KEPT:
-                self._decoded.popitem(last=False)
+            self.shared += 1
         return message
 
 
