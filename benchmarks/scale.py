@@ -36,6 +36,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"inproc": 0.7, "mosquitto": 0.5}
 """The e2e / engine ratio each transport should reach at least."""
 MODEL = "lenet5"
@@ -150,9 +152,16 @@ def _device_name(device: Any) -> str:
 def _child(kind: str, options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Run one measurement in a fresh process; its row, or ``{"error": ...}``."""
     command = [sys.executable, "-m", "benchmarks.scale", "--one", json.dumps([kind, options])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, check=False, timeout=timeout_s
+            command,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
