@@ -58,7 +58,9 @@ def run_sim(options: dict[str, Any]) -> dict[str, Any]:
 
     from models.devices import resolve_device
     from sim.run import SimConfig, run_simulation
+    from sim.run_cli import tune_process
 
+    tune_process()  # as python -m sim does
     torch.set_num_threads(options["threads"])
     devices, samples = options["devices"], options["samples"]
     data: dict[str, Any] = {"dataset": "synthetic"}

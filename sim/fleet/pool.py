@@ -156,6 +156,7 @@ class SharedDecodes(Codec):
             return super().decode(frame)
         # the header, then the message after the tag (the tag differs per device)
         key = (frame[:FRAME_HEADER_SIZE], memoryview(frame)[MESSAGE_PREFIX_SIZE:])
+        hash(key)  # the view keeps its hash: hashed here, not while holding the lock
         with self._lock:
             decoding = self._decoded.get(key)
             if decoding is None:
