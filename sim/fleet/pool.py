@@ -14,6 +14,10 @@ broker is unreachable, as the device's
 without holding up the connection's other devices). The same thread first subscribes its
 devices' inboxes and the status, then announces its devices.
 
+The connections share one codec (:class:`SharedDecodes`): a frame many devices receive
+(a round's model, one message sealed under each device's key) is checked under each
+device's key and decoded once, into one message the devices share.
+
 A pool connection has no last will: the broker cannot publish N devices' ``offline``
 statuses for one dropped connection. The driver publishes ``offline`` for every device
 when it stops; an emulator that crashes leaves its devices' last statuses as they were.
