@@ -162,6 +162,11 @@ class RoundEngine:
         self._transfers = Transfers(
             self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
         )
+        self._model_messages: dict[tuple[int, tuple[tuple[str, int], ...]], Message] = {}
+        """This round's model messages, by the encoded sets they carry (the objects
+        :class:`Transfers` shares): devices sent the same sets get the same message, one
+        id and one frame, encoded once; each copy goes to its own topic, sealed under
+        its device's key."""
         self.registry = DeviceRegistry()
         self._replay = ReplayGuard(config.replay_window_s)
         self._refusals = RateLimitedLog(log)
@@ -620,6 +625,7 @@ class RoundEngine:
         self._counters = _RoundCounters()
         self._screen.new_round(run.norm_floor)
         self._transfers.new_round()
+        self._model_messages.clear()
         sets = self._server_sets()
         actions: list[Action] = self._status("running")
         for device_id in selected:
@@ -660,8 +666,12 @@ class RoundEngine:
         )
         models: list[Publish] = []  # none where the strategy sends no model
         if sets:
-            body = ModelPayload(sets=sets)
-            model = Message(fleet=fleet, sender=me, round=run.round, body=body)
+            key = (run.round, tuple((name, id(tensors)) for name, tensors in sets.items()))
+            model = self._model_messages.get(key)
+            if model is None:
+                body = ModelPayload(sets=sets)
+                model = Message(fleet=fleet, sender=me, round=run.round, body=body)
+                self._model_messages[key] = model
             models.append(Publish(self.topics.to_device(device_id, "model"), model))
         hyper = self.strategy.hyperparameters(run.round)
         hyper["seed"] = device_seed(self.config.seed, run.round, device_id)

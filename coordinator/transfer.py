@@ -82,9 +82,11 @@ class Transfers:
         self._state = state
         self._deltas = deltas
         self._teacher_budget = teacher_budget
-        self._cache: dict[tuple[int, str, str, Precision], Encoded] = {}
-        """Full encodings of this round, by (round, group, set, precision): devices of a
-        group at one precision share them."""
+        self._cache: dict[tuple[int, str, str, Precision, str | None], Encoded] = {}
+        """Encodings of this round, by (round, group, set, precision, base): devices of a
+        group at one precision share the full one, and those holding the same base (the
+        content fingerprint of the model they hold; FedAvg: last round's global model)
+        the delta against it. Each is quantized and compressed once."""
 
     def new_round(self) -> None:
         """Forget the encodings cached for the previous round."""
@@ -116,9 +118,12 @@ class Transfers:
                 encoded = self._model(device_id, round_number, group, name, arrays, link=link)
             elif name in against and against[name] in done:
                 other = done[against[name]]
-                budget = max(1, int(self._teacher_budget * compressed_size(other.tensors)))
                 ref = set_base(against[name])
-                encoded = fit_delta(arrays, other.received, ref, precision, budget)
+                key = (round_number, group, name, precision, f"{ref}@{other.fingerprint}")
+                if key not in self._cache:
+                    budget = max(1, int(self._teacher_budget * compressed_size(other.tensors)))
+                    self._cache[key] = fit_delta(arrays, other.received, ref, precision, budget)
+                encoded = self._cache[key]
             else:
                 encoded = self._full(round_number, group, name, arrays, precision)
             done[name] = encoded
@@ -143,7 +148,10 @@ class Transfers:
         if held is None:
             encoded = self._full(round_number, group, name, arrays, precision)
         else:
-            encoded = encode_delta(arrays, held.arrays, held.fingerprint, precision)
+            key = (round_number, group, name, precision, held.fingerprint)
+            if key not in self._cache:
+                self._cache[key] = encode_delta(arrays, held.arrays, held.fingerprint, precision)
+            encoded = self._cache[key]
         if not link.lossless:
             base = Base(round_number, encoded.fingerprint, encoded.received)
             self._state.save_base(device_id, "sent", base)
@@ -152,7 +160,7 @@ class Transfers:
     def _full(
         self, round_number: int, group: str, name: str, arrays: Arrays, precision: Precision
     ) -> Encoded:
-        key = (round_number, group, name, precision)
+        key = (round_number, group, name, precision, None)
         if key not in self._cache:
             self._cache[key] = encode_full(arrays, precision)
         return self._cache[key]

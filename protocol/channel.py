@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,11 @@ from protocol.transport.wire import publish_packet_size
 __all__ = ["Channel", "Sent"]
 
 log = logging.getLogger(__name__)
+
+FRAMES_KEPT = 4
+"""Messages whose frame a :class:`Channel` keeps, to send them again without encoding
+(a round's model to each of its devices: the group's model messages and the task sent
+between two of them)."""
 
 MessageHandler = Callable[[str, Message], None]
 ErrorHandler = Callable[[str, DecodeError], None]
@@ -82,6 +88,10 @@ class Channel:
         self.auth = auth
         self._reassembler = Reassembler(reassembly, admit=admit)
         self._lock = threading.Lock()
+        self._frames_lock = threading.Lock()
+        self._frames: OrderedDict[int, tuple[Message, bytes]] = OrderedDict()
+        """The unsealed frames of the last messages encoded, by identity (each holds its
+        message, so an id is not reused while it is here)."""
 
     def max_payload_for(self, topic: str, qos: int = 1) -> int:
         """Largest payload to publish on ``topic``, honouring the broker's MQTT 5 limit."""
@@ -144,12 +154,28 @@ class Channel:
             EncodeError: the message cannot be encoded, or the channel authenticates and
                 has no key for the device ``topic`` names.
         """
-        frame = self.codec.encode(message)
+        frame = self._frame(message)
         key = None if self.auth is None else self.auth.key_for(topic)
         if key is not None:
             return seal(key, topic, frame)
         if self.auth is not None and topic_device(topic) is not None:
             raise EncodeError(f"no key for the device of {topic}")
+        return frame
+
+    def _frame(self, message: Message) -> bytes:
+        """``message`` encoded, once while it is among the :data:`FRAMES_KEPT` messages
+        sent last: a message sent to many topics (one model to many devices, each copy
+        sealed under its device's key) is compressed once."""
+        with self._frames_lock:
+            kept = self._frames.get(id(message))
+            if kept is not None:
+                self._frames.move_to_end(id(message))
+                return kept[1]
+        frame = self.codec.encode(message)
+        with self._frames_lock:
+            self._frames[id(message)] = (message, frame)
+            while len(self._frames) > FRAMES_KEPT:
+                self._frames.popitem(last=False)
         return frame
 
     def subscribe(

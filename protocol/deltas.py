@@ -24,6 +24,7 @@ Every function returns, besides the tensor set, exactly what the receiver will d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,9 +81,10 @@ class Encoded:
     exact tensors); a sender with error feedback adds it to its next delta. Empty for a
     full set."""
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Content fingerprint of :attr:`received` (how a later delta names it)."""
+        """Content fingerprint of :attr:`received` (how a later delta names it; computed
+        once: an encoding sent to many devices is named for each)."""
         return content_fingerprint(self.received)
 
 

@@ -52,6 +52,7 @@ from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.datasets import load_dataset, load_proxy_images
 from sim.errors import SimError
 from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
+from sim.fleet.pacing import DEFAULT_RATE
 from sim.partition import Federation, partition_dataset
 from sim.poison import PoisoningTrainer, PoisonKind, poisoned_devices
 from sim.progress import Progress
@@ -79,6 +80,9 @@ class SimConfig(FleetSettings):
     """Dataset to partition across the devices."""
     data_dir: Path | None = None
     """Folder with the dataset's files."""
+    samples_per_device: int | None = Field(default=None, ge=2)
+    """synthetic only: samples generated per device, train and local test (unset: 100,
+    and 10,000 at least in all)."""
     class_fraction: float = Field(default=1.0, gt=0, le=1)
     """Keep this share of each class of the train split (FedKF's EMNIST: 0.1)."""
     alpha: float = Field(default=0.5, gt=0)
@@ -106,6 +110,11 @@ class SimConfig(FleetSettings):
     connections: int | None = Field(default=None, ge=1)
     """MQTT connections carrying the emulated devices, each device on one of them with
     its own id and topics (unset: min(devices, 16))."""
+    max_rate: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Messages per second the emulated devices publish at most, all connections
+    together; 0: no limit (unset: 500 through an MQTT broker, which drops what
+    overflows its queue for the coordinator; no limit in process, where nothing is
+    dropped)."""
     state_dir: Path | None = None
     """Keep the coordinator's and the devices' state here (unset: a temporary folder)."""
     fleet: str = "sim"
@@ -144,12 +153,14 @@ class SimConfig(FleetSettings):
         return math.inf if value == "inf" else value
 
     @model_validator(mode="after")
-    def _connections_fit(self) -> SimConfig:
+    def _consistent(self) -> SimConfig:
         if self.connections is not None and self.connections > self.devices:
             raise ValueError(
                 f"connections ({self.connections}) cannot exceed devices ({self.devices}): "
                 "each connection carries at least one device"
             )
+        if self.samples_per_device is not None and self.dataset != "synthetic":
+            raise ValueError("samples_per_device applies to the synthetic dataset only")
         return self
 
     def proxy_images(self) -> np.ndarray | None:
@@ -244,12 +255,19 @@ class SimConfig(FleetSettings):
         )
 
     def fleet_options(self, shard: Shard | None = None) -> FleetOptions:
-        """How the emulated devices are carried: connections and cohorts (in a sharded
-        run, each rank's connections have client ids of their own)."""
+        """How the emulated devices are carried: connections, cohorts and pacing (in a
+        sharded run, each rank's connections have client ids of their own). Through the
+        in-memory broker the devices publish unpaced unless ``max_rate`` says otherwise:
+        it queues whatever the coordinator has not read yet (the answer window still
+        bounds the hellos and updates waiting for an answer)."""
         prefix = f"{self.fleet}-fleet" if shard is None else f"{self.fleet}-fleet-r{shard.rank}"
+        rate = self.max_rate
+        if rate is None:
+            rate = DEFAULT_RATE if self.transport == "mqtt" else 0
         return FleetOptions(
             connections=self.connections,
             max_cohort=self.max_cohort or DEFAULT_MAX_COHORT,
+            max_rate=rate or None,
             client_id_prefix=prefix,
         )
 
@@ -305,7 +323,12 @@ def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
 
 
 def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
-    options = synthetic_size(config.devices) if config.dataset == "synthetic" else {}
+    options: dict[str, int] = {}
+    if config.dataset == "synthetic" and config.samples_per_device is not None:
+        samples = config.samples_per_device * config.devices
+        options = {"train_samples": samples, "test_samples": max(10, samples // 5)}
+    elif config.dataset == "synthetic":
+        options = synthetic_size(config.devices)
     splits = load_dataset(config.dataset, config.data_dir, seed=config.seed, **options)
     if config.class_fraction < 1:
         train = _subsample(splits.train, config.class_fraction, config.seed)

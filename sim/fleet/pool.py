@@ -14,6 +14,10 @@ broker is unreachable, as the device's
 without holding up the connection's other devices). The same thread first subscribes its
 devices' inboxes and the status, then announces its devices.
 
+The connections share one codec (:class:`SharedDecodes`): a frame many devices receive
+(a round's model, one message sealed under each device's key) is checked under each
+device's key and decoded once, into one message the devices share.
+
 A pool connection has no last will: the broker cannot publish N devices' ``offline``
 statuses for one dropped connection. The driver publishes ``offline`` for every device
 when it stops; an emulator that crashes leaves its devices' last statuses as they were.
@@ -27,7 +31,9 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 from edge_client.config import ClientConfig
@@ -38,14 +44,21 @@ from edge_client.train.session import Event, Publish, Received, SendUpdate, Star
 from edge_client.train.shell import Retry, Upload, publish_once
 from protocol.auth import Keyring
 from protocol.channel import Channel
-from protocol.codec import Codec
+from protocol.codec import FRAME_HEADER_SIZE, MESSAGE_PREFIX_SIZE, Codec
 from protocol.errors import DecodeError, TransportError
 from protocol.messages import Message
 from protocol.topics import Topics
 from protocol.transport import Counts, Inbound, TrafficStats, Transport, publish_packet_size
 from sim.fleet.pacing import RateLimit
 
-__all__ = ["ConnectionRestored", "DeviceEvent", "Pool", "PoolEvent", "StatusArrived"]
+__all__ = [
+    "ConnectionRestored",
+    "DeviceEvent",
+    "Pool",
+    "PoolEvent",
+    "SharedDecodes",
+    "StatusArrived",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +126,69 @@ def _keyring(configs: Sequence[ClientConfig]) -> Keyring | None:
     return Keyring({d: k for r in rings if r is not None for d, k in r.items()})
 
 
+SHARED_FRAME_BYTES = 4096
+"""Frames from this size on are decoded once for all the fleet's devices that receive
+them (a round's model); smaller ones (tasks, acks, statuses) each time."""
+SHARED_FRAMES_KEPT = 8
+"""Decoded large frames the fleet keeps (the models of a round's groups and
+precisions)."""
+
+
+class SharedDecodes(Codec):
+    """The fleet's codec: a frame that many devices receive (the coordinator sends one
+    model to each, sealed under each device's key) decodes to one shared
+    :class:`Message`, not one copy per device.
+
+    The channel checks each frame's tag under its device's key before it decodes it; two
+    frames whose bytes after the tag are the same hold the same message, so the later
+    gets the first's (frozen) decoding, waiting for it where it is under way on another
+    connection's thread. Thread-safe.
+
+    Args:
+        codec: the codec whose limits and level it keeps.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        super().__init__(level=codec.level, limits=codec.limits)
+        self._decoded: OrderedDict[tuple[bytes, memoryview], Future[Message]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.shared = 0
+        """Frames that reused a decoding."""
+
+    def decode(self, frame: bytes) -> Message:
+        if len(frame) < SHARED_FRAME_BYTES:
+            return super().decode(frame)
+        # the header, then the message after the tag (the tag differs per device)
+        key = (frame[:FRAME_HEADER_SIZE], memoryview(frame)[MESSAGE_PREFIX_SIZE:])
+        hash(key)  # the view keeps its hash: hashed here, not while holding the lock
+        with self._lock:
+            decoding = self._decoded.get(key)
+            if decoding is None:
+                mine = self._decoded[key] = Future()
+                while len(self._decoded) > SHARED_FRAMES_KEPT:
+                    self._decoded.popitem(last=False)
+            else:
+                self._decoded.move_to_end(key)
+        if decoding is None:
+            try:
+                message = super().decode(frame)
+            except BaseException:
+                with self._lock:
+                    if self._decoded.get(key) is mine:
+                        del self._decoded[key]
+                mine.cancel()  # waiters decode it themselves, and fail as it did
+                raise
+            mine.set_result(message)
+            return message
+        try:
+            message = decoding.result()
+        except CancelledError:
+            return super().decode(frame)
+        with self._lock:
+            self.shared += 1
+        return message
+
+
 class Pool:
     """The connections of a fleet and their publisher threads.
 
@@ -137,6 +213,7 @@ class Pool:
         if len(transports) != len(members) or not all(members):
             raise ValueError("one non-empty list of devices per transport")
         configs = [c for group in members for c in group]
+        self.codec = SharedDecodes(codec or Codec())
         self._topics = Topics(configs[0].fleet)
         self._post = post
         self._rate = rate
@@ -145,7 +222,7 @@ class Pool:
         self._connections: list[_Connection] = []
         for index, (transport, group) in enumerate(zip(transports, members, strict=True)):
             max_payload = min(c.max_payload for c in group)
-            channel = Channel(transport, codec, max_payload=max_payload, auth=_keyring(group))
+            channel = Channel(transport, self.codec, max_payload=max_payload, auth=_keyring(group))
             ids = tuple(c.device_id for c in group)
             self._connections.append(_Connection(self, index, channel, ids))
             self._connection_of.update(dict.fromkeys(ids, index))
