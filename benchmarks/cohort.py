@@ -42,6 +42,7 @@ from edge_client.train.task import LocalTask
 from models import Classifier, build_classifier, state_arrays
 from models.devices import resolve_device
 from sim.cohort.engine import Member, train_cohort
+from sim.cohort.trainer import auto_max_cohort
 
 FEDKF = {"generator_width": 16}
 
@@ -122,7 +123,8 @@ def run_one(options: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     if options["engine"] == "batched":
         members = [Member(m, d, t) for m, d, t in zip(models, data, tasks, strict=True)]
-        outcomes = train_cohort(members, device=device, max_cohort=options["max_cohort"])
+        limit = options["max_cohort"] or auto_max_cohort(start_model, 32, device)
+        outcomes = train_cohort(members, device=device, max_cohort=limit)
         failed = [o.error for o in outcomes if o.result is None]
         if failed:
             raise RuntimeError(f"{len(failed)} devices failed: {failed[0]}")
@@ -157,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--samples", type=int, default=300, help="train samples per device")
     parser.add_argument("--loop-sample", type=int, default=50, help="devices the loop times")
-    parser.add_argument("--max-cohort", type=int, default=None)
+    parser.add_argument(
+        "--max-cohort",
+        type=int,
+        default=None,
+        help="devices per batched computation (default: the sim's, auto_max_cohort)",
+    )
     parser.add_argument("--data-dir", type=Path, default=None, help="MNIST IDX files")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a configuration, as JSON

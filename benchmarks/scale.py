@@ -21,8 +21,9 @@ round (the devices' trainers are built then) is reported apart as ``first_round_
 ``ratio`` = e2e over engine updates per second; targets: 0.7 in process, 0.5 through
 Mosquitto. ``device`` names the CPU model or GPU (:func:`benchmarks.cohort.device_name`).
 
-The ``coordinator`` rows come from :func:`benchmarks.coordinator_scale.coordinator_rows`
-where that module exists.
+The ``coordinator`` rows are :func:`benchmarks.coordinator_scale.coordinator_rows` at
+``--coordinator-devices`` (1,000, 10,000 and 100,000 by default): the coordinator's
+microseconds per update, fed pre-encoded, pre-signed updates.
 
 Run: ``python -m benchmarks.scale [--devices 1000,10000] [--transports inproc,mosquitto]
 [--rounds 2] [--samples 300] [--device auto|cpu|cuda] [--data-dir DIR] [--json PATH]``.
@@ -43,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.coordinator_scale import coordinator_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"inproc": 0.7, "mosquitto": 0.5}
@@ -232,21 +235,17 @@ def line(row: dict[str, Any]) -> str:
     return text
 
 
-def coordinator_section(sizes: list[int]) -> list[dict[str, Any]] | None:
-    """The coordinator's rows, where :mod:`benchmarks.coordinator_scale` exists."""
-    try:
-        from benchmarks.coordinator_scale import coordinator_rows  # type: ignore[import-not-found]
-    except ImportError:
-        print("coordinator section skipped: benchmarks.coordinator_scale is not there")
-        return None
-    rows: list[dict[str, Any]] = coordinator_rows(sizes)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="1000,10000", help="fleet sizes, comma-separated")
-    parser.add_argument("--transports", default="inproc,mosquitto")
+    parser.add_argument(
+        "--transports", default="inproc,mosquitto", help="inproc and/or mosquitto, comma-separated"
+    )
+    parser.add_argument(
+        "--coordinator-devices",
+        default="1000,10000,100000",
+        help="fleet sizes of the coordinator's microseconds per update; '' skips them",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each sim run (>= 2)")
     parser.add_argument("--samples", type=int, default=300, help="train samples per device")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -264,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rounds < 2:
         parser.error("--rounds must be at least 2 (the first round is reported apart)")
-    sizes = [int(d) for d in args.devices.split(",")]
+    unknown = set(args.transports.split(",")) - set(TARGETS)
+    if unknown:
+        parser.error(f"unknown transport(s) {sorted(unknown)}: choose from {sorted(TARGETS)}")
+    sizes = [int(d) for d in args.coordinator_devices.split(",") if d]
     with tempfile.TemporaryDirectory(prefix="scale-") as work:
         broker_url, broker = None, None
         if "mosquitto" in args.transports.split(","):
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if broker is not None:
                 broker.stop()
-    result = {"sim": rows, "coordinator": coordinator_section(sizes)}
+    result = {"sim": rows, "coordinator": coordinator_rows(sizes) if sizes else []}
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0 if rows and all("ratio" in r for r in rows) else 1

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 def test_a_tiny_scale_run_writes_one_row_per_transport(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
 
-    code = main(["--devices", "4", "--transports", "inproc", "--samples", "40", "--json", str(out)])
+    args = ["--devices", "4", "--transports", "inproc", "--samples", "40"]
+    code = main([*args, "--coordinator-devices", "20", "--json", str(out)])
 
     assert code == 0
     result = json.loads(out.read_text())
@@ -34,5 +35,6 @@ def test_a_tiny_scale_run_writes_one_row_per_transport(tmp_path: Path) -> None:
     # 61,706 floats each): more than two bytes a float
     assert row["bytes_down_per_round"] > 4 * 2 * 61_706
     assert row["bytes_up_per_round"] > 4 * 2 * 61_706
-    assert "coordinator" in result
+    (coordinator,) = result["coordinator"]
+    assert coordinator["devices"] == 20 and coordinator["us_per_update"] > 0
     assert f"{TARGETS['inproc']}x target" in line(row)
