@@ -72,8 +72,8 @@ def auto_max_cohort(model: Classifier, batch_size: int, device: torch.device) ->
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, int(MEMORY_SHARE * free // max(1, estimate)))
-    free = min(MEMORY_SHARE * memory_limit().bytes, CPU_CHUNK_BYTES)
-    return max(1, int(free // max(1, estimate)))
+    budget = min(MEMORY_SHARE * memory_limit().bytes, float(CPU_CHUNK_BYTES))
+    return max(1, int(budget // max(1, estimate)))
 
 
 class BatchedTrainer(LoopTrainer):
