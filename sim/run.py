@@ -121,8 +121,8 @@ class SimConfig(FleetSettings):
     """Fleet name of the emulated run (topics fl/FLEET/)."""
     engine: Engine = "auto"
     """How the devices of a round train: batched (all at once, sim.cohort), loop (one
-    after the other, the per-device reference) or auto (batched on a GPU, loop on a CPU,
-    where batching measured no faster)."""
+    after the other, the per-device reference) or auto (batched on a GPU, loop on a CPU:
+    sim.cohort.trainer.Engine)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the emulated devices train: auto = CUDA when a GPU is there, else the CPU."""
     max_cohort: int | None = Field(default=None, ge=1)
