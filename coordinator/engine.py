@@ -77,6 +77,7 @@ from coordinator.events import (
     Undecodable,
 )
 from coordinator.groups import ArchitectureGroup, GroupModels
+from coordinator.outbox import Outbox, mean_metric, some, weighted_metric
 from coordinator.registry import DeviceRegistry
 from coordinator.screening import NormScreen, delta_norm, model_norm
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
@@ -84,20 +85,17 @@ from coordinator.store import Store
 from coordinator.strategies.base import Arrays, NothingToAggregate, Strategy
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
-from protocol.deltas import encode_full
 from protocol.messages import (
     Ack,
-    CoordinatorStatus,
     DeviceStatus,
     Hello,
     Message,
-    ModelPayload,
     ReasonCode,
     RoundTask,
     Update,
     WeightFormat,
 )
-from protocol.sets import GLOBAL_SET, WEIGHTS_SET
+from protocol.sets import WEIGHTS_SET
 from protocol.topics import Topics
 
 __all__ = ["RoundEngine", "device_seed"]
@@ -162,7 +160,7 @@ class RoundEngine:
         self._transfers = Transfers(
             self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
         )
-        self._model_messages: dict[tuple[int, tuple[tuple[str, int], ...]], Message] = {}
+        self._outbox = Outbox(config, self.topics)
         """This round's model messages, by the encoded sets they carry (the objects
         :class:`Transfers` shares): devices sent the same sets get the same message, one
         id and one frame, encoded once; each copy goes to its own topic, sealed under
@@ -192,7 +190,6 @@ class RoundEngine:
         """``run.aggregating`` as a set, while the round's aggregation runs."""
         self._models: GroupModels = {}
         self._counters = _RoundCounters()
-        self._status_sent = ""
         self._screen = NormScreen(config.max_update_norm_ratio, config.max_update_norm, None)
 
     # -- properties --------------------------------------------------------------------
@@ -291,7 +288,7 @@ class RoundEngine:
         if isinstance(event, Tick):
             return self._on_tick(event.now)
         if isinstance(event, Reconnected):
-            return self._status(self._status_sent or "starting", force=True)
+            return self._status(self._outbox.status_sent or "starting", force=True)
         if isinstance(event, AggregateDone):
             return self._on_aggregate_done(event)
         if isinstance(event, Undecodable):
@@ -599,7 +596,7 @@ class RoundEngine:
                 run.round,
                 len(missing),
                 len(run.selected),
-                _some(missing),
+                some(missing),
             )
             return self._close_round()
         if run.phase == "waiting":
@@ -625,7 +622,7 @@ class RoundEngine:
         self._counters = _RoundCounters()
         self._screen.new_round(run.norm_floor)
         self._transfers.new_round()
-        self._model_messages.clear()
+        self._outbox.new_round()
         sets = self._server_sets()
         actions: list[Action] = self._status("running")
         for device_id in selected:
@@ -666,13 +663,7 @@ class RoundEngine:
         )
         models: list[Publish] = []  # none where the strategy sends no model
         if sets:
-            key = (run.round, tuple((name, id(tensors)) for name, tensors in sets.items()))
-            model = self._model_messages.get(key)
-            if model is None:
-                body = ModelPayload(sets=sets)
-                model = Message(fleet=fleet, sender=me, round=run.round, body=body)
-                self._model_messages[key] = model
-            models.append(Publish(self.topics.to_device(device_id, "model"), model))
+            models.append(self._outbox.model(device_id, run.round, sets))
         hyper = self.strategy.hyperparameters(run.round)
         hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
         weight_format = self._weight_format(device_id)
@@ -748,32 +739,18 @@ class RoundEngine:
             rejected=self._counters.rejected,
             duration_s=max(0.0, now - run.started_at),
             models=models,
-            train_loss=_weighted_metric(metrics, "loss"),
-            train_accuracy=_weighted_metric(metrics, "accuracy"),
-            device_train_s=_mean_metric(metrics, "train_s"),
+            train_loss=weighted_metric(metrics, "loss"),
+            train_accuracy=weighted_metric(metrics, "accuracy"),
+            device_train_s=mean_metric(metrics, "train_s"),
             aggregate_s=done.seconds,
         )
         actions: list[Action] = [closed]
         if self.config.broadcast_model:
             (group,) = models.values()  # the constructor made sure of it
-            actions.append(self._broadcast(closing, group[self.strategy.final_model]))
+            actions.append(self._outbox.broadcast(closing, group[self.strategy.final_model]))
         if finished:
             return [*actions, *self._status("finished"), self._finished()]
         return [*actions, *self._on_tick(now)]
-
-    def _broadcast(self, round_number: int, model: Arrays) -> Publish:
-        """The fleet's model for devices that serve it (``broadcast_model``): one full set
-        ``global`` at the fleet's downlink precision, retained when it fits one frame."""
-        body = ModelPayload(
-            sets={GLOBAL_SET: encode_full(model, self.config.downlink_precision).tensors}
-        )
-        message = Message(
-            fleet=self.config.fleet,
-            sender=self.config.coordinator_id,
-            round=round_number,
-            body=body,
-        )
-        return Publish(self.topics.broadcast_model, message, latest=True)
 
     def _finished(self) -> Finished:
         return Finished(self.models(), self.strategy.final_model)
@@ -787,47 +764,11 @@ class RoundEngine:
     # -- messages ----------------------------------------------------------------------
 
     def _ack(
-        self,
-        device_id: str,
-        ref: Message,
-        accepted: bool,
-        reason: ReasonCode,
-        detail: str = "",
+        self, device_id: str, ref: Message, accepted: bool, reason: ReasonCode, detail: str = ""
     ) -> Publish:
-        body = Ack(accepted=accepted, reason=reason, ref=ref.message_id, detail=detail[:512])
-        message = Message(
-            fleet=self.config.fleet, sender=self.config.coordinator_id, round=ref.round, body=body
-        )
-        return Publish(self.topics.to_device(device_id, "ack"), message)
+        return self._outbox.ack(device_id, ref, accepted, reason, detail)
 
     def _status(self, state: str, *, force: bool = False) -> list[Action]:
         """The retained coordinator status; published only when the state changes."""
-        if state == self._status_sent and not force:
-            return []
-        body = CoordinatorStatus(
-            state=state,
-            strategy=self.strategy.name,
-            rounds_total=self.config.rounds,
-            devices_registered=len(self.registry),
-            devices_online=self.registry.online_count(),
-        )
-        self._status_sent = state
-        message = Message(fleet=self.config.fleet, sender=self.config.coordinator_id, body=body)
-        return [Publish(self.topics.coordinator_status, message, retain=True)]
-
-
-def _weighted_metric(stats: list[tuple[int, dict[str, float]]], name: str) -> float | None:
-    pairs = [(n, m[name]) for n, m in stats if name in m and math.isfinite(m[name])]
-    total = sum(n for n, _ in pairs)
-    return sum(n * v for n, v in pairs) / total if total else None
-
-
-def _mean_metric(stats: list[tuple[int, dict[str, float]]], name: str) -> float | None:
-    values = [m[name] for _, m in stats if name in m and math.isfinite(m[name])]
-    return sum(values) / len(values) if values else None
-
-
-def _some(names: list[str], shown: int = 10) -> str:
-    """The first ``shown`` of ``names``, and how many more there are."""
-    head = ", ".join(names[:shown])
-    return head if len(names) <= shown else f"{head} and {len(names) - shown} more"
+        registered, online = len(self.registry), self.registry.online_count()
+        return self._outbox.status(state, self.strategy.name, registered, online, force=force)
