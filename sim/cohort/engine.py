@@ -447,10 +447,10 @@ class _CohortSamples:
         self.steps = [len(b) for b in batches]
         self.seen = [sum(len(i) for i in b) for b in batches]
         self.longest = max(self.steps, default=0)
-        self.width = max((len(i) for b in batches for i in b), default=1)
+        width = max((len(i) for b in batches for i in b), default=1)
         rows = len(counts)
         # (devices, steps, width): sample numbers into self.x; -1 pads
-        index = torch.full((rows, max(1, self.longest), self.width), -1, dtype=torch.int64)
+        index = torch.full((rows, max(1, self.longest), width), -1, dtype=torch.int64)
         self._sizes = torch.zeros((rows, max(1, self.longest)), dtype=torch.int64)
         for row, (offset, device_batches) in enumerate(zip(offsets, batches, strict=True)):
             for step, idx in enumerate(device_batches):

@@ -342,8 +342,13 @@ class _StackedFedKF(StackedTerm):
         self.stacked = StackedModule(self.module).train()
         self.teacher_features = StackedModule(self.teacher.features).train(False)
         self.teacher_head = StackedModule(self.teacher.head).train(False)
-        self.teacher_model = StackedModule(self.teacher).train(False)
         self.lambdas = (hooks[0].config.lambda1, hooks[0].config.lambda2)
+
+    def _teach(self, teachers: Tensors, images: torch.Tensor) -> torch.Tensor:
+        """Each row's teacher's logits on its images: head(features), as the teacher's
+        forward computes them."""
+        features = self.teacher_features(unprefixed(teachers, FEATURES_PREFIX), images)
+        return self.teacher_head(unprefixed(teachers, HEAD_PREFIX), features)
 
     def inputs(self, rows: Sequence[int], index: torch.Tensor | None, width: int) -> Tensors:
         """One Adam step of each row's generator, then each row's generated batch and
@@ -369,7 +374,7 @@ class _StackedFedKF(StackedTerm):
         self.adam.update(params, dict(zip(names, values, strict=True)), index)
         with torch.no_grad():
             images = self.stacked(params | buffers, zs_sample)
-            teacher_logits = self.teacher_model(teachers, images)
+            teacher_logits = self._teach(teachers, images)
         if index is not None:
             for name, value in params.items():
                 self.params[name][index] = value
