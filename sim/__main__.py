@@ -141,7 +141,13 @@ def run_partition(
         f"{train.x.shape[1:]} images ({time.perf_counter() - start:.1f} s)"
     )
     fed = partition_dataset(
-        splits, num_devices, alpha, seed=seed, min_samples=min_samples, test_fraction=test_fraction
+        splits,
+        num_devices,
+        alpha,
+        seed=seed,
+        min_samples=min_samples,
+        test_fraction=test_fraction,
+        in_place=True,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = set()

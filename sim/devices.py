@@ -55,7 +55,7 @@ from sim.fleet import (
     WrappedTrainer,
 )
 from sim.partition import partition_dataset
-from sim.synthetic import SAMPLES_PER_DEVICE
+from sim.synthetic import SAMPLES_PER_DEVICE, synthetic_size
 
 __all__ = ["DevicesConfig", "DevicesReport", "add_devices_parser", "run_devices"]
 
@@ -189,12 +189,11 @@ def _device_data(config: DevicesConfig, ids: Sequence[str]) -> list[DeviceData]:
     _check_data_options(config)
     if config.dataset == "synthetic":
         per_device = config.samples_per_device or SAMPLES_PER_DEVICE
-        train = per_device * len(ids)
-        options = {"train_samples": train, "test_samples": max(10, train // 5)}
+        options = synthetic_size(len(ids), per_device)
         if config.image_size is not None:
             options["image_size"] = config.image_size
     splits = load_dataset(config.dataset, config.data_dir, seed=config.seed, **options)
-    federation = partition_dataset(splits, len(ids), config.alpha, seed=config.seed)
+    federation = partition_dataset(splits, len(ids), config.alpha, seed=config.seed, in_place=True)
     return [
         DeviceData(
             device_id=device_id,

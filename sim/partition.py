@@ -31,6 +31,7 @@ __all__ = [
     "load_device_file",
     "mean_label_entropy",
     "partition_dataset",
+    "reorder_rows",
     "save_device_file",
 ]
 
@@ -149,11 +150,19 @@ def partition_dataset(
     seed: int,
     min_samples: int = 10,
     test_fraction: float = 0.2,
+    in_place: bool = False,
 ) -> Federation:
     """Partition ``splits.train`` across devices and split each device's share.
 
     Each device's samples are shuffled (seeded) and ``round(test_fraction * n)`` of them
     become its local test set, the rest its train set (not stratified).
+
+    The devices' sets are views of one array holding the train samples in device order
+    (device 0's train then test samples, then device 1's, ...): the fleet's data take the
+    dataset's memory once, whatever the number of devices. With ``in_place`` that array is
+    ``splits.train``'s own, reordered where it lies (for a caller that owns the dataset
+    and needs no second copy of it: 10,000 devices of 375 MNIST-sized samples are 11.8 GB);
+    otherwise it is a copy and ``splits`` is left as it was.
 
     Raises:
         PartitionError: as :func:`dirichlet_partition`, or ``test_fraction`` outside
@@ -163,23 +172,81 @@ def partition_dataset(
         raise PartitionError(f"test_fraction must lie in [0, 1), got {test_fraction}")
     part_seq, split_seq = np.random.SeedSequence(seed).spawn(2)
     part_seed = int(part_seq.generate_state(1)[0])
+    train = splits.train
     shards = dirichlet_partition(
-        splits.train.y, num_devices, alpha, seed=part_seed, min_samples=min_samples
+        train.y, num_devices, alpha, seed=part_seed, min_samples=min_samples
     )
-    devices = []
-    for k, (indices, seq) in enumerate(zip(shards, split_seq.spawn(num_devices), strict=True)):
+    order, cuts = [], []
+    for indices, seq in zip(shards, split_seq.spawn(num_devices), strict=True):
         shuffled = np.random.default_rng(seq).permutation(indices)
         n_test = min(round(test_fraction * len(shuffled)), max(len(shuffled) - 1, 0))
-        dev = device_id(k)
-        test_idx, train_idx = np.sort(shuffled[:n_test]), np.sort(shuffled[n_test:])
+        order += [np.sort(shuffled[n_test:]), np.sort(shuffled[:n_test])]
+        cuts.append(len(shuffled) - n_test)
+    index = np.concatenate(order) if order else np.empty(0, np.int64)
+    if in_place:
+        x, y = reorder_rows(train.x, index), reorder_rows(train.y, index)
+    else:
+        x, y = train.x[index], train.y[index]
+    devices, start = [], 0
+    for k, (indices, n_train) in enumerate(zip(shards, cuts, strict=True)):
+        dev, mid, end = device_id(k), start + n_train, start + len(indices)
         devices.append(
             DeviceSplit(
                 dev,
-                splits.train.subset(train_idx, f"{dev}/train"),
-                splits.train.subset(test_idx, f"{dev}/test"),
+                ArrayDataset(x[start:mid], y[start:mid], train.num_classes, f"{dev}/train"),
+                ArrayDataset(x[mid:end], y[mid:end], train.num_classes, f"{dev}/test"),
             )
         )
-    return Federation(tuple(devices), splits.test, splits.train.num_classes)
+        start = end
+    return Federation(tuple(devices), splits.test, train.num_classes)
+
+
+_BLOCK_BYTES = 64 << 20
+"""Rows moved at a time by :func:`reorder_rows`: its scratch memory is two such blocks."""
+
+
+def reorder_rows(a: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Reorder the rows of ``a`` in place so that row ``i`` becomes the old ``a[order[i]]``.
+
+    The same as ``a[:] = a[order]`` for a permutation ``order``, without a second copy of
+    ``a``: the rows are placed block by block, each block's rows gathered from where they
+    lie now, and the rows they displace moved into the places the gathered rows left. The
+    scratch memory is at most two blocks of 64 MiB of rows and a few index arrays.
+
+    Returns:
+        ``a`` itself.
+
+    Raises:
+        PartitionError: ``order`` is not a permutation of ``range(len(a))``.
+    """
+    n = len(a)
+    order = np.asarray(order, dtype=np.int64)
+    if order.shape != (n,) or (n and (order.min() < 0 or order.max() >= n)):
+        raise PartitionError(f"reorder_rows needs a permutation of range({n})")
+    if not np.array_equal(np.bincount(order, minlength=n), np.ones(n)):
+        raise PartitionError(f"reorder_rows needs a permutation of range({n})")
+    where = np.arange(n, dtype=np.int64)  # where each original row lies now
+    held = np.arange(n, dtype=np.int64)  # which original row each place holds now
+    row_bytes = max(1, a[:1].nbytes)
+    block = max(1, _BLOCK_BYTES // row_bytes)
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        wanted = order[start:stop]
+        source = where[wanted]  # all >= start: the places before hold their final rows
+        moving = a[source]  # a copy: the block's rows, from where they lie
+        freed = source[source >= stop]  # places emptied outside the block
+        staying = np.zeros(n, dtype=bool)
+        staying[wanted] = True
+        here = np.arange(start, stop, dtype=np.int64)
+        displaced = here[~staying[held[start:stop]]]  # rows of the block's places not wanted
+        # as many rows are displaced as places freed outside the block
+        a[freed] = a[displaced]
+        held[freed] = held[displaced]
+        where[held[freed]] = freed
+        a[start:stop] = moving
+        held[start:stop] = wanted
+        where[wanted] = here
+    return a
 
 
 def label_counts(federation: Federation) -> list[LabelCounts]:

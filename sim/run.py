@@ -324,11 +324,8 @@ def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
 
 def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
     options: dict[str, int] = {}
-    if config.dataset == "synthetic" and config.samples_per_device is not None:
-        samples = config.samples_per_device * config.devices
-        options = {"train_samples": samples, "test_samples": max(10, samples // 5)}
-    elif config.dataset == "synthetic":
-        options = synthetic_size(config.devices)
+    if config.dataset == "synthetic":
+        options = synthetic_size(config.devices, config.samples_per_device)
     splits = load_dataset(config.dataset, config.data_dir, seed=config.seed, **options)
     if config.class_fraction < 1:
         train = _subsample(splits.train, config.class_fraction, config.seed)
@@ -340,6 +337,7 @@ def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
         seed=config.seed,
         min_samples=config.min_samples,
         test_fraction=config.test_fraction,
+        in_place=True,  # the splits are this function's: no second copy of the fleet's data
     )
     _, channels, height, width = splits.train.x.shape
     if height != width:

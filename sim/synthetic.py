@@ -7,7 +7,7 @@ import numpy as np
 from sim.arrays import ArrayDataset, DatasetSplits
 from sim.errors import DatasetError
 
-__all__ = ["SAMPLES_PER_DEVICE", "make_synthetic", "synthetic_size"]
+__all__ = ["SAMPLES_PER_DEVICE", "TEST_SAMPLES_MAX", "make_synthetic", "synthetic_size"]
 
 SAMPLES_PER_DEVICE = 100
 """Synthetic samples (train + test) generated per emulated device beyond the default
@@ -15,15 +15,26 @@ SAMPLES_PER_DEVICE = 100
 gives every device its minimum of 10 samples."""
 
 
-def synthetic_size(num_devices: int) -> dict[str, int]:
+TEST_SAMPLES_MAX = 20_000
+"""The largest global test set :func:`synthetic_size` asks for: enough for an accuracy
+within half a point, and what a 1,000-device fleet gets; a larger fleet's test set stops
+growing (10,000 devices would otherwise evaluate 200,000 samples a round)."""
+
+
+def synthetic_size(num_devices: int, per_device: int | None = None) -> dict[str, int]:
     """The ``train_samples`` / ``test_samples`` of :func:`make_synthetic` for a fleet.
 
-    The default 10,000 / 2,000 up to 100 devices; beyond that the dataset grows with the
-    fleet, :data:`SAMPLES_PER_DEVICE` per device in the same 5:1 ratio (1,000 devices:
-    100,000 / 20,000, about 380 MB of float32 pixels at 28x28).
+    With ``per_device``, that many train samples per device (each device's local test
+    split comes out of them). Without, the default 10,000 / 2,000 up to 100 devices;
+    beyond that the dataset grows with the fleet, :data:`SAMPLES_PER_DEVICE` per device
+    (1,000 devices: 100,000, about 380 MB of float32 pixels at 28x28). The global test
+    set is a fifth of the train set, at least 10 and at most :data:`TEST_SAMPLES_MAX`.
     """
-    train = max(10_000, SAMPLES_PER_DEVICE * num_devices)
-    return {"train_samples": train, "test_samples": train // 5}
+    if per_device is None:
+        train = max(10_000, SAMPLES_PER_DEVICE * num_devices)
+    else:
+        train = per_device * num_devices
+    return {"train_samples": train, "test_samples": min(TEST_SAMPLES_MAX, max(10, train // 5))}
 
 
 def _prototypes(rng: np.random.Generator, k: int, c: int, size: int, blobs: int) -> np.ndarray:

@@ -385,6 +385,13 @@ def test_synthetic_grows_with_the_fleet_so_a_thousand_devices_partition() -> Non
     assert synthetic_size(50) == {"train_samples": 10_000, "test_samples": 2_000}
 
 
+def test_the_global_test_set_stops_growing_with_the_fleet() -> None:
+    assert synthetic_size(10_000) == {"train_samples": 1_000_000, "test_samples": 20_000}
+    assert synthetic_size(10, 375) == {"train_samples": 3_750, "test_samples": 750}
+    assert synthetic_size(1, 20) == {"train_samples": 20, "test_samples": 10}
+    assert synthetic_size(10_000, 375)["test_samples"] == 20_000
+
+
 def test_synthetic_images_do_not_depend_on_how_many_are_made_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sim import partition
 from sim.datasets import ArrayDataset, DatasetSplits, make_synthetic
 from sim.errors import DatasetError, PartitionError
 from sim.partition import (
@@ -21,6 +22,7 @@ from sim.partition import (
     load_device_file,
     mean_label_entropy,
     partition_dataset,
+    reorder_rows,
     save_device_file,
 )
 
@@ -262,3 +264,67 @@ def test_non_npz_and_missing_device_files_are_rejected(tmp_path: Path) -> None:
         load_device_file(junk)
     with pytest.raises(DatasetError, match=r"absent\.npz"):
         load_device_file(tmp_path / "absent.npz")
+
+
+# ------------------------------------------------------------ shared memory
+
+
+def test_devices_share_one_array_and_the_input_is_left_alone() -> None:
+    # Prepare
+    splits = indexed_splits(3000)
+    before = splits.train.x.copy()
+
+    # Execute
+    fed = partition_dataset(splits, 50, 0.5, seed=1)
+
+    # Assert: every device's arrays are views of one base, not of the input, in order
+    base = fed.devices[0].train.x.base
+    assert base is not None and not np.shares_memory(base, splits.train.x)
+    for dev in fed.devices:
+        assert dev.train.x.base is base and (len(dev.test) == 0 or dev.test.x.base is base)
+    assert np.array_equal(splits.train.x, before)
+    in_order = [part for d in fed.devices for part in (d.train.x, d.test.x)]
+    assert np.array_equal(np.concatenate(in_order), base)
+
+
+def test_in_place_gives_the_same_devices_in_the_input_s_own_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: small blocks, so the reorder takes many of them
+    monkeypatch.setattr(partition, "_BLOCK_BYTES", 64)
+    copied = partition_dataset(indexed_splits(2000), 30, 0.3, seed=5)
+    splits = indexed_splits(2000)
+
+    # Execute
+    moved = partition_dataset(splits, 30, 0.3, seed=5, in_place=True)
+
+    # Assert
+    for a, b in zip(copied.devices, moved.devices, strict=True):
+        assert np.array_equal(a.train.x, b.train.x) and np.array_equal(a.test.y, b.test.y)
+        assert np.shares_memory(b.train.x, splits.train.x)
+
+
+@pytest.mark.parametrize("block_bytes", [4, 12, 1 << 20])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 500])
+def test_reorder_rows_equals_fancy_indexing(
+    monkeypatch: pytest.MonkeyPatch, n: int, block_bytes: int
+) -> None:
+    monkeypatch.setattr(partition, "_BLOCK_BYTES", block_bytes)
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal((n, 3)).astype(np.float32)
+    order = rng.permutation(n)
+    expected = a[order]
+
+    out = reorder_rows(a, order)
+
+    assert out is a and np.array_equal(a, expected)
+
+
+@pytest.mark.parametrize("order", [[0, 0, 1], [0, 1], [0, 1, 3], [-1, 0, 1], [2, 1, 0, 0]])
+def test_reorder_rows_refuses_what_is_not_a_permutation(order: list[int]) -> None:
+    a = np.arange(3.0)
+
+    with pytest.raises(PartitionError, match="permutation"):
+        reorder_rows(a, np.array(order))
+
+    assert np.array_equal(a, np.arange(3.0))
