@@ -16,8 +16,10 @@ process of its own so that its peak memory is its own:
 
 ``e2e_updates_per_s`` counts the sim's updates over the warm rounds: N over the mean
 time from one round's close to the next (the task fan-out, the training, the uploads,
-the aggregation and the sim's per-round evaluation, everything a round costs); the first
-round (the devices' trainers are built then) is reported apart as ``first_round_s``.
+and the aggregation: everything a round costs, the sim's evaluation of each round
+included where it holds the next round up, as the evaluator's thread competes for the
+same cores); the first round (the devices' trainers are built then) is reported apart as
+``first_round_s``.
 ``ratio`` = e2e over engine updates per second; targets: 0.7 in process, 0.5 through
 Mosquitto. ``device`` names the CPU model or GPU (:func:`benchmarks.cohort.device_name`).
 
@@ -41,7 +43,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -87,28 +88,14 @@ def run_sim(options: dict[str, Any]) -> dict[str, Any]:
         device=options["device"],
         **data,
     )
-    closes: list[float] = []
-
-    class Clock:
-        """Stamps each round's close (the sim's progress hook)."""
-
-        def step(self, text: str, total: int | None = None) -> None:
-            del text, total
-
-        def advance(self, units: int = 1) -> None:
-            del units
-
-        def round_closed(self, record: Any) -> None:
-            del record
-            closes.append(time.perf_counter())
-
-    report = run_simulation(config, progress=Clock())
+    report = run_simulation(config)
     records = report.rounds
     if len(records) != options["rounds"]:
         raise RuntimeError(f"{len(records)} of {options['rounds']} rounds closed")
     if any(r.active_devices != devices for r in records):
         counts = [r.active_devices for r in records]
         raise RuntimeError(f"not every device's update was aggregated: {counts}")
+    closes = [r.closed_s for r in records if r.closed_s is not None]
     cycles = [b - a for a, b in itertools.pairwise(closes)]
     warm = sum(cycles) / len(cycles) if cycles else records[0].wall_s
     device = resolve_device(options["device"])

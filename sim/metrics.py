@@ -183,20 +183,30 @@ def _predict(
 ) -> npt.NDArray[np.int64]:
     """Arg-max class of every row of ``xs`` (concatenated), in eval mode, without grad.
 
-    The train/eval mode of every submodule is restored afterwards.
+    Image batches and the model's convolution weights are channels-last while it runs
+    (on a CPU twice as fast for the built-in CNNs: their max pooling is); the model's
+    weights return to their layout, and every submodule to its train/eval mode, after.
     """
     if batch_size < 1:
         raise MetricsError(f"batch_size must be >= 1, got {batch_size}")
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
+    images = any(p.dim() == 4 for p in model.parameters())
+    if images:
+        model.to(memory_format=torch.channels_last)
     predictions: list[npt.NDArray[np.int64]] = []
     try:
         with torch.no_grad():
             for chunk in _batches(xs, batch_size):
                 inputs = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.float32))
-                logits = model(inputs.to(device))
+                inputs = inputs.to(device)
+                if images and inputs.dim() == 4:
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                logits = model(inputs)
                 predictions.append(logits.argmax(dim=1).to(_CPU).numpy().astype(np.int64))
     finally:
+        if images:
+            model.to(memory_format=torch.contiguous_format)
         for module, mode in modes:  # parents first, so each child ends in its own mode
             module.train(mode)
     if not predictions:

@@ -19,6 +19,7 @@ direction, and the mean wall time per round so far.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -37,7 +38,10 @@ __all__ = ["Progress", "TerminalProgress", "round_line"]
 
 
 class Progress(Protocol):
-    """What long-running sim work reports as it goes (see the module docstring)."""
+    """What long-running sim work reports as it goes (see the module docstring).
+
+    It is told things from several threads (the coordinator's, the fleet's, the round
+    evaluator's): an implementation is thread-safe."""
 
     def step(self, text: str, total: int | None = None) -> None:
         """A new step begins: ``text`` says what it does, ``total`` counts its units
@@ -108,51 +112,56 @@ class TerminalProgress:
         self._up = self._down = 0
         self._rounds = 0
         self._wall_s = 0.0
+        self._lock = threading.RLock()
 
     def step(self, text: str, total: int | None = None) -> None:
-        self._end_bar()
-        self._text, self._total, self._done = text, total, 0
-        self._started = self._last_line = self._clock()
-        if self._live:
-            self._bar = tqdm(
-                total=total,
-                desc=text,
-                file=self._stream,
-                unit="" if total is None else " devices",
-                leave=False,
-                mininterval=self._refresh_s,
-                dynamic_ncols=True,
-                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}"
-                if total is not None
-                else "{desc} ({elapsed})",
-            )
+        with self._lock:
+            self._end_bar()
+            self._text, self._total, self._done = text, total, 0
+            self._started = self._last_line = self._clock()
+            if self._live:
+                self._bar = tqdm(
+                    total=total,
+                    desc=text,
+                    file=self._stream,
+                    unit="" if total is None else " devices",
+                    leave=False,
+                    mininterval=self._refresh_s,
+                    dynamic_ncols=True,
+                    bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}"
+                    if total is not None
+                    else "{desc} ({elapsed})",
+                )
 
     def advance(self, units: int = 1) -> None:
-        self._done += units
-        if self._bar is not None:
-            self._bar.update(units)
-        elif not self._live and self._total is not None:
-            now = self._clock()
-            if now - self._last_line >= self._every_s:
-                self._last_line = now
-                elapsed = now - self._started
-                self.write(f"{self._text}: {self._done}/{self._total} ({elapsed:.0f} s)")
+        with self._lock:
+            self._done += units
+            if self._bar is not None:
+                self._bar.update(units)
+            elif not self._live and self._total is not None:
+                now = self._clock()
+                if now - self._last_line >= self._every_s:
+                    self._last_line = now
+                    elapsed = now - self._started
+                    self.write(f"{self._text}: {self._done}/{self._total} ({elapsed:.0f} s)")
 
     def round_closed(self, record: RoundRecord) -> None:
-        self._up += record.bytes_up
-        self._down += record.bytes_down
-        self._rounds += 1
-        self._wall_s += record.wall_s
-        mean = self._wall_s / self._rounds
-        self.write(round_line(record, self._total_rounds, self._up, self._down, mean))
+        with self._lock:
+            self._up += record.bytes_up
+            self._down += record.bytes_down
+            self._rounds += 1
+            self._wall_s += record.wall_s
+            mean = self._wall_s / self._rounds
+            self.write(round_line(record, self._total_rounds, self._up, self._down, mean))
 
     def write(self, line: str) -> None:
         """A permanent line (above the live bar on a terminal)."""
-        if self._live:
-            tqdm.write(line, file=self._stream)
-        else:
-            self._stream.write(line + "\n")
-        self._stream.flush()
+        with self._lock:
+            if self._live:
+                tqdm.write(line, file=self._stream)
+            else:
+                self._stream.write(line + "\n")
+            self._stream.flush()
 
     def _end_bar(self) -> None:
         if self._bar is not None:
@@ -161,7 +170,8 @@ class TerminalProgress:
 
     def close(self) -> None:
         """End the live bar (idempotent)."""
-        self._end_bar()
+        with self._lock:
+            self._end_bar()
 
     def __enter__(self) -> TerminalProgress:
         return self

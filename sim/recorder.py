@@ -3,13 +3,20 @@ coordinator (:meth:`~coordinator.runtime.Coordinator.add_observer`), evaluates e
 global model after each round (AMP / FM / WLP over the devices' test splits, and the
 dataset's test split) and counts the bytes the fleet moved; :func:`sim.run.run_simulation`
 builds the run's report from its records.
+
+The evaluation runs on a thread of its own (``sim-eval``), one round after another, so
+the coordinator starts the next round as soon as it closes one: at 1,000 devices the
+evaluation of a LeNet-5 over every device's test split and the global test set takes
+seconds that would otherwise hold up every device. At most :data:`EVALUATIONS_QUEUED`
+rounds wait for their evaluation; a round that closes while they do waits for a place.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -27,7 +34,10 @@ from sim.progress import Progress
 from sim.report import RoundRecord
 from sim.shard import RoundSync
 
-__all__ = ["RoundRecorder", "RunLayout", "fleet_totals"]
+__all__ = ["EVALUATIONS_QUEUED", "RoundRecorder", "RunLayout", "fleet_totals"]
+
+EVALUATIONS_QUEUED = 2
+"""Closed rounds whose evaluation may be under way or waiting at once."""
 
 
 class RunLayout(Protocol):
@@ -57,7 +67,11 @@ def fleet_totals(fleet: Fleet) -> tuple[int, int, int, int]:
 class RoundRecorder:
     """A coordinator observer: after each round it evaluates every global model and
     counts the bytes the fleet moved (a :class:`~sim.report.RoundRecord` each), and tells
-    ``progress`` which devices trained."""
+    ``progress`` which devices trained.
+
+    The evaluations run on the recorder's own thread; :meth:`finish` waits for them (and
+    raises what one raised) before :attr:`records` is complete.
+    """
 
     def __init__(
         self,
@@ -94,6 +108,10 @@ class RoundRecorder:
         """A sharded run's link to the other ranks (their devices' bytes count too)."""
         self.rejected = 0
         """Updates of the rounds rejected by the coordinator (screening among them)."""
+        self._started = time.perf_counter()
+        self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="sim-eval")
+        self._queued = threading.BoundedSemaphore(EVALUATIONS_QUEUED)
+        self._evaluations: list[Future[None]] = []
 
     def totals(self) -> tuple[int, int, int, int]:
         """Bytes so far: up, down, wire up, wire down (in a sharded run, every rank's)."""
@@ -119,21 +137,14 @@ class RoundRecorder:
             return
         if not isinstance(action, RoundClosed):
             return
-        if self._progress is not None:
-            self._progress.step(f"round {action.round}/{self._total_rounds}: evaluating")
+        closed = time.perf_counter()
         self.rejected += action.rejected
-        wall = time.perf_counter() - self._round_start
         now = self.totals()
         delta = [a - b for a, b in zip(now, self._last, strict=True)]
         self._last = now
-        metrics = {}
-        for group, models in action.models.items():
-            by_role = self._evaluate(group, models)
-            prefix = "" if len(action.models) == 1 else f"{group}/"
-            metrics.update({prefix + role: m for role, m in by_role.items()})
         record = RoundRecord(
             round=action.round,
-            wall_s=wall,
+            wall_s=closed - self._round_start,
             active_devices=action.on_time,
             bytes_up=delta[0],
             bytes_down=delta[1],
@@ -141,19 +152,56 @@ class RoundRecorder:
             wire_bytes_down=delta[3],
             device_train_s=action.device_train_s,
             aggregate_s=action.aggregate_s,
-            models=metrics,
+            closed_s=closed - self._started,
         )
-        self.records.append(record)
-        if self._progress is not None:
-            self._progress.round_closed(record)
+        # what the evaluation reads of the devices is read now: they train on
+        evaluations = [
+            (group, self._evaluation(group, models)) for group, models in action.models.items()
+        ]
+        self._queued.acquire()  # back-pressure: a round waits for an evaluation's place
+        try:
+            done = self._evaluator.submit(self._record, record, evaluations)
+        except BaseException:
+            self._queued.release()
+            raise
+        self._evaluations.append(done)
 
-    def _evaluate(self, group: str, models: Models) -> dict[str, ModelMetrics]:
-        """Metrics of one group's global models by role: each on every device's test
+    def finish(self) -> None:
+        """Wait for every round's evaluation; the records are then complete.
+
+        Raises:
+            the first error an evaluation raised (the later ones are not run).
+        """
+        try:
+            for done in self._evaluations:
+                done.result()
+        finally:
+            self._evaluator.shutdown(wait=True, cancel_futures=True)
+
+    def _record(
+        self,
+        record: RoundRecord,
+        evaluations: list[tuple[str, Callable[[], dict[str, ModelMetrics]]]],
+    ) -> None:
+        """The evaluator's side of a closed round: its metrics, its record, its line."""
+        try:
+            several = len(evaluations) > 1
+            for group, evaluate in evaluations:
+                prefix = f"{group}/" if several else ""
+                record.models.update({prefix + role: m for role, m in evaluate().items()})
+            self.records.append(record)
+            if self._progress is not None:
+                self._progress.round_closed(record)
+        finally:
+            self._queued.release()
+
+    def _evaluation(self, group: str, models: Models) -> Callable[[], dict[str, ModelMetrics]]:
+        """What evaluates one group's global models by role: each on every device's test
         split; with head sharing the ``aca`` head on each of the group's devices' own
-        feature extractor."""
+        feature extractor (read now, as the round closed)."""
         scratch = self._scratch[group]
         if not self._personal:
-            return evaluate_models(
+            return lambda: evaluate_models(
                 self._as_run(group, models), scratch, self._device_tests, self._global_test
             )
         head = {k: v for k, v in models["aca"].items() if k.startswith(HEAD_PREFIX)}
@@ -163,7 +211,7 @@ class RoundRecorder:
             for i in members
         ]
         tests = [self._device_tests[i] for i in members]
-        return {"aca": evaluate_personal(states, scratch, tests)}
+        return lambda: {"aca": evaluate_personal(states, scratch, tests)}
 
     def _as_run(self, group: str, models: Models) -> dict[str, Mapping[str, np.ndarray]]:
         """``models`` by role, and where some of the group's devices run int8 or binarized

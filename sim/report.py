@@ -8,7 +8,7 @@ and a ``final`` summary. It is written as
       {"config": {...},
        "rounds": [{"round", "wall_s", "active_devices", "bytes_up", "bytes_down",
                    "wire_bytes_up", "wire_bytes_down", "device_train_s", "aggregate_s",
-                   "models": {"<name>": {"amp", "fm", "wlp", "best", "global_acc"}}}],
+                   "closed_s", "models": {"<name>": {"amp", "fm", "wlp", "best", "global_acc"}}}],
        "final": {...}}
 
 - ``rounds.csv`` (:func:`write_csv`): one row per round, model metrics flattened into
@@ -73,8 +73,9 @@ _ROUND_FIELDS = (
     "wire_bytes_down",
     "device_train_s",
     "aggregate_s",
+    "closed_s",
 )
-_OPTIONAL_FIELDS = {"device_train_s": None, "aggregate_s": 0.0}
+_OPTIONAL_FIELDS = {"device_train_s": None, "aggregate_s": 0.0, "closed_s": None}
 """Round fields that reports of earlier versions lack, with the value they stand for."""
 _METRIC_FIELDS = ("amp", "fm", "wlp", "best", "global_acc")
 _MB = 1e6
@@ -97,6 +98,8 @@ class RoundRecord:
             training (as they reported it), or None.
         aggregate_s: seconds the coordinator's server step took (FedDF's distillation,
             FedGen's or DENSE's generator; a weighted sum for FedAvg).
+        closed_s: seconds from the coordinator's start to the round's close (the
+            evaluation comes after, off the rounds' path), or None.
         models: model name (``"aca"``, ``"oca"``) -> its metrics after the round.
     """
 
@@ -110,6 +113,7 @@ class RoundRecord:
     models: dict[str, ModelMetrics] = field(default_factory=dict)
     device_train_s: float | None = None
     aggregate_s: float = 0.0
+    closed_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The round as the JSON object described in the module docstring."""

@@ -547,6 +547,7 @@ def run_simulation(
             coordinator.stop()
             thread.join(timeout=10)
             fleet.close()
+            recorder.finish()  # the last rounds' evaluations
         if "error" in outcome:
             raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
         models = outcome.get("models")

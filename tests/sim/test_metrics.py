@@ -297,6 +297,26 @@ def test_evaluate_models_lenet5_smoke() -> None:
     assert_metrics_close(results["aca"], reference_metrics(lenet, device_tests, None))
 
 
+@pytest.mark.parametrize(("name", "channels"), [("lenet5", 1), ("resnet8", 3)])
+def test_evaluation_gives_the_plain_forward_s_classes_and_leaves_the_layout(
+    name: str, channels: int
+) -> None:
+    # Prepare
+    torch.manual_seed(1)
+    model = build_classifier(name, num_classes=10, in_channels=channels, image_size=32)
+    x = np.random.default_rng(2).random((300, channels, 32, 32), dtype=np.float32)
+    with torch.no_grad():
+        expected = model.eval()(torch.from_numpy(x)).argmax(1).numpy()
+    model.train()
+
+    # Execute
+    accuracy = evaluate_accuracy(model, x, expected, batch_size=128)
+
+    # Assert: the classes of the plain forward, and the weights as they lay before
+    assert accuracy == 1.0
+    assert all(p.is_contiguous() for p in model.parameters()) and model.training
+
+
 # --------------------------------------------------------------- evaluate_personal
 
 

@@ -33,6 +33,7 @@ ROUND_KEYS = {
     "wire_bytes_down",
     "device_train_s",
     "aggregate_s",
+    "closed_s",
     "models",
 }
 METRIC_KEYS = {"amp", "fm", "wlp", "best", "global_acc"}
@@ -155,11 +156,13 @@ def test_from_json_dict_rejects_malformed_data() -> None:
 def test_a_report_of_an_earlier_version_reads_without_the_newer_round_fields() -> None:
     data = make_report().to_json_dict()
     for record in data["rounds"]:
-        del record["device_train_s"], record["aggregate_s"]
+        del record["device_train_s"], record["aggregate_s"], record["closed_s"]
 
     rounds = RunReport.from_json_dict(data).rounds
 
-    assert [(r.device_train_s, r.aggregate_s) for r in rounds] == [(None, 0.0)] * 3
+    assert [(r.device_train_s, r.aggregate_s, r.closed_s) for r in rounds] == [
+        (None, 0.0, None)
+    ] * 3
 
 
 # ---------------------------------------------------------------------------- CSV
@@ -184,6 +187,7 @@ def test_csv_columns_and_values(tmp_path: Path) -> None:
         "wire_bytes_down",
         "device_train_s",
         "aggregate_s",
+        "closed_s",
         "aca_amp",
         "aca_fm",
         "aca_wlp",
@@ -211,7 +215,7 @@ def test_csv_of_empty_report_has_only_round_columns(tmp_path: Path) -> None:
 
     assert path.read_text("utf-8") == (
         "round,wall_s,active_devices,bytes_up,bytes_down,wire_bytes_up,wire_bytes_down,"
-        "device_train_s,aggregate_s\n"
+        "device_train_s,aggregate_s,closed_s\n"
     )
 
 

@@ -205,6 +205,7 @@ def test_cli_default_command_writes_json_and_report(tmp_path: Path) -> None:
         "wire_bytes_down",
         "device_train_s",
         "aggregate_s",
+        "closed_s",
         "models",
     }
     assert set(data["rounds"][0]["models"]["aca"]) == {"amp", "fm", "wlp", "best", "global_acc"}
