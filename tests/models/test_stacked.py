@@ -91,6 +91,33 @@ def test_each_row_is_its_own_latent_generator() -> None:
     _check(_distinct(generator, ROWS), [torch.randn(ROWS, BATCH, 32), labels], True)
 
 
+def test_a_chain_hands_grouped_tensors_only_to_layers_that_act_on_each_plane() -> None:
+    # Prepare: convolutions with plane-wise layers between them, and layers that need the
+    # flat layout in the middle (BatchNorm, GroupNorm) and at the end (Flatten, Linear)
+    torch.manual_seed(3)
+    chain = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, stride=2),
+        nn.BatchNorm2d(6),
+        nn.Tanh(),
+        nn.Conv2d(6, 4, 1),
+        nn.GroupNorm(2, 4),
+        nn.AvgPool2d(2),
+        nn.Conv2d(4, 5, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(5, 3),
+    )
+
+    # Execute / Assert: row by row as each model alone, in training and in evaluation
+    for train in (True, False):
+        _check(_distinct(chain, ROWS), [torch.randn(ROWS, BATCH, 2, 12, 12)], train)
+    twin = StackedModule(chain).twin
+    assert type(twin).__name__ == "_GroupedSequential"
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in chain.named_parameters()]
+
+
 def test_a_layer_without_a_stacked_form_is_named() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     stacked = StackedModule(model)
