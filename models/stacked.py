@@ -173,7 +173,7 @@ class _GroupedSequential(nn.Sequential):
     (on a CPU max pooling runs several times faster channels-last). Any other layer, and
     the chain's caller, get the flat tensor."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = 0  # the models of the grouped tensor; 0: x is flat
         for layer in self:
             if isinstance(layer, _Conv2d) and not layer._covers_input(x):

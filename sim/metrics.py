@@ -178,6 +178,17 @@ def _batches(xs: Sequence[np.ndarray], batch_size: int) -> Iterator[np.ndarray]:
         yield pending[0] if len(pending) == 1 else np.concatenate(pending)
 
 
+def _weights_layout(model: nn.Module, layout: torch.memory_format) -> bool:
+    """Lay ``model``'s 4-D weights out as ``layout``; whether it has any."""
+    found = False
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 4:
+                parameter.data = parameter.data.contiguous(memory_format=layout)
+                found = True
+    return found
+
+
 def _predict(
     model: nn.Module, xs: Sequence[np.ndarray], *, batch_size: int, device: torch.device
 ) -> npt.NDArray[np.int64]:
@@ -191,9 +202,7 @@ def _predict(
         raise MetricsError(f"batch_size must be >= 1, got {batch_size}")
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    images = any(p.dim() == 4 for p in model.parameters())
-    if images:
-        model.to(memory_format=torch.channels_last)
+    images = _weights_layout(model, torch.channels_last)
     predictions: list[npt.NDArray[np.int64]] = []
     try:
         with torch.no_grad():
@@ -206,7 +215,7 @@ def _predict(
                 predictions.append(logits.argmax(dim=1).to(_CPU).numpy().astype(np.int64))
     finally:
         if images:
-            model.to(memory_format=torch.contiguous_format)
+            _weights_layout(model, torch.contiguous_format)
         for module, mode in modes:  # parents first, so each child ends in its own mode
             module.train(mode)
     if not predictions:
