@@ -51,7 +51,7 @@ from torch.func import functional_call
 
 __all__ = ["PER_SAMPLE_LAYERS", "StackedModule"]
 
-PER_SAMPLE_LAYERS: tuple[type[nn.Module], ...] = (
+_ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU,
     nn.LeakyReLU,
     nn.Sigmoid,
@@ -59,6 +59,12 @@ PER_SAMPLE_LAYERS: tuple[type[nn.Module], ...] = (
     nn.GELU,
     nn.SiLU,
     nn.ELU,
+    nn.Identity,
+)
+"""Weight-free layers that act on each element alone."""
+
+PER_SAMPLE_LAYERS: tuple[type[nn.Module], ...] = (
+    *_ELEMENTWISE,
     nn.MaxPool1d,
     nn.MaxPool2d,
     nn.AvgPool1d,
@@ -67,7 +73,6 @@ PER_SAMPLE_LAYERS: tuple[type[nn.Module], ...] = (
     nn.AdaptiveAvgPool2d,
     nn.AdaptiveMaxPool2d,
     nn.Flatten,
-    nn.Identity,
     nn.Upsample,
 )
 """Weight-free layers that act on each sample on its own: kept as they are."""
@@ -144,18 +149,11 @@ class _Conv2d(nn.Module):
 
 
 PLANE_WISE_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.LeakyReLU,
-    nn.Sigmoid,
-    nn.Tanh,
-    nn.GELU,
-    nn.SiLU,
-    nn.ELU,
+    *_ELEMENTWISE,
     nn.MaxPool2d,
     nn.AvgPool2d,
     nn.AdaptiveAvgPool2d,
     nn.AdaptiveMaxPool2d,
-    nn.Identity,
 )
 """Layers that act on each element, or on each channel's plane alone: the same on a
 grouped ``(B, N * C, H, W)`` tensor as on the flat ``(B * N, C, H, W)`` one."""
