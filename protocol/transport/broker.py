@@ -10,6 +10,13 @@ whatever is still queued when it shuts down (logging ``N messages not broadcaste
 `EmbeddedBroker.stop` first drains the queue: it sends a marker message through the broker
 to itself and waits for it, which it can only receive after everything published before
 it has been delivered.
+
+amqtt 0.12 walks its subscription table with an ``await`` inside the loop when a client
+connects (to send it the retained messages of an older session's subscriptions); a
+subscription added meanwhile by another client raises ``RuntimeError: dictionary
+changed size during iteration`` and drops the connecting client. Where the broker has
+such a table (a plain dict), :func:`_snapshot_iteration` swaps in a dict whose iteration
+walks a snapshot of its keys; a release that renames or reshapes it is left as it is.
 """
 
 from __future__ import annotations
@@ -38,6 +45,23 @@ LOOPBACK = "127.0.0.1"
 _NOISY_LOGGERS = ("amqtt", "transitions")
 _AUTO_PORT_ATTEMPTS = 5
 _DRAIN_TOPIC = "edgefl-broker/drain"  # + a random id: no client of a fleet subscribes there
+
+
+class _SnapshotDict(dict[Any, Any]):
+    """A dict whose iteration walks a copy of its keys: it may change meanwhile."""
+
+    def __iter__(self) -> Any:
+        return iter(list(super().keys()))
+
+
+def _snapshot_iteration(broker: object, name: str = "_subscriptions") -> bool:
+    """Make iterating ``broker``'s dict ``name`` safe against changes (see the module
+    docstring); whether it was done (False: no such plain dict)."""
+    table = getattr(broker, name, None)
+    if type(table) is not dict:
+        return False
+    setattr(broker, name, _SnapshotDict(table))
+    return True
 
 
 def _free_port(host: str) -> int:
@@ -223,6 +247,8 @@ class EmbeddedBroker:
         }
         self._stop_event = asyncio.Event()
         broker = Broker(config, loop=asyncio.get_running_loop())
+        if not _snapshot_iteration(broker):
+            logger.debug("amqtt's subscription table is not a dict: left as it is")
         await broker.start()  # raises amqtt's BrokerError, e.g. when the port is taken
         # broker.start() awaited asyncio.start_server: the socket listens, connects succeed.
         self._ready.set()

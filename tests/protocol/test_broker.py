@@ -9,7 +9,7 @@ from pydantic import SecretStr, ValidationError
 
 from protocol.errors import BrokerError, TransportError
 from protocol.transport import MqttConfig, MqttTransport, TlsConfig, parse_broker_url
-from protocol.transport.broker import EmbeddedBroker
+from protocol.transport.broker import EmbeddedBroker, _snapshot_iteration
 from tests.protocol.brokers import accepts_connections, free_port
 
 
@@ -145,3 +145,28 @@ def test_config_defaults_and_validation() -> None:
         MqttConfig(port=0)
     with pytest.raises(ValidationError):
         TlsConfig(cert_file="client.pem")
+
+
+def test_the_subscription_table_may_change_while_a_connecting_client_walks_it() -> None:
+    # Prepare: a broker-like object with a plain dict table, and one without
+    class Holder:
+        def __init__(self) -> None:
+            self._subscriptions: dict[str, list[int]] = {"a": [], "b": []}
+
+    holder, other = Holder(), object()
+
+    # Execute
+    done = _snapshot_iteration(holder)
+    walked = []
+    for topic in holder._subscriptions:  # another client subscribes meanwhile
+        walked.append(topic)
+        holder._subscriptions[f"new/{topic}"] = []
+
+    # Assert: the walk saw the keys it started with, and the changes stayed
+    assert done and not _snapshot_iteration(other)
+    assert walked == ["a", "b"]
+    assert sorted(holder._subscriptions) == ["a", "b", "new/a", "new/b"]
+    with pytest.raises(RuntimeError, match="changed size"):
+        plain = {"a": 1}
+        for key in plain:
+            plain[key + "x"] = 2
