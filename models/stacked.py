@@ -299,13 +299,17 @@ class StackedModule:
             stacked = _stacked_layer(layer)
             if stacked is None or not leaf:
                 return refused(name, layer)
-            if not name:  # the module itself is one layer
-                self.twin = stacked
-                continue
-            parent_name, _, attr = name.rpartition(".")
-            parent = self.twin.get_submodule(parent_name) if parent_name else self.twin
-            setattr(parent, attr, stacked)
+            self._put(name, stacked)
         return ""
+
+    def _put(self, name: str, module: nn.Module) -> None:
+        """``module`` in place of the twin's submodule ``name`` ("": the twin itself)."""
+        if not name:
+            self.twin = module
+            return
+        parent_name, _, attr = name.rpartition(".")
+        parent = self.twin.get_submodule(parent_name) if parent_name else self.twin
+        setattr(parent, attr, module)
 
     def _group_chains(self) -> None:
         """Each ``nn.Sequential`` of single layers becomes a :class:`_GroupedSequential`
@@ -315,13 +319,7 @@ class StackedModule:
                 continue
             if any(next(layer.children(), None) is not None for layer in chain):
                 continue
-            grouped = _GroupedSequential(OrderedDict(chain.named_children()))  # same names
-            if not name:
-                self.twin = grouped
-                continue
-            parent_name, _, attr = name.rpartition(".")
-            parent = self.twin.get_submodule(parent_name) if parent_name else self.twin
-            setattr(parent, attr, grouped)
+            self._put(name, _GroupedSequential(OrderedDict(chain.named_children())))
 
     def train(self, mode: bool = True) -> StackedModule:
         """Training or evaluation mode (BatchNorm's batch or running statistics)."""

@@ -221,12 +221,12 @@ def reorder_rows(a: np.ndarray, order: np.ndarray) -> np.ndarray:
     """
     n = len(a)
     order = np.asarray(order, dtype=np.int64)
-    if order.shape != (n,) or (n and (order.min() < 0 or order.max() >= n)):
-        raise PartitionError(f"reorder_rows needs a permutation of range({n})")
-    if not np.array_equal(np.bincount(order, minlength=n), np.ones(n)):
+    in_range = order.shape == (n,) and not (n and (order.min() < 0 or order.max() >= n))
+    if not in_range or not np.array_equal(np.bincount(order, minlength=n), np.ones(n)):
         raise PartitionError(f"reorder_rows needs a permutation of range({n})")
     where = np.arange(n, dtype=np.int64)  # where each original row lies now
     held = np.arange(n, dtype=np.int64)  # which original row each place holds now
+    staying = np.zeros(n, dtype=bool)  # the original rows wanted by the current block
     row_bytes = max(1, a[:1].nbytes)
     block = max(1, _BLOCK_BYTES // row_bytes)
     for start in range(0, n, block):
@@ -235,10 +235,10 @@ def reorder_rows(a: np.ndarray, order: np.ndarray) -> np.ndarray:
         source = where[wanted]  # all >= start: the places before hold their final rows
         moving = a[source]  # a copy: the block's rows, from where they lie
         freed = source[source >= stop]  # places emptied outside the block
-        staying = np.zeros(n, dtype=bool)
         staying[wanted] = True
         here = np.arange(start, stop, dtype=np.int64)
         displaced = here[~staying[held[start:stop]]]  # rows of the block's places not wanted
+        staying[wanted] = False
         # as many rows are displaced as places freed outside the block
         a[freed] = a[displaced]
         held[freed] = held[displaced]
