@@ -110,6 +110,11 @@ _ANSWERED = frozenset({ReasonCode.NON_FINITE, ReasonCode.UPDATE_NORM})
 the round does not wait for it to its deadline (other rejections change nothing)."""
 
 
+def _counted(run: RunMeta) -> dict[str, str | None]:
+    """Device -> id of its update the run's previous round counted (None: unrecorded)."""
+    return {d: run.counted_ids.get(d) for d in run.counted}
+
+
 @dataclass
 class _RoundCounters:
     late: int = 0
@@ -155,7 +160,11 @@ class RoundEngine:
         self.topics = Topics(config.fleet)
         self._state = RunState(store)
         self._groups = dict(groups)
-        self._shapes = {name: strategy.update_shapes(g.shapes) for name, g in groups.items()}
+        self._update_tensors = {
+            name: {k: g.initial[k] for k in strategy.update_shapes(g.shapes)}
+            for name, g in groups.items()
+        }
+        """Per group, the tensors an update must carry (their shapes and dtypes)."""
         self._uplink = strategy.uplink()
         self._transfers = Transfers(
             self._state, deltas=config.downlink_deltas, teacher_budget=config.teacher_budget
@@ -184,8 +193,10 @@ class RoundEngine:
         self._on_time: set[str] = set()
         """Devices with an on-time update of the round stored: what closing it aggregates,
         known without reading the round's update records back."""
-        self._counted: frozenset[str] = frozenset()
-        """``run.counted`` as a set: the devices the previous round aggregated."""
+        self._counted: dict[str, str | None] = {}
+        """``run.counted`` as a map: the devices the previous round aggregated, to the
+        message id of the update it took (None: not recorded, a store of an older
+        version)."""
         self._aggregating: frozenset[str] = frozenset()
         """``run.aggregating`` as a set, while the round's aggregation runs."""
         self._models: GroupModels = {}
@@ -272,7 +283,7 @@ class RoundEngine:
         """Rebuild the in-memory sets over ``run`` and the store (at start, a resume
         among them): O(devices) once, so that each event then looks up in O(1)."""
         self._selected = frozenset(run.selected)
-        self._counted = frozenset(run.counted)
+        self._counted = _counted(run)
         self._aggregating = frozenset(run.aggregating)
         self._screened = {
             d for d in {*run.screened_out, *self._state.screened(run.round)} if d in self._selected
@@ -427,7 +438,10 @@ class RoundEngine:
     def _on_update(self, message: Message, update: Update, now: float) -> list[Action]:
         device_id, run = message.sender, self._require_run()
         on_time = False
-        if message.round == run.round - 1 and device_id in self._counted:
+        if message.round == run.round - 1 and self._counted.get(device_id, "") in (
+            message.message_id,
+            None,
+        ):
             # its update of the round just closed is in the model; the ack was lost
             detail = f"counted in round {message.round}"
             log.debug(
@@ -452,7 +466,7 @@ class RoundEngine:
             entry = self.registry.get(device_id)
             announced = 0 if entry is None else entry.num_samples
             base = self._uplink_base(device_id, update)
-            weights = check_update_weights(update, self._shapes[group], announced, base)
+            weights = check_update_weights(update, self._update_tensors[group], announced, base)
             if self._uplink.label_counts:
                 check_label_counts(update, self._groups[group].num_classes)
             sent = base.arrays if base is not None else self._models[group]["aca"]
@@ -723,11 +737,12 @@ class RoundEngine:
             round=closing + 1,
             phase="finished" if finished else "waiting",
             counted=list(run.aggregating),
+            counted_ids={u.device_id: u.message_id for u in stats},
             norm_floor=self._screen.next_floor(),
         )
         self._state.save_run(next_run)  # the commit point of the round
         self._run, self._models = next_run, server
-        self._counted, self._aggregating = frozenset(next_run.counted), frozenset()
+        self._counted, self._aggregating = _counted(next_run), frozenset()
         self._cleanup(closing)
         models = self.models()
         metrics = [(u.num_samples, {**u.timings, **u.metrics}) for u in stats]

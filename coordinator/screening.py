@@ -1,6 +1,6 @@
 """Norm screening: reject updates that move the model far more than the round's others.
 
-An update's *delta norm* is the L2 norm, over its floating tensors and in float64, of
+An update's *delta norm* is the L2 norm, over every tensor it carries and in float64, of
 its weights minus the model the device was sent (for a delta upload, the decoded model
 its delta names, so a quantized uplink is judged by its reconstructed weights; for a full
 upload, the group's current ``aca`` restricted to the tensors the update carries). The
@@ -59,21 +59,21 @@ def _squares(values: Array) -> float:
 
 
 def delta_norm(weights: Mapping[str, Array], sent: Mapping[str, Array]) -> float:
-    """L2 norm of ``weights - sent`` over the floating tensors of ``weights`` (float64)."""
+    """L2 norm of ``weights - sent`` over every tensor of ``weights`` (float64): integer
+    buffers (a BatchNorm's batch counter) count too, whatever moves the model is
+    measured."""
     total = 0.0
     for name, array in weights.items():
-        if array.dtype.kind != "f":
-            continue
         diff = np.asarray(array, np.float64) - np.asarray(sent[name], np.float64)
         total += _squares(diff)
     return float(np.sqrt(total))
 
 
 def model_norm(weights: Mapping[str, Array], names: Any = None) -> float:
-    """L2 norm of the floating tensors of ``weights`` (those in ``names`` when given)."""
+    """L2 norm of the tensors of ``weights`` (those in ``names`` when given), float64."""
     total = 0.0
     for name, array in weights.items():
-        if array.dtype.kind != "f" or (names is not None and name not in names):
+        if names is not None and name not in names:
             continue
         total += _squares(np.asarray(array, np.float64))
     return float(np.sqrt(total))

@@ -124,6 +124,10 @@ class RunMeta:
     counted: list[str] = field(default_factory=list)
     """The devices whose update of round ``round - 1`` the current model holds (so that a
     resend of one, whose ack a crash lost, is answered ``duplicate``, not ``late``)."""
+    counted_ids: dict[str, str] = field(default_factory=dict)
+    """Device -> message id of its update in ``counted``: only that very message is
+    answered ``duplicate`` (a store written before this field has none: any update of a
+    counted device is)."""
     norm_floor: float | None = None
     """Norm screening's reference from the rounds before (:mod:`coordinator.screening`)."""
     screened_out: list[str] = field(default_factory=list)
@@ -149,6 +153,7 @@ class RunMeta:
                 started_at=float(meta["started_at"]),
                 aggregating=[str(d) for d in meta["aggregating"]],
                 counted=[str(d) for d in meta["counted"]],
+                counted_ids={str(k): str(v) for k, v in meta.get("counted_ids", {}).items()},
                 norm_floor=_optional_float(meta.get("norm_floor")),
                 screened_out=[str(d) for d in meta["screened_out"]],
                 state_format=int(meta["state_format"]),

@@ -11,6 +11,9 @@ malformed               no ``weights`` set, neither a full nor a delta set, or
 unknown_base            a delta whose base is not the model the device was sent
 fingerprint_mismatch    tensor names differ from the coordinator's model
 shape_mismatch          same names, some shape differs
+dtype_mismatch          a tensor's dtype is not the model's (an int64 tensor where the
+                        model holds float32 weights moves the model without the norm
+                        screen seeing it)
 non_finite              a NaN or infinity in the weights
 consent_required        label counts asked for (FedGen) but not sent
 malformed               label counts of the wrong length, or not summing to num_samples
@@ -42,22 +45,23 @@ Array = npt.NDArray[Any]
 
 def check_update_weights(
     update: Update,
-    shapes: Mapping[str, tuple[int, ...]],
+    model: Mapping[str, Array],
     announced_samples: int,
     base: Base | None = None,
 ) -> dict[str, Array]:
-    """Decode and check the weights of ``update`` against the model's ``shapes``.
+    """Decode and check the weights of ``update`` against the tensors of ``model``.
 
     Args:
         update: the update body.
-        shapes: name -> shape of every tensor of the coordinator's model.
+        model: name -> an array of every tensor the update must carry (the current
+            model's: their shapes and dtypes are what is checked).
         announced_samples: the training samples the device announced in its hello; an
             update may not claim more (it would outweigh the others).
         base: for a delta update, the model the device was sent whose fingerprint the
             delta names (None: not known, and a delta is rejected).
 
     Returns:
-        The decoded weights, float32 for floating tensors.
+        The decoded weights, each in its model tensor's dtype.
 
     Raises:
         UpdateRejectedError: with the reason code of the first failed check.
@@ -82,18 +86,24 @@ def check_update_weights(
             ReasonCode.MALFORMED, f"set mode {tensor_set.mode!r}; expected 'full' or 'delta'"
         )
     names = [t.name for t in tensor_set]
-    if set(names) != set(shapes):
-        missing = sorted(set(shapes) - set(names))[:3]
-        extra = sorted(set(names) - set(shapes))[:3]
+    if set(names) != set(model):
+        missing = sorted(set(model) - set(names))[:3]
+        extra = sorted(set(names) - set(model))[:3]
         raise UpdateRejectedError(
             ReasonCode.FINGERPRINT_MISMATCH,
             f"tensor names differ from the model (missing {missing}, unexpected {extra})",
         )
     for tensor in tensor_set:
-        if tuple(tensor.shape) != tuple(shapes[tensor.name]):
+        expected = model[tensor.name]
+        if tuple(tensor.shape) != expected.shape:
             raise UpdateRejectedError(
                 ReasonCode.SHAPE_MISMATCH,
-                f"{tensor.name}: shape {tuple(tensor.shape)}, model has {shapes[tensor.name]}",
+                f"{tensor.name}: shape {tuple(tensor.shape)}, model has {expected.shape}",
+            )
+        if tensor.dtype != expected.dtype.name:
+            raise UpdateRejectedError(
+                ReasonCode.DTYPE_MISMATCH,
+                f"{tensor.name}: dtype {tensor.dtype}, model has {expected.dtype.name}",
             )
     try:
         if tensor_set.mode == "delta":
@@ -104,10 +114,13 @@ def check_update_weights(
     except (DecodeError, ValueError) as exc:
         raise UpdateRejectedError(ReasonCode.MALFORMED, f"cannot decode weights: {exc}") from exc
     for name, array in arrays.items():
+        if array.dtype != model[name].dtype:  # a delta added to a base of another dtype
+            raise UpdateRejectedError(
+                ReasonCode.DTYPE_MISMATCH,
+                f"{name}: decodes to {array.dtype.name}, model has {model[name].dtype.name}",
+            )
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise UpdateRejectedError(ReasonCode.NON_FINITE, f"{name} holds NaN or infinity")
-        if array.dtype.kind == "f" and array.dtype != np.float32:
-            arrays[name] = array.astype(np.float32)
     return arrays
 
 

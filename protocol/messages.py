@@ -203,6 +203,7 @@ class ReasonCode(str, Enum):
     DUPLICATE = "duplicate"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
     SHAPE_MISMATCH = "shape_mismatch"
+    DTYPE_MISMATCH = "dtype_mismatch"
     NON_FINITE = "non_finite"
     MALFORMED = "malformed"
     UNSUPPORTED_PRECISION = "unsupported_precision"

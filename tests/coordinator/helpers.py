@@ -158,3 +158,8 @@ def update(
 
 def shifted(weights: Mapping[str, np.ndarray], delta: float) -> dict[str, np.ndarray]:
     return {k: (v + delta).astype(v.dtype) for k, v in weights.items()}
+
+
+def shapes_of(engine: RoundEngine) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors an update of ``GROUP`` must carry."""
+    return {k: v.shape for k, v in engine._update_tensors[GROUP].items()}

@@ -26,7 +26,16 @@ from protocol.channel import Channel
 from protocol.messages import Ack, Message, ReasonCode, RoundTask
 from protocol.topics import Topics
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
-from tests.coordinator.helpers import FLEET, GROUP, config, hello, make_engine, status, update
+from tests.coordinator.helpers import (
+    FLEET,
+    GROUP,
+    config,
+    hello,
+    make_engine,
+    shapes_of,
+    status,
+    update,
+)
 from tests.protocol.brokers import Mosquitto
 
 DEVICES = ("dev-0", "dev-1")
@@ -98,7 +107,7 @@ class Fleet:
         self.attacker = Channel(self.attacker_transport, auth=wrong)
 
     def weights(self, value: float) -> dict[str, np.ndarray]:
-        return {k: np.full(s, value, np.float32) for k, s in self.engine._shapes[GROUP].items()}
+        return {k: np.full(s, value, np.float32) for k, s in shapes_of(self.engine).items()}
 
     def join(self) -> dict[str, Message]:
         """Start the coordinator, announce both devices, return each one's round-1 task."""

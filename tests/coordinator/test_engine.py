@@ -220,10 +220,12 @@ def test_a_resend_of_an_update_the_closed_round_counted_is_a_duplicate_not_late(
     resumed.start(63.0)
     before, models = store.snapshot(), resumed.models()
 
-    # Execute: dev-0 sends its update again; dev-1 sends one for the closed round
+    # Execute: dev-0 sends its update again; dev-1 sends one for the closed round; dev-0's
+    # other update of round 1 (a replay of a copy the attacker made it send) is no resend
     caplog.set_level(logging.DEBUG, logger="coordinator.engine")
     again = only(acks(resumed.handle(received(counted, 64.0))))
     late = only(acks(resumed.handle(received(update("dev-1", 1, shifted(w, 2.0), 200), 64.0))))
+    other = only(acks(resumed.handle(received(update("dev-0", 1, shifted(w, 3.0), 100), 64.0))))
 
     # Assert: the first is acknowledged as counted, the second refused; nothing changed
     assert again.accepted and again.reason is ReasonCode.DUPLICATE
@@ -232,6 +234,7 @@ def test_a_resend_of_an_update_the_closed_round_counted_is_a_duplicate_not_late(
         "a duplicate, counted in round 1" in r.getMessage() for r in caplog.records
     )
     assert not late.accepted and late.reason is ReasonCode.LATE
+    assert not other.accepted and other.reason is ReasonCode.LATE
     assert store.keys() == before.keys()
     for name, value in resumed.models()[GROUP]["aca"].items():
         np.testing.assert_array_equal(value, models[GROUP]["aca"][name])
@@ -248,9 +251,15 @@ def test_a_resend_of_an_update_the_closed_round_counted_is_a_duplicate_not_late(
         (lambda w: {**w, "head.bias": np.zeros(3, np.float32)}, ReasonCode.SHAPE_MISMATCH),
         (lambda w: {**w, "head.bias": np.full_like(w["head.bias"], np.nan)}, ReasonCode.NON_FINITE),
         (lambda w: {**w, "head.bias": np.full_like(w["head.bias"], np.inf)}, ReasonCode.NON_FINITE),
+        # a compromised key's integer tensors: right names and shapes, and they once passed
+        # the norm screen (which skipped them) and wrecked the model
+        (lambda w: {k: np.rint(v * 1e4).astype(np.int64) for k, v in w.items()}, "dtype"),
+        (lambda w: {**w, "head.bias": w["head.bias"].astype(np.int32)}, "dtype"),
+        (lambda w: {**w, "head.bias": w["head.bias"] > 0}, "dtype"),
     ],
 )
 def test_invalid_weights_are_rejected_without_state_change(mutate, reason) -> None:
+    reason = ReasonCode.DTYPE_MISMATCH if reason == "dtype" else reason
     engine, store, actions = started(2)
     w = global_weights(actions)
     before = store.keys()

@@ -22,7 +22,7 @@ from protocol.codec import FRAME_MAGIC, FRAME_MESSAGE, TAG_SIZE, Codec
 from protocol.messages import PROTOCOL_VERSION, Ack, Message, ReasonCode
 from protocol.topics import Topics
 from protocol.transport import MemoryBroker, MemoryTransport
-from tests.coordinator.helpers import FLEET, GROUP, config, hello, make_engine, update
+from tests.coordinator.helpers import FLEET, config, hello, make_engine, shapes_of, update
 
 TOPICS = Topics(FLEET)
 
@@ -54,7 +54,7 @@ class Run:
         self.transport.connect()
         self.channel = Channel(self.transport)
         engine = make_engine(self.cfg, MemoryStore())
-        self.weights = {k: np.zeros(s, np.float32) for k, s in engine._shapes[GROUP].items()}
+        self.weights = {k: np.zeros(s, np.float32) for k, s in shapes_of(engine).items()}
         for device in ("dev-0", "dev-1"):
             self.channel.send(TOPICS.device(device, "hello"), hello(engine, device))
         assert wait_for(lambda: len(self.tasks) == 2)

@@ -13,11 +13,11 @@ from coordinator.events import Received
 from coordinator.store import MemoryStore
 from protocol.messages import Ack, ReasonCode
 from tests.coordinator.helpers import (
-    GROUP,
     config,
     hello,
     make_engine,
     published,
+    shapes_of,
     status,
     tasks_by_device,
     update,
@@ -74,7 +74,7 @@ def test_the_engine_answers_a_stale_update_replayed_and_changes_nothing() -> Non
     for device_id in ("dev-0", "dev-1"):
         actions += engine.handle(Received(device_id, hello(engine, device_id), 1.0))
     tasks = tasks_by_device(actions)
-    weights = {k: np.ones(s, np.float32) for k, s in engine._shapes[GROUP].items()}
+    weights = {k: np.ones(s, np.float32) for k, s in shapes_of(engine).items()}
     stale = update("dev-0", 1, weights, 100, task=tasks["dev-0"])
     before = store.snapshot()
     # Execute: it arrives stamped 20 minutes away from the coordinator's clock

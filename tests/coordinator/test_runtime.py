@@ -17,10 +17,10 @@ from protocol.topics import Topics
 from protocol.transport import MemoryBroker, MemoryTransport
 from tests.coordinator.helpers import (
     FLEET,
-    GROUP,
     config,
     hello,
     make_engine,
+    shapes_of,
     update,
 )
 
@@ -47,7 +47,7 @@ def test_malformed_and_foreign_messages_change_nothing() -> None:
     channel = Channel(attacker)
     topics = Topics(FLEET)
     engine = make_engine(cfg, MemoryStore())
-    weights = {k: np.zeros(s, np.float32) for k, s in engine._shapes[GROUP].items()}
+    weights = {k: np.zeros(s, np.float32) for k, s in shapes_of(engine).items()}
     good_hello = hello(engine, "dev-0")
 
     attacker.publish(topics.device("dev-0", "update"), b"\x00garbage")

@@ -16,7 +16,7 @@ from coordinator.averaging import CoordinateWise, accumulator
 from coordinator.engine import RoundEngine
 from coordinator.errors import ConfigError
 from coordinator.events import Received
-from coordinator.screening import NormScreen, delta_norm
+from coordinator.screening import NormScreen, delta_norm, model_norm
 from coordinator.store import FileStore, MemoryStore
 from coordinator.strategies.registry import build_strategy
 from protocol.messages import Ack, Message, ReasonCode
@@ -305,10 +305,13 @@ def test_screening_decisions_are_the_same_after_a_crash_at_any_write(tmp_path: P
             np.testing.assert_allclose(v, engine.models()[GROUP]["aca"][k], atol=1e-6)
 
 
-def test_delta_norm_counts_floating_tensors_only() -> None:
-    a = {"w": np.array([3.0, 4.0], np.float32), "n": np.array([7], np.int64)}
+def test_delta_norm_counts_every_tensor() -> None:
+    # an integer buffer moves the model too: it is measured, not skipped
+    a = {"w": np.array([3.0, 4.0], np.float32), "n": np.array([12], np.int64)}
     b = {"w": np.zeros(2, np.float32), "n": np.array([0], np.int64)}
-    assert delta_norm(a, b) == pytest.approx(5.0)
+    assert delta_norm(a, b) == pytest.approx(13.0)
+    assert model_norm(a) == pytest.approx(13.0)
+    assert model_norm(a, {"w"}) == pytest.approx(5.0)
 
 
 # -- flags of both command lines --------------------------------------------------------
