@@ -17,8 +17,13 @@ Categories: ``random_bytes``, ``truncated``, ``bit_flipped`` (honest frames dama
 type), ``oversize`` (a 64 MiB + 1 frame, chunk headers announcing too much),
 ``forged_sender`` (an honest id's topic with a wrong key; the rogue's topic naming an
 honest sender), ``replay`` (captured honest frames, verbatim), ``unregistered``
-(well-formed hellos, statuses and updates of ids without a key) and ``chunk_flood``
-(first chunks of transfers that never finish).
+(well-formed hellos, statuses and updates of ids without a key), ``chunk_flood``
+(first chunks of transfers that never finish), ``forged_fleet`` (the coordinator's
+status, ``starting`` and ``finished``, unsigned or signed with another key: refused by
+every device, counted in the devices' logs), ``int_tensors`` (updates of the current
+round under a compromised honest key, with int64 tensors of the model's names and
+shapes) and ``stale_offline`` (the devices' genuine ``offline`` statuses of the
+reference run, replayed).
 
 Counts per category: ``tried`` (publishes), ``rejected`` (refusal lines the coordinator
 wrote while the burst was processed: lines saying refused / rejected / dropped /
@@ -84,7 +89,12 @@ CATEGORIES = (
     "replay",
     "unregistered",
     "chunk_flood",
+    "forged_fleet",
+    "int_tensors",
+    "stale_offline",
 )
+DEVICE_SIDE = ("forged_fleet",)
+"""Categories the devices refuse (fleet-wide frames): counted in their logs, per device."""
 # the refusal lines of the coordinator's log (``-v``), the thing this benchmark counts
 _REFUSAL = re.compile(
     r"^\S+ \S+ (WARNING|DEBUG) (?:coordinator|protocol)[\w.]*: "
@@ -321,7 +331,8 @@ def one_run(
     report = AbuseReport(devices=cfg.devices, rounds=cfg.rounds, seed=cfg.seed)
     honest = [f.stem for f in files]
     rogue_key = Keyring.load(keys)[ROGUE]
-    hostile = Hostile(url, honest, rogue_key, cfg.seed, f"hostile-{work.name}")
+    stolen = Keyring.load(keys).without({ROGUE})  # the honest devices' keys, compromised
+    hostile = Hostile(url, honest, rogue_key, cfg.seed, f"hostile-{work.name}", stolen)
     hostile.start()
     log = work / "coordinator.log"
     start = time.monotonic()
@@ -392,6 +403,11 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     report.reference_peak_rss_mb = reference.coordinator_peak_rss_mb
     report.reference_wall_s = reference.wall_s
     report.held_at_end = _held_at_end(report)
+    refused = _device_refusals(work / "abuse" / "devices", [f.stem for f in files])
+    for name in DEVICE_SIDE:
+        entry = report.categories.get(name)
+        if entry is not None:  # refused by every device: the fewest lines of any
+            entry.rejected = entry.logged = min(refused, default=0)
     report.categories = {n: report.categories[n] for n in CATEGORIES if n in report.categories}
     for entry in report.categories.values():
         report.tried += entry.tried
@@ -402,6 +418,20 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
             final_models(work / "abuse" / "state"), final_models(work / "reference" / "state")
         )
     return report
+
+
+def _device_refusals(root: Path, devices: list[str]) -> list[int]:
+    """Per device, the frames on the coordinator's status topic it refused (its log's
+    WARNING lines; an honest status never fails its signature)."""
+    needle = f"dropped a bad payload on fl/{FLEET}/coordinator/status"
+    counts = []
+    for device in devices:
+        try:
+            text = (root / f"{device}.log").read_text(errors="replace")
+        except OSError:
+            text = ""
+        counts.append(sum(needle in line for line in text.splitlines()))
+    return counts
 
 
 def _held_at_end(report: AbuseReport) -> int:

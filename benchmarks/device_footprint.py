@@ -148,6 +148,7 @@ def templates(root: Path) -> dict[str, Path]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from protocol.signing import SigningKey
     from protocol.transport import EmbeddedBroker
 
     results: dict[str, Any] = {}
@@ -155,7 +156,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(tmp)
         data = device_file(root, args.data_dir)
         made = templates(root)
+        SigningKey.generate().save(root / "coordinator.key")  # and coordinator.key.pub
         connection = ["--broker", b.url, "--fleet", FLEET, "--connect-retry", "30"]
+        connection += ["--coordinator-key-file", str(root / "coordinator.key.pub")]
         followers = {
             precision: launch(
                 [
@@ -198,6 +201,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "-m",
                 "coordinator",
                 *connection[:4],
+                "--signing-key-file",
+                str(root / "coordinator.key"),
                 "--rounds",
                 "1",
                 "--min-devices",

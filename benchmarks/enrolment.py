@@ -8,11 +8,12 @@ real HMAC-SHA256 and real files (a temporary state dir, fsynced atomic writes):
   status, signed with a wrong key) of an id the coordinator does not know, without a
   token (refused at the key lookup) and with one (a derivation, then the tag check
   fails), in microseconds: what a flood of forgeries costs;
-- ``enrol_ms_first`` / ``enrol_ms_last``: one enrolment (key lookup, tag check, keyring
-  rewritten and fsynced) at the start and at the end of enrolling ``--devices`` ids, in
-  milliseconds (median of ten): the keyring is rewritten whole each time, so this grows
-  with the number enrolled; ``enrol_s_total`` for all of them, ``keyring_bytes`` its
-  final size.
+- ``enrol_ms_first`` / ``enrol_ms_last``: one enrolment (key lookup, tag check, one line
+  appended to the enrolment journal and fsynced) at the start and at the end of enrolling
+  ``--devices`` ids, in milliseconds (median of ten): an append, so the last should cost
+  what the first did (the whole keyring was rewritten each time before, 12 ms at the
+  start and 27 ms at the 1,024th); ``enrol_s_total`` for all of them, ``journal_bytes``
+  the journal's final size.
 
 Run: ``python -m benchmarks.enrolment [--devices N] [--repeats N] [--json]``. Timings
 depend on the machine's load and its disk's fsync latency.
@@ -32,7 +33,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from coordinator.enrolment import ENROLLED_FILE, FleetKeys
+from coordinator.enrolment import ENROLLED_JOURNAL, FleetKeys
 from protocol.auth import AuthError, Keyring, derive_device_key, new_key, seal, verify
 from protocol.codec import Codec
 from protocol.messages import DeviceStatus, Message
@@ -82,7 +83,7 @@ def enrol_all(state: Path, token: bytes, devices: int) -> dict[str, float]:
         "enrol_ms_first": statistics.median(times[:10]) * 1e3,
         "enrol_ms_last": statistics.median(times[-10:]) * 1e3,
         "enrol_s_total": sum(times),
-        "keyring_bytes": (state / ENROLLED_FILE).stat().st_size,
+        "journal_bytes": (state / ENROLLED_JOURNAL).stat().st_size,
     }
 
 
@@ -106,7 +107,7 @@ def main() -> None:
                 lambda: refuse(with_token, "stranger", topic, frame), args.repeats
             ),
         }
-        assert not (Path(tmp) / "b" / ENROLLED_FILE).exists()  # forgeries enrolled nobody
+        assert not (Path(tmp) / "b" / ENROLLED_JOURNAL).exists()  # forgeries enrolled nobody
         row |= enrol_all(Path(tmp) / "c", token, args.devices)
     if args.json:
         print(json.dumps({"devices": args.devices, **row}))

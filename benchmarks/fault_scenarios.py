@@ -75,6 +75,7 @@ from protocol.messages import (
     RoundTask,
     Update,
 )
+from protocol.signing import VerifyKey
 from protocol.tensors import Precision
 from protocol.tensorset import encode_tensors
 from protocol.topics import Topics
@@ -200,10 +201,12 @@ class CraftedDevice:
     """A keyed device played by the test: it says hello, records its tasks, models and
     acks, and publishes whatever the scenario asks (or nothing)."""
 
-    def __init__(self, url: str, device_id: str, key: bytes) -> None:
+    def __init__(self, url: str, device_id: str, key: bytes, coordinator: VerifyKey) -> None:
         self.device_id = device_id
         self.transport = MqttTransport(MqttConfig.from_url(url, client_id=f"crafted-{device_id}"))
-        self.channel = Channel(self.transport, auth=Keyring({device_id: key}))
+        self.channel = Channel(
+            self.transport, auth=Keyring({device_id: key}), fleet_key=coordinator
+        )
         self._cond = threading.Condition()
         self.tasks: dict[int, Message] = {}
         self.models: dict[str, ModelPayload] = {}
@@ -405,7 +408,8 @@ class FaultRun:
         self._stack.close()
 
     def crafted(self, name: str) -> CraftedDevice:
-        device = CraftedDevice(self.broker.url, name, self.crafted_keys[name])
+        coordinator = VerifyKey.load(self.keys_path.parent / "coordinator.key.pub")
+        device = CraftedDevice(self.broker.url, name, self.crafted_keys[name], coordinator)
         device.start()
         self._stack.callback(device.stop)
         return device

@@ -26,6 +26,7 @@ import torch
 
 from coordinator.runtime import STATUS_FILE
 from protocol.auth import Keyring, new_key, write_key_file
+from protocol.signing import SigningKey
 from sim.datasets import load_dataset
 from sim.partition import partition_dataset, save_device_file
 
@@ -111,7 +112,8 @@ def write_fleet(
     root: Path, devices: int, seed: int, *, key_only: Sequence[str] = ()
 ) -> tuple[list[Path], Path]:
     """Device data files (synthetic, IID), one key file each (``ID.key`` beside
-    ``ID.npz``), and the coordinator's keyring ``root/keys.json`` (holding a key for each
+    ``ID.npz``), the coordinator's signing key ``root/coordinator.key`` (and its ``.pub``)
+    and keyring ``root/keys.json`` (holding a key for each
     id of ``key_only`` too: ids with no device behind them)."""
     root.mkdir(parents=True, exist_ok=True)
     federation = partition_dataset(
@@ -126,6 +128,7 @@ def write_fleet(
         paths.append(path)
     keys |= {device_id: new_key() for device_id in key_only}
     Keyring(keys).save(root / "keys.json")
+    SigningKey.generate().save(root / "coordinator.key")  # and coordinator.key.pub
     return paths, root / "keys.json"
 
 
@@ -137,7 +140,9 @@ def edge_client_command(
     return [
         sys.executable, "-m", "edge_client", "--broker", url, "--fleet", fleet,
         "--data", str(data), "--state-dir", str(state),
-        "--auth-key-file", str(data.with_suffix(".key")), "--exit-when-finished", *extra,
+        "--auth-key-file", str(data.with_suffix(".key")),
+        "--coordinator-key-file", str(data.parent / "coordinator.key.pub"),
+        "--exit-when-finished", *extra,
     ]  # fmt: skip
 
 
@@ -173,7 +178,8 @@ def coordinator_command(
         sys.executable, "-m", "coordinator", "--broker", url, "--fleet", fleet,
         "--rounds", str(rounds), "--participation", repr(participation),
         "--min-devices", str(min_devices), "--round-timeout", str(round_timeout_s),
-        "--state-dir", str(state), "--device-keys", str(keys), *extra,
+        "--state-dir", str(state), "--device-keys", str(keys),
+        "--signing-key-file", str(keys.parent / "coordinator.key"), *extra,
     ]  # fmt: skip
 
 

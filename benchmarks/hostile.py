@@ -1,6 +1,9 @@
 """The hostile client of benchmarks/abuse.py: it reads everything on a fleet's device
 topics and builds bursts of bad input, one category at a time, for every topic the
-coordinator reads (honest ids, ids without a key, the rogue id, ids outside the layout).
+coordinator reads (honest ids, ids without a key, the rogue id, ids outside the layout),
+and for the fleet-wide topics every device reads (the coordinator's status). It also
+holds the honest devices' keys, as an attacker who compromised them would
+(``int_tensors``).
 """
 
 from __future__ import annotations
@@ -15,12 +18,20 @@ from typing import Any
 import msgpack
 import zstandard
 
-from protocol.auth import new_key, seal
+from protocol.auth import Keyring, new_key, seal
 from protocol.chunking import CHUNK_HEADER_SIZE, Reassembler, split_frame
-from protocol.codec import FRAME_CHUNK, FRAME_MAGIC, FRAME_MESSAGE, MESSAGE_PREFIX_SIZE, Codec
+from protocol.codec import (
+    FRAME_CHUNK,
+    FRAME_MAGIC,
+    FRAME_MESSAGE,
+    MESSAGE_PREFIX_SIZE,
+    Codec,
+    signed_twin,
+)
 from protocol.errors import DecodeError
 from protocol.limits import DecodeLimits, ReassemblyLimits
-from protocol.messages import PROTOCOL_VERSION, Message, Update
+from protocol.messages import PROTOCOL_VERSION, CoordinatorStatus, Message, Update
+from protocol.signing import SigningKey
 from protocol.transport.base import Inbound
 from protocol.transport.config import MqttConfig
 from protocol.transport.mqtt import MqttTransport
@@ -113,14 +124,27 @@ class Hostile:
     """Reads everything on the devices' topics and publishes bad input in bursts."""
 
     def __init__(
-        self, url: str, honest: list[str], rogue_key: bytes, seed: int, client_id: str
+        self,
+        url: str,
+        honest: list[str],
+        rogue_key: bytes,
+        seed: int,
+        client_id: str,
+        stolen: Keyring | None = None,
     ) -> None:
         self.rng = random.Random(seed)
         self.honest = honest
         self.rogue_key = rogue_key
+        self.stolen = stolen or Keyring()
+        """Honest devices' keys the attacker compromised."""
+        self.impostor = SigningKey(self.rng.randbytes(32))
+        """A signing key of the attacker's own (not the coordinator's)."""
+        self.tasks: dict[str, tuple[int, str]] = {}
+        """Device -> (round, message id hex) of the newest task it was sent."""
         self._lock = threading.Lock()
         self.captured: dict[str, list[bytes]] = {}  # topic -> message frames seen
         self.chunks: list[tuple[str, bytes]] = []  # chunk frames seen
+        self.offline: list[tuple[str, bytes]] = []  # offline statuses seen past the 16
         self._reassembler = Reassembler(  # the hostile client's own: roomy and patient
             ReassemblyLimits(
                 max_source_transfers=1024, max_pending_transfers=4096, timeout_s=86400.0
@@ -134,6 +158,7 @@ class Hostile:
         self._transport.connect()
         self._transport.subscribe(f"fl/{FLEET}/devices/+/+", self._capture)
         self._transport.subscribe(f"fl/{FLEET}/to/+/ack", self._ack)
+        self._transport.subscribe(f"fl/{FLEET}/to/+/task", self._task)
 
     def stop(self) -> None:
         self._transport.disconnect()
@@ -155,6 +180,10 @@ class Hostile:
             frames = self.captured.setdefault(inbound.topic, []) if frame is not None else []
             if frame is not None and len(frames) < 16:
                 frames.append(frame)
+            elif frame is not None and inbound.topic.endswith("/status") and len(self.offline) < 64:
+                env = envelope(frame)  # a device's goodbye or will comes last: kept apart
+                if env is not None and env.get("body", {}).get("state") == "offline":
+                    self.offline.append((inbound.topic, frame))
 
     def _ack(self, inbound: Inbound) -> None:
         env = envelope(inbound.payload)
@@ -164,6 +193,13 @@ class Hostile:
             with self._lock:
                 self.nacks.append(inbound.topic)
 
+    def _task(self, inbound: Inbound) -> None:
+        env = envelope(inbound.payload)
+        if env is None or not isinstance(env.get("id"), bytes):
+            return
+        with self._lock:
+            self.tasks[inbound.topic.split("/")[3]] = (int(env["round"]), env["id"].hex())
+
     def ready(self) -> bool:
         """Whether a hello and an update of some honest device were seen."""
         with self._lock:
@@ -172,12 +208,8 @@ class Hostile:
 
     def frames(self, leaf: str | None = None) -> list[tuple[str, bytes]]:
         with self._lock:
-            return [
-                (t, f)
-                for t, fs in self.captured.items()
-                if leaf is None or t.endswith("/" + leaf)
-                for f in fs
-            ]
+            kept = [(t, f) for t, fs in self.captured.items() for f in fs] + self.offline
+        return [(t, f) for t, f in kept if leaf is None or t.endswith("/" + leaf)]
 
     # topics
 
@@ -206,8 +238,10 @@ class Hostile:
     # categories: each returns the (topic, payload) pairs of one burst
 
     def burst(self, category: str, n: int, old: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        if category in ("replay", "stale_offline"):
+            return self._replay(n, old) if category == "replay" else self._stale_offline(n, old)
         make: Callable[[int], list[tuple[str, bytes]]] = getattr(self, f"_{category}")
-        return make(n) if category != "replay" else self._replay(n, old)
+        return make(n)
 
     def _random_bytes(self, n: int) -> list[tuple[str, bytes]]:
         rng = self.rng
@@ -379,3 +413,63 @@ class Hostile:
             frame = _frame(self.rng.randbytes(4096), None, topic)
             out.append((topic, split_frame(frame, 1024)[0]))
         return out
+
+    def _forged_fleet(self, n: int) -> list[tuple[str, bytes]]:
+        """The coordinator's status, forged: ``starting`` (every device would say hello
+        again and, before version 6, lose its delta base) and ``finished`` (every device
+        would stop), unsigned or signed with the attacker's own key."""
+        topic = f"fl/{FLEET}/coordinator/status"
+        out = []
+        for i in range(n):
+            state = ("starting", "finished")[i % 2]
+            body = CoordinatorStatus(state=state)
+            frame = Codec().encode(Message(fleet=FLEET, sender="coordinator", body=body))
+            if (i // 2) % 2:
+                frame = self.impostor.sign(topic, signed_twin(frame))
+            out.append((topic, frame))
+        return out
+
+    def _int_tensors(self, n: int) -> list[tuple[str, bytes]]:
+        """Updates of the current round under a compromised honest key whose tensors
+        are int64 with the model's names and shapes (before version 6 they passed the
+        weight check and the norm screen, and destroyed the model)."""
+        with self._lock:
+            tasks = dict(self.tasks)
+        updates = [(t, f) for t, f in self.frames("update") if t.split("/")[3] in tasks]
+        out = []
+        for _ in range(n if updates else 0):
+            topic, frame = self.rng.choice(updates)
+            device = topic.split("/")[3]
+            env = envelope(frame)
+            if env is None or device not in self.stolen:
+                continue
+            round_, task_id = tasks[device]
+            weights = env["body"]["sets"]["weights"]
+            weights["mode"], weights["base"] = "full", None
+            weights["tensors"] = [
+                [t[0], t[1], "int64", "raw", 0, _int64s(t[1], 10**6), None]
+                for t in weights["tensors"]
+            ]
+            env = _fresh(env, device, self.rng)
+            env["round"], env["body"]["task_message"] = round_, task_id
+            payload = msgpack.packb(env, use_bin_type=True)
+            out.append((topic, _frame(payload, self.stolen[device], topic)))
+        return out
+
+    def _stale_offline(self, n: int, old: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """Genuine ``offline`` statuses of the devices' earlier run (their last wills or
+        goodbyes, captured in the reference run), replayed: before version 6 each took a
+        live device out of selection."""
+        offline = []
+        for topic, frame in old:
+            env = envelope(frame) if topic.endswith("/status") else None
+            if env is not None and env.get("body", {}).get("state") == "offline":
+                offline.append((topic, frame))
+        return [self.rng.choice(offline) for _ in range(n)] if offline else []
+
+
+def _int64s(shape: list[int], value: int) -> bytes:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return value.to_bytes(8, "little", signed=True) * count

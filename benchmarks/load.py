@@ -61,6 +61,7 @@ from benchmarks.harness import Status, coordinator_command, private_broker, spaw
 from protocol.auth import Keyring, new_key
 from protocol.channel import Channel
 from protocol.messages import Ack, Message
+from protocol.signing import SigningKey
 from protocol.topics import Topics
 from protocol.transport import Inbound, MqttConfig, MqttTransport
 
@@ -211,9 +212,11 @@ class Monitor:
 
 
 def write_keys(path: Path, devices: int) -> Keyring:
-    """A keyring of ``devices`` fresh keys, ids ``dev-00000`` ..., written to ``path``."""
+    """A keyring of ``devices`` fresh keys, ids ``dev-00000`` ..., written to ``path``,
+    and the coordinator's signing key beside it (``coordinator.key`` and its ``.pub``)."""
     keyring = Keyring({f"dev-{i:05d}": new_key() for i in range(devices)})
     keyring.save(path)
+    SigningKey.generate().save(path.parent / "coordinator.key")
     return keyring
 
 
@@ -233,6 +236,7 @@ def fleet_coordinator_command(url: str, cfg: LoadConfig, keys: Path, state: Path
 def devices_command(url: str, cfg: LoadConfig, keys: Path, report: Path) -> list[str]:
     return [
         sys.executable, "-m", "sim", "devices", "--broker", url, "--device-keys", str(keys),
+        "--coordinator-key-file", str(keys.parent / "coordinator.key.pub"),
         "--fleet", FLEET, "--model", cfg.model, "--seed", str(cfg.seed), "--alpha", "inf",
         "--samples-per-device", str(cfg.samples_per_device), "--image-size",
         str(cfg.image_size), "--connections", str(min(cfg.connections, cfg.devices)),

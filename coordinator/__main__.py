@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     where = broker.add_mutually_exclusive_group()
     flags.add(where, BrokerSettings, include=("url", "embedded"), path=("broker",), **_BROKER)
     flags.add(broker, BrokerSettings, exclude=("url", "embedded", "password"), path=("broker",))
+    flags.add(
+        broker,
+        CoordinatorConfig,
+        include=("connect_retry_s",),
+        flags={"connect_retry_s": "--connect-retry"},
+        metavars={"connect_retry_s": "S"},
+    )
     fleet = p.add_argument_group("fleet")
     flags.add(fleet, CoordinatorConfig, include=("fleet", "coordinator_id", "min_devices"))
     add_fleet_flags(fleet, flags, FleetSettings, exclude=("training",))
@@ -102,10 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
             "device_keys",
             "fleet_token_file",
             "max_enrolled",
+            "signing_key_file",
             "insecure_no_auth",
             "replay_window_s",
         ),
-        metavars={"device_keys": "FILE", "fleet_token_file": "FILE", "max_enrolled": "N"},
+        metavars={
+            "device_keys": "FILE",
+            "fleet_token_file": "FILE",
+            "max_enrolled": "N",
+            "signing_key_file": "FILE",
+        },
     )
     flags.add(
         p.add_argument_group("state and outputs"),
@@ -234,7 +247,8 @@ def revoke_main(argv: Sequence[str]) -> int:
 
     p = _Parser(
         prog=f"{PROG} revoke",
-        description="Revoke devices: the coordinator refuses them from its next start.",
+        description="Revoke devices: the coordinator refuses them from now on (a running "
+        "one within a second).",
     )
     p.add_argument("--state-dir", type=Path, required=True, help="the coordinator's state dir")
     p.add_argument("device_ids", nargs="+", metavar="ID", help="device id")
@@ -250,7 +264,7 @@ def revoke_main(argv: Sequence[str]) -> int:
         print(f"revoked {device_id} ({how})")
     print(
         f"{len(revoked)} device(s) revoked in {args.state_dir}; a running coordinator "
-        "refuses them once restarted (--resume)",
+        "refuses them within a second",
         file=sys.stderr,
     )
     return EXIT_OK

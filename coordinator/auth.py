@@ -23,10 +23,14 @@ from coordinator.enrolment import FleetKeys
 from coordinator.errors import ConfigError
 from protocol.auth import Keyring, read_fleet_token
 from protocol.messages import DeviceStatus, Hello, Message, ReasonCode, Update
+from protocol.signing import SigningKey, load_or_create_signing_key, public_key_path
 
-__all__ = ["RateLimitedLog", "ReplayGuard", "load_keys"]
+__all__ = ["SIGNING_KEY_NAME", "RateLimitedLog", "ReplayGuard", "load_keys", "load_signing_key"]
 
 log = logging.getLogger(__name__)
+
+SIGNING_KEY_NAME = "coordinator-signing.key"
+"""The signing key a coordinator with a state dir makes there at its first start."""
 
 
 def load_keys(config: CoordinatorConfig) -> FleetKeys | None:
@@ -82,6 +86,46 @@ def load_keys(config: CoordinatorConfig) -> FleetKeys | None:
     return keys
 
 
+def load_signing_key(config: CoordinatorConfig) -> SigningKey | None:
+    """The key that signs the coordinator's fleet-wide frames (docs/protocol.md, section
+    2.5): ``signing_key_file``, else ``STATE_DIR/coordinator-signing.key`` (made at the
+    first start, with its ``.pub``), else one for this run only; None with
+    ``insecure_no_auth``.
+
+    Raises:
+        ConfigError: the key file cannot be read or written, or is not a key.
+    """
+    if config.insecure_no_auth:
+        return None
+    path = config.signing_key_file
+    if path is None and config.state_dir is None:
+        log.warning(
+            "no --signing-key-file or --state-dir: the coordinator signs its status and "
+            "broadcast frames with a key made for this run; devices cannot verify them and "
+            "drop them (python -m protocol keys --new-signing-key FILE makes a lasting one)"
+        )
+        return SigningKey.generate()
+    try:
+        if path is not None:
+            key, made = SigningKey.load(path), False
+        else:
+            assert config.state_dir is not None
+            config.state_dir.mkdir(parents=True, exist_ok=True)
+            path = config.state_dir / SIGNING_KEY_NAME
+            key, made = load_or_create_signing_key(path)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"coordinator signing key: {exc}") from exc
+    log.info(
+        "%s signing key %s (public key %s: give it to every device, --coordinator-key-file)",
+        "made a new" if made else "using the",
+        path,
+        key.verify_key.fingerprint,
+    )
+    if made:
+        log.info("its public key file: %s", public_key_path(path))
+    return key
+
+
 class RateLimitedLog:
     """Logs a warning at most once per key per ``interval_s`` (bounded memory), so bad
     input from one source is logged once, and a flood of it does not flood the log; the
@@ -122,6 +166,9 @@ class _Seen:
     ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
     newest: dict[str, int] = field(default_factory=dict)
     """Kind (hello, device_status) -> newest ``ts`` accepted from the device (ms)."""
+    session: str | None = None
+    """The session of the device's newest status that is not ``offline`` (None: none
+    seen, or one without a session)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +221,14 @@ class ReplayGuard:
                 return Replayed(
                     ReasonCode.REPLAYED, "offline status older than the device's newest one"
                 )
+            if seen.session is not None and body.session != seen.session:
+                # a genuine will or goodbye of an earlier run of the device, replayed: it
+                # would take a live device out of selection (section 7)
+                return Replayed(
+                    ReasonCode.REPLAYED,
+                    f"offline status of session {body.session}, not the device's current "
+                    f"session {seen.session}",
+                )
             seen.newest["offline"] = ts
         elif isinstance(body, (Hello, DeviceStatus)):
             if message.message_id in seen.ids:
@@ -183,6 +238,8 @@ class ReplayGuard:
                     ReasonCode.REPLAYED, f"{message.kind} older than the device's newest one"
                 )
             seen.newest[message.kind] = ts
+            if isinstance(body, DeviceStatus):
+                seen.session = body.session
         seen.ids[message.message_id] = None
         while len(seen.ids) > self._remember:
             seen.ids.popitem(last=False)

@@ -290,6 +290,9 @@ class CoordinatorConfig(FleetSettings):
     """Input side of the model, in pixels."""
     min_devices: int = Field(default=1, ge=1)
     """Online devices needed to start a round."""
+    connect_retry_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    """Keep retrying the first connection to the broker this long, seconds (a service
+    started beside its broker may come up first); 0: one attempt."""
     state_dir: Path | None = None
     """Folder of the persistent state and final models (unset: in memory, no resume)."""
     resume: bool = False
@@ -318,11 +321,17 @@ class CoordinatorConfig(FleetSettings):
     fleet_token_file: Path | None = None
     """Fleet token (64 hex digits, mode 0600; python -m protocol keys --new-fleet-token):
     a device not in device_keys whose frames verify under the key derived from the token
-    for its id is enrolled, its key kept in STATE_DIR/enrolled-keys.json (docs/protocol.md,
+    for its id is enrolled, its key kept in STATE_DIR/enrolled-keys.json* (docs/protocol.md,
     section 2.4). Whoever holds the token can enrol any device id: bulk and lab flashing."""
     max_enrolled: int = Field(default=1024, ge=0)
     """Devices enrolled with the fleet token at most (all runs of the state dir); past it
     new ids are refused, so a leaked token cannot grow the keyring without bound."""
+    signing_key_file: Path | None = None
+    """The coordinator's Ed25519 signing key (64 hex digits, mode 0600; python -m protocol
+    keys --new-signing-key FILE writes it and FILE.pub): every frame on a fleet-wide topic
+    (its status, the broadcast model) is signed with it and devices verify with FILE.pub
+    (docs/protocol.md, section 2.5). Unset: STATE_DIR/coordinator-signing.key, made at
+    the first start; without a state dir, a key for this run only."""
     insecure_no_auth: bool = False
     """Run without authentication: anyone on the broker can join, impersonate devices and
     poison the model. Tests and trusted networks only."""

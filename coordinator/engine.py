@@ -390,7 +390,6 @@ class RoundEngine:
                 link.downlink.value,
                 link.uplink.value,
             )
-        self._transfers.announced(device_id, hello.held_base)
         actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
         run = self._require_run()
         if (
@@ -398,7 +397,10 @@ class RoundEngine:
             and device_id in self._selected
             and not self._state.has_update(device_id, run.round)
         ):
+            self._transfers.announced_mid_round(device_id, run.round, hello.held_base)
             actions += self._task_messages(device_id, self._server_sets())  # it may have lost it
+        else:
+            self._transfers.announced(device_id, hello.held_base)
         return actions + self._on_tick(now)
 
     def _unsupported_precision(self, hello: Hello) -> str | None:

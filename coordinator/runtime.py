@@ -45,7 +45,7 @@ from coordinator.actions import (
     RoundStarted,
 )
 from coordinator.aggregation_phase import AggregationJob
-from coordinator.auth import RateLimitedLog, load_keys
+from coordinator.auth import RateLimitedLog, load_keys, load_signing_key
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import RoundEngine
@@ -62,6 +62,7 @@ from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
 from protocol.messages import CoordinatorStatus, Message, ReasonCode
+from protocol.signing import SigningKey
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
 
@@ -201,6 +202,8 @@ class Coordinator:
         keyring: the fleet's device keys; None: those ``config`` names (its device keys,
             enrolled devices and fleet token), or none with ``config.insecure_no_auth``
             (:func:`~coordinator.auth.load_keys`).
+        signing_key: signs the fleet-wide frames; None: the one ``config`` names
+            (:func:`~coordinator.auth.load_signing_key`). Unused without a keyring.
         proxy_data: unlabeled images for server-side distillation, ``(N, C, H, W)`` or
             ``(N, H, W)``, uint8 or floats in [0, 1] (:func:`~coordinator.proxy.
             proxy_tensor`); every aggregation finds them in its context.
@@ -223,11 +226,18 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
         proxy_data: npt.NDArray[Any] | None = None,
         keyring: KeySource | None = None,
+        signing_key: SigningKey | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
         self.keyring = keyring if keyring is not None else load_keys(config)
-        self.channel = Channel(transport, codec, admit=self._admit, auth=self.keyring)
+        if self.keyring is not None and signing_key is None:
+            signing_key = load_signing_key(config)
+        self.signing_key = None if self.keyring is None else signing_key
+        """The key of the fleet-wide frames (None: insecure, nothing is signed)."""
+        self.channel = Channel(
+            transport, codec, admit=self._admit, auth=self.keyring, fleet_key=self.signing_key
+        )
         self._refusals = RateLimitedLog(log)
         self._clock = clock
         self._tick_s = tick_s
@@ -267,7 +277,8 @@ class Coordinator:
             The final global models of each group, or None when stopped before the end.
 
         Raises:
-            TransportError: the broker cannot be reached at start.
+            TransportError: the broker cannot be reached at start (within
+                ``config.connect_retry_s``).
             StoreError: the state store failed (fatal: the run cannot go on safely), or
                 the final models could not be saved (resume to save them).
             CoordinatorError: the final models could not be exported.
@@ -276,9 +287,10 @@ class Coordinator:
         fleet, me = self.config.fleet, self.config.coordinator_id
         topics = self.engine.topics
         will = Message(fleet=fleet, sender=me, body=CoordinatorStatus(state="stopped"))
-        self.transport.connect(
-            will=Will(topics.coordinator_status, self.channel.codec.encode(will))
-        )
+        if not self._connect(
+            Will(topics.coordinator_status, self.channel.encode(topics.coordinator_status, will))
+        ):
+            return None
         try:
             self.channel.subscribe(topics.from_devices(), self._receive, on_error=self._bad_input)
             self.transport.on_reconnect(self._on_reconnect)
@@ -364,6 +376,47 @@ class Coordinator:
                 round=error.round,
             )
         )
+
+    def _connect(self, will: Will) -> bool:
+        """Connect, retrying with a doubling backoff (1 s up to 10 s) for
+        ``config.connect_retry_s``; False when :meth:`stop` came first.
+
+        Raises:
+            TransportError: no session within ``connect_retry_s``.
+        """
+        retry_s = self.config.connect_retry_s
+        deadline = time.monotonic() + retry_s
+        delay, attempt = 1.0, 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            timeout = 10.0 if retry_s == 0 else max(1.0, min(10.0, remaining))
+            try:
+                self.transport.connect(will=will, timeout=timeout)
+                if attempt > 1:
+                    log.info("connected to the MQTT broker at attempt %d", attempt)
+                return True
+            except TransportError as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if retry_s == 0:
+                        raise
+                    raise TransportError(
+                        f"no connection to the MQTT broker after {attempt} attempt(s) in "
+                        f"{retry_s:.0f} s (--connect-retry): {exc}"
+                    ) from exc
+                wait = min(delay, remaining)
+                log.warning(
+                    "waiting for the MQTT broker: attempt %d failed (%s); next in %.0f s, "
+                    "giving up %.0f s from now (--connect-retry)",
+                    attempt,
+                    exc,
+                    wait,
+                    remaining,
+                )
+                if self._stop.wait(wait):
+                    return False
+                delay = min(delay * 2, 10.0)
 
     def _on_reconnect(self) -> None:
         self._events.put(Reconnected(self._clock()))

@@ -185,6 +185,26 @@ class Transfers:
         if self._state.base_fingerprint(device_id, "held") != base.fingerprint:
             self._state.save_base(device_id, "held", base)
 
+    def announced_mid_round(
+        self, device_id: str, round_number: int, fingerprint: str | None
+    ) -> None:
+        """A hello of a device whose task of ``round_number`` is out and unanswered (it
+        reconnected, or the coordinator restarted). Where the device still holds its base
+        (``fingerprint`` is its ``held`` model or this round's ``sent`` one), nothing
+        changes: the task goes out again encoded as the first time (the encodings are
+        deterministic), so the model it may be training on and the base the coordinator
+        checks its upload against stay in agreement (re-encoding against a newly confirmed
+        base gave another ``sent`` base and refused the device's upload ``unknown_base``).
+        Otherwise it lost its model: :meth:`announced`."""
+        if fingerprint is not None:
+            held = self._state.base_fingerprint(device_id, "held")
+            sent = self._state.load_base(device_id, "sent")
+            if fingerprint == held or (
+                sent is not None and sent.round == round_number and sent.fingerprint == fingerprint
+            ):
+                return
+        self.announced(device_id, fingerprint)
+
     def announced(self, device_id: str, fingerprint: str | None) -> None:
         """A hello says which model the device holds (None: none); keep what agrees."""
         if fingerprint is not None:

@@ -8,17 +8,22 @@
       broker/                   copy to the broker host, to settings.broker_dir
         mosquitto.conf, acl, ca.pem, server.pem, server.key, passwords
       coordinator/              the coordinator's credentials: ca.pem, cert.pem, key.pem,
-                                password (the files its listeners need), and
-                                device-keys.json, the fleet's keyring (--device-keys)
-      devices/ID/               one device's: ca.pem, cert.pem, key.pem or password, and
-                                device.key, its message key (--auth-key-file)
+                                password (the files its listeners need),
+                                device-keys.json, the fleet's keyring (--device-keys), and
+                                signing.key / signing.key.pub, the key its fleet-wide
+                                frames are signed with (--signing-key-file)
+      devices/ID/               one device's: ca.pem, cert.pem, key.pem or password,
+                                device.key, its message key (--auth-key-file), and
+                                coordinator.pub, the coordinator's public signing key
+                                (--coordinator-key-file)
 
 Every device issued (``device`` or ``passwords``) gets a 32-byte message key
 (docs/protocol.md, section 2.3): ``devices/ID/device.key`` for the device, and the same
 key in ``coordinator/device-keys.json`` for the coordinator (both 0600). A device that has
 a key keeps it unless ``force`` issues a new one. With a fleet token (``--fleet-token``)
 the device's key is derived from it instead and left out of the keyring: the coordinator
-run with ``--fleet-token-file`` enrols the device (docs/protocol.md, section 2.4).
+run with ``--fleet-token-file`` enrols the device (docs/protocol.md, section 2.4). Every
+device issued also gets the coordinator's public signing key (section 2.5).
 
 Private keys, passwords, the password file and the ACL are written with mode 0600, folders
 0700.
@@ -44,12 +49,17 @@ from deploy.passwords import hash_password, new_password, parse_password_file
 from deploy.passwords import render_password_file as _render_passwords
 from deploy.settings import KitSettings
 from protocol.auth import Keyring, derive_device_key, new_key
+from protocol.signing import SigningKey, load_or_create_signing_key, public_key_path
 from protocol.topics import valid_identifier
 
 DEVICE_KEY = "device.key"
 """A device's message key file, under devices/ID/."""
 DEVICE_KEYS = "device-keys.json"
 """The coordinator's keyring, under coordinator/."""
+SIGNING_KEY = "signing.key"
+"""The coordinator's signing key, under coordinator/ (its public key beside it, .pub)."""
+COORDINATOR_PUB = "coordinator.pub"
+"""The coordinator's public signing key, under devices/ID/."""
 
 __all__ = ["KitLayout", "init_kit", "issue_devices", "issue_passwords", "load_settings"]
 
@@ -154,6 +164,16 @@ def init_kit(layout: KitLayout, settings: KitSettings, *, force: bool = False) -
         write_file(broker / "acl", acl.encode(), private=True, replace=force),
     ]
     client = layout.coordinator
+    signing = SigningKey.generate()
+    written += [
+        write_file(client / SIGNING_KEY, signing.seed_hex().encode(), private=True, replace=force),
+        write_file(
+            public_key_path(client / SIGNING_KEY),
+            signing.verify_key.public.hex().encode() + b"\n",
+            private=False,
+            replace=force,
+        ),
+    ]
     if settings.certificate_port is not None:
         issued = pki.issue_client(ca, settings.coordinator_id, days=settings.days)
         written += _write_certificate(client, ca_pem, issued, replace=force)
@@ -271,14 +291,25 @@ def _issue_message_keys(
     ``devices/ID/device.key``, and the same in the coordinator's keyring. With
     ``fleet_token`` the key is the one derived from the token for the device's id
     (docs/protocol.md, section 2.4) and the device is left out of the keyring (dropped
-    from it where it was): the coordinator run with the token enrols it."""
+    from it where it was): the coordinator run with the token enrols it. Every device in
+    ``ids`` gets the coordinator's public signing key, ``devices/ID/coordinator.pub``."""
     keyring_path = layout.coordinator / DEVICE_KEYS
     try:
         keyring = Keyring.load(keyring_path) if keyring_path.exists() else Keyring()
     except ValueError as exc:
         raise KitStateError(str(exc)) from exc
+    try:  # a kit made before signing keys existed gets one now
+        signing, _ = load_or_create_signing_key(layout.coordinator / SIGNING_KEY)
+    except ValueError as exc:
+        raise KitStateError(str(exc)) from exc
+    public = signing.verify_key.public.hex().encode() + b"\n"
     written: list[Path] = []
     for device_id in ids:
+        written.append(
+            write_file(
+                layout.device(device_id) / COORDINATOR_PUB, public, private=False, replace=True
+            )
+        )
         key_file = layout.device(device_id) / DEVICE_KEY
         if fleet_token is not None:
             if key_file.exists() and not force:

@@ -240,6 +240,13 @@ def _add_bundle_parser(commands: Any) -> argparse.ArgumentParser:
         "--onnx-template", type=Path, help="ONNX template to include (for serve_onnx)"
     )
     bundle.add_argument(
+        "--coordinator-key",
+        type=Path,
+        metavar="FILE",
+        help="the coordinator's public signing key to include, installed as "
+        "CONFIG_DIR/coordinator.pub (for coordinator_key_file)",
+    )
+    bundle.add_argument(
         "--memory-max",
         help="systemd MemoryMax of the service (default: 1G train, 256M infer)",
     )
@@ -397,6 +404,7 @@ def _run_bundle(args: argparse.Namespace) -> int:
             torch_version=args.torch_version,
             config=args.config,
             onnx_template=args.onnx_template,
+            coordinator_key=args.coordinator_key,
             memory_max=args.memory_max,
             cpu_quota=args.cpu_quota,
             extra_index_urls=tuple(args.extra_index_url),

@@ -65,6 +65,7 @@ from protocol.auth import KEY_SIZE, Keyring, derive_device_key, read_fleet_token
 from protocol.chunking import DEFAULT_MAX_PAYLOAD
 from protocol.errors import TransportError
 from protocol.messages import ID_PATTERN, WeightFormat
+from protocol.signing import VerifyKey
 from protocol.tensors import Precision
 from protocol.transport.base import MqttVersion
 from protocol.transport.config import PASSWORD_ENV, MqttConfig, TlsConfig, read_password
@@ -163,6 +164,13 @@ class DeviceSettings(DeviceOptions):
     """Instead of --auth-key-file: file holding the fleet token, 64 hex digits (python -m
     protocol keys --new-fleet-token); this device's key is derived from it and the
     coordinator enrols the device on first contact (docs/protocol.md, 2.4)."""
+    coordinator_key_file: Path | None = None
+    """The coordinator's public signing key, 64 hex digits (its signing key file's .pub:
+    python -m protocol keys --new-signing-key, python -m deploy, or the coordinator's
+    STATE_DIR/coordinator-signing.key.pub): the coordinator's status and broadcast models
+    are accepted only when signed with its key (docs/protocol.md, 2.5). Without it the
+    device drops them (it still trains: its tasks come on its own authenticated topics);
+    follow needs it."""
     tls_ca: Path | None = None
     """CA certificates (PEM) to verify the broker."""
     tls_cert: Path | None = None
@@ -226,6 +234,7 @@ class DeviceSettings(DeviceOptions):
             mqtt_version=self.mqtt_version,
             connect_retry_s=self.connect_retry,
             auth_key=self._auth_key(device_id),
+            coordinator_key=self._coordinator_key(),
             **options,
         )
 
@@ -256,6 +265,19 @@ class DeviceSettings(DeviceOptions):
             raise ConfigError(str(exc)) from exc
         return None
 
+    def _coordinator_key(self) -> str | None:
+        """The coordinator's public key as hex, read from its file (None: none given).
+
+        Raises:
+            ConfigError: the file is unreadable or holds no public key.
+        """
+        if self.coordinator_key_file is None:
+            return None
+        try:
+            return VerifyKey.load(self.coordinator_key_file).public.hex()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
 
 FOLLOW_KEYS: tuple[str, ...] = (
     "broker",
@@ -268,6 +290,7 @@ FOLLOW_KEYS: tuple[str, ...] = (
     "password_env",
     "auth_key_file",
     "fleet_token_file",
+    "coordinator_key_file",
     "insecure_no_auth",
     "tls_ca",
     "tls_cert",
@@ -414,6 +437,11 @@ class ClientConfig(DeviceOptions):
     coordinator's keyring holds the same): every message to and from the device is
     authenticated with it (docs/protocol.md, section 2.3). Required unless
     insecure_no_auth."""
+    coordinator_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """The coordinator's 32-byte Ed25519 public key as 64 lowercase hex digits: frames on
+    the fleet-wide topics (its status, the broadcast model) must carry its signature
+    (docs/protocol.md, section 2.5). None: this device drops them (with keys; without,
+    nothing is checked)."""
 
     @model_validator(mode="after")
     def _key_is_a_key(self) -> ClientConfig:
@@ -443,6 +471,19 @@ class ClientConfig(DeviceOptions):
                 "deploy device writes it), --fleet-token-file FILE or --insecure-no-auth"
             )
         return Keyring({self.device_id: bytes.fromhex(self.auth_key.get_secret_value())})
+
+    def fleet_key(self) -> VerifyKey | None:
+        """The key fleet-wide frames are checked with (None: none given, or insecure).
+
+        Raises:
+            ConfigError: not a valid Ed25519 public key.
+        """
+        if self.coordinator_key is None or self.insecure_no_auth:
+            return None
+        try:
+            return VerifyKey(bytes.fromhex(self.coordinator_key))
+        except ValueError as exc:
+            raise ConfigError(f"coordinator_key: {exc}") from exc
 
     @model_validator(mode="after")
     def _serving_needs_template(self) -> ClientConfig:

@@ -52,11 +52,23 @@ def total_memory_bytes() -> int:
         return 0
 
 
+def new_session() -> str:
+    """A device session id: 16 random hex digits, drawn once per start (section 7)."""
+    return os.urandom(8).hex()
+
+
 def publish_status(
-    channel: Channel, config: ClientConfig, state: DeviceState, detail: str = ""
+    channel: Channel,
+    config: ClientConfig,
+    state: DeviceState,
+    detail: str = "",
+    session: str | None = None,
 ) -> None:
-    """Publish the device's retained status (with its RSS); failures are logged."""
-    body = DeviceStatus(state=state, detail=detail[:_DETAIL_MAX], rss_bytes=rss_bytes())
+    """Publish the device's retained status (with its RSS and ``session``, its
+    :func:`new_session`); failures are logged."""
+    body = DeviceStatus(
+        state=state, detail=detail[:_DETAIL_MAX], rss_bytes=rss_bytes(), session=session
+    )
     message = Message(fleet=config.fleet, sender=config.device_id, body=body)
     topic = Topics(config.fleet).device(config.device_id, "status")
     try:
@@ -82,7 +94,7 @@ def peak_rss_bytes() -> int:
 
 
 def connect_with_retry(
-    transport: Transport, config: ClientConfig, will: Will, stop: threading.Event
+    transport: Transport, config: ClientConfig, will: Will | None, stop: threading.Event
 ) -> bool:
     """Connect with exponential backoff (``connect_backoff_s`` doubling up to
     ``connect_backoff_max_s``) for up to ``connect_retry_s``; False if ``stop`` was set

@@ -19,6 +19,10 @@ Commands:
                                 DIR/ID.key holds the key derived from the token for ID
                                 (--auth-key-file); the coordinator enrols it on first
                                 contact (docs/protocol.md, section 2.4).
+    keys --new-signing-key FILE the coordinator's Ed25519 signing key (0600) and its
+                                public key FILE.pub: the coordinator's
+                                --signing-key-file, the devices' --coordinator-key-file
+                                (docs/protocol.md, section 2.5).
 
 Exit codes: 0 success, 2 bad input or usage (one line on stderr), 3 broker failure.
 """
@@ -90,6 +94,8 @@ def _keys(args: argparse.Namespace) -> int:
     from protocol.auth import Keyring, new_key, write_key_file
     from protocol.topics import valid_identifier
 
+    if args.new_signing_key is not None:
+        return _new_signing_key(args)
     if args.new_fleet_token is not None:
         return _new_fleet_token(args)
     if not args.devices or args.out is None or (args.keyring is None) == (args.fleet_token is None):
@@ -145,6 +151,34 @@ def _new_fleet_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _new_signing_key(args: argparse.Namespace) -> int:
+    from protocol.signing import SigningKey, public_key_path
+
+    path = args.new_signing_key
+    if args.devices or args.keyring or args.fleet_token or args.new_fleet_token or args.out:
+        print("error: --new-signing-key takes no other option but --force", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if path.exists() and not args.force:
+        print(
+            f"error: {path} exists (a new signing key must reach every device before the "
+            "coordinator uses it; --force to replace it)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    key = SigningKey.generate()
+    try:
+        key.save(path)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(
+        f"signing key in {path} (mode 0600, the coordinator's --signing-key-file), public "
+        f"key {key.verify_key.fingerprint}... in {public_key_path(path)} (every device's "
+        "--coordinator-key-file)"
+    )
+    return 0
+
+
 def _derived_keys(args: argparse.Namespace) -> int:
     from protocol.auth import derive_device_key, read_fleet_token, write_key_file
 
@@ -181,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-payload", type=int, default=128 * 1024, help="chunk size in bytes")
     d.add_argument("--json", action="store_true", help="print one JSON array")
     d.set_defaults(run=_demo)
-    k = sub.add_parser("keys", help="device message keys, the coordinator's keyring, fleet tokens")
+    k = sub.add_parser(
+        "keys", help="device keys, the coordinator's keyring and signing key, fleet tokens"
+    )
     k.add_argument("devices", nargs="*", metavar="ID", help="device ids")
     k.add_argument("--keyring", type=Path, help="coordinator's keyring (JSON) to add new keys to")
     k.add_argument("--out", type=Path, help="folder of the devices' key files")
@@ -195,7 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--new-fleet-token", type=Path, metavar="FILE", help="write a new fleet token (0600)"
     )
-    k.add_argument("--force", action="store_true", help="replace an existing fleet token")
+    k.add_argument(
+        "--new-signing-key",
+        type=Path,
+        metavar="FILE",
+        help="write the coordinator's signing key (0600) and FILE.pub for the devices",
+    )
+    k.add_argument(
+        "--force", action="store_true", help="replace an existing fleet token or signing key"
+    )
     k.set_defaults(run=_keys)
     return parser
 

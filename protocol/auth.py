@@ -57,6 +57,7 @@ __all__ = [
     "derive_device_key",
     "frame_tag",
     "new_key",
+    "parse_key",
     "read_fleet_token",
     "read_key_file",
     "seal",
@@ -147,7 +148,12 @@ def topic_device(topic: str) -> str | None:
     return info.device_id if info.role in ("device", "to") else None
 
 
-def _parse_key(device_id: str, value: object) -> bytes:
+def parse_key(device_id: str, value: object) -> bytes:
+    """``device_id``'s key from its hex form (a keyring entry).
+
+    Raises:
+        ValueError: an invalid device id, or a value that is not 64 hex digits.
+    """
     if not valid_identifier(device_id):
         raise ValueError(f"invalid device id {device_id!r}")
     if not isinstance(value, str):
@@ -203,7 +209,7 @@ class Keyring(Mapping[str, bytes]):
     def __init__(self, keys: Mapping[str, bytes] | None = None) -> None:
         self._keys: dict[str, bytes] = {}
         for device_id, key in (keys or {}).items():
-            self._keys[device_id] = _parse_key(device_id, key.hex())
+            self._keys[device_id] = parse_key(device_id, key.hex())
 
     def __getitem__(self, device_id: str) -> bytes:
         return self._keys[device_id]
@@ -258,7 +264,7 @@ class Keyring(Mapping[str, bytes]):
         if not isinstance(data, dict):
             raise ValueError(f"keyring {path} must hold a JSON object of device id -> hex key")
         _warn_if_readable(path)
-        keys = {str(k): _parse_key(str(k), v) for k, v in data.items()}
+        keys = {str(k): parse_key(str(k), v) for k, v in data.items()}
         return cls(keys)
 
     def save(self, path: Path) -> None:

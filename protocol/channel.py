@@ -22,10 +22,11 @@ from protocol.chunking import (
     SourceFilter,
     split_frame,
 )
-from protocol.codec import FRAME_CHUNK, Codec, read_frame_header
+from protocol.codec import Codec, read_frame_header, signed_twin
 from protocol.errors import DecodeError, EncodeError
 from protocol.limits import ReassemblyLimits
 from protocol.messages import Message
+from protocol.signing import SigningKey, VerifyKey
 from protocol.topics import parse_topic
 from protocol.transport.base import Inbound, Transport
 from protocol.transport.wire import publish_packet_size
@@ -41,6 +42,8 @@ between two of them)."""
 
 MessageHandler = Callable[[str, Message], None]
 ErrorHandler = Callable[[str, DecodeError], None]
+Check = Callable[[bytes], None]
+"""Checks one frame's tag or signature; raises AuthError."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,12 @@ class Channel:
         auth: the keys of the devices whose topics this channel authenticates (a
             :class:`~protocol.auth.Keyring`, or any :class:`~protocol.auth.KeySource`);
             None: no authentication (insecure; for tests and trusted networks only).
+        fleet_key: the coordinator's key for fleet-wide topics (docs/protocol.md, section
+            2.5): its :class:`~protocol.signing.SigningKey` (the coordinator: what it
+            publishes there is signed) or its :class:`~protocol.signing.VerifyKey` (a
+            device: what it reads there must verify). With ``auth`` set and no key, every
+            frame on a fleet-wide topic is refused and publishing there fails; without
+            ``auth`` nothing is signed or checked.
     """
 
     def __init__(
@@ -79,6 +88,7 @@ class Channel:
         reassembly: ReassemblyLimits | None = None,
         admit: SourceFilter | None = None,
         auth: KeySource | None = None,
+        fleet_key: SigningKey | VerifyKey | None = None,
     ) -> None:
         if max_payload <= CHUNK_HEADER_SIZE:
             raise ValueError(f"max_payload must exceed the {CHUNK_HEADER_SIZE}-byte chunk header")
@@ -86,6 +96,7 @@ class Channel:
         self.codec = codec or Codec()
         self.max_payload = max_payload
         self.auth = auth
+        self.fleet_key = fleet_key
         self._reassembler = Reassembler(reassembly, admit=admit)
         self._lock = threading.Lock()
         self._frames_lock = threading.Lock()
@@ -137,30 +148,42 @@ class Channel:
     ) -> list[bytes]:
         """``frame`` (from :meth:`encode`) as the payloads to publish on ``topic``:
         itself where it fits in ``max_payload``, else its chunk frames, each sealed where
-        the channel has a key for the topic (protocol version 5).
+        the channel has a key for the topic, or signed where ``frame`` is.
 
         Raises:
             EncodeError: ``max_payload`` leaves no room for chunk data.
         """
         parts = split_frame(frame, max_payload, transfer_id=transfer_id)
-        key = None if self.auth is None or len(parts) == 1 else self.auth.key_for(topic)
+        if len(parts) == 1 or self.auth is None:
+            return parts
+        if isinstance(self.fleet_key, SigningKey) and read_frame_header(frame).signed:
+            return [self.fleet_key.sign(topic, part) for part in parts]
+        key = self.auth.key_for(topic)
         return parts if key is None else [seal(key, topic, part) for part in parts]
 
     def encode(self, topic: str, message: Message) -> bytes:
         """The message frame of ``message`` for ``topic``, sealed where the channel has a
-        key for the topic (for a last will, which the broker publishes later).
+        key for the topic, signed on a fleet-wide topic (also for a last will, which the
+        broker publishes later).
 
         Raises:
             EncodeError: the message cannot be encoded, or the channel authenticates and
-                has no key for the device ``topic`` names.
+                has no key for the device ``topic`` names, or no signing key for a
+                fleet-wide topic.
         """
         frame = self._frame(message)
-        key = None if self.auth is None else self.auth.key_for(topic)
-        if key is not None:
-            return seal(key, topic, frame)
-        if self.auth is not None and topic_device(topic) is not None:
+        if self.auth is None:
+            return frame
+        if topic_device(topic) is None:
+            if not isinstance(self.fleet_key, SigningKey):
+                raise EncodeError(
+                    f"{topic} is fleet-wide: only the coordinator's signing key may publish there"
+                )
+            return self.fleet_key.sign(topic, signed_twin(frame))
+        key = self.auth.key_for(topic)
+        if key is None:
             raise EncodeError(f"no key for the device of {topic}")
-        return frame
+        return seal(key, topic, frame)
 
     def _frame(self, message: Message) -> bytes:
         """``message`` encoded, once while it is among the :data:`FRAMES_KEPT` messages
@@ -193,20 +216,22 @@ class Channel:
         With a keyring, a frame that fails authentication is an
         :class:`~protocol.auth.AuthError` and nothing of it is decompressed; so is input
         that fails before its tag can be checked (a bad frame header, a bad chunk, a
-        transfer without room) on a device's topic, and any input on a topic outside the
-        layout (:func:`~protocol.topics.parse_topic`). Input that passes is reported to
-        the key source (``authenticated``) before it is decoded.
+        transfer without room) on an authenticated topic, and any input on a topic outside
+        the layout (:func:`~protocol.topics.parse_topic`). On a fleet-wide topic the check
+        is the coordinator's signature (``fleet_key``), of each chunk and of the whole
+        frame. Input that passes is reported to the key source (``authenticated``) before
+        it is decoded.
         """
 
         def receive(inbound: Inbound) -> None:
             try:
-                key = self._receive_key(inbound.topic)
+                check = self._check_for(inbound.topic)
                 with self._lock:
-                    frame = self._feed(inbound.topic, inbound.payload, key)
+                    frame = self._feed(inbound.topic, inbound.payload, check)
                 if frame is None:
                     return
-                if key is not None:
-                    verify(key, inbound.topic, frame)
+                if check is not None:
+                    check(frame)
                     self._authenticated(inbound.topic)
                 message = self.codec.decode(frame)
             except DecodeError as exc:
@@ -219,41 +244,66 @@ class Channel:
 
         self.transport.subscribe(topic_filter, receive, qos=qos)
 
-    def _feed(self, topic: str, payload: bytes, key: bytes | None) -> bytes | None:
+    def authenticate(self, topic: str, frame: bytes) -> None:
+        """Check one whole message frame received on ``topic`` outside :meth:`subscribe`
+        (a receiver that decodes it itself), as :meth:`subscribe` would: its tag, or its
+        signature on a fleet-wide topic; nothing without ``auth``.
+
+        Raises:
+            AuthError: it does not verify, or this channel has no key to check it with.
+        """
+        check = self._check_for(topic)
+        if check is not None:
+            try:
+                check(frame)
+            except AuthError:
+                raise
+            except DecodeError as exc:
+                raise AuthError(f"unauthenticated input: {exc}", topic_device(topic)) from exc
+
+    def _feed(self, topic: str, payload: bytes, check: Check | None) -> bytes | None:
         """Reassemble; on an authenticated topic a frame that fails before its tag can be
         checked (bad header, bad chunk, no room) is unauthenticated input: AuthError.
 
         Raises:
-            DecodeError: as :meth:`Reassembler.feed`, AuthError where ``key`` is set.
+            DecodeError: as :meth:`Reassembler.feed`, AuthError where ``check`` is set.
         """
         try:
-            if key is not None and read_frame_header(payload).frame_type == FRAME_CHUNK:
-                verify(key, topic, payload)  # a forged chunk never takes a buffer
+            if check is not None and read_frame_header(payload).chunk:
+                check(payload)  # a forged chunk never takes a buffer
             return self._reassembler.feed(topic, payload)
         except AuthError:
             raise
         except DecodeError as exc:
-            if key is None:
+            if check is None:
                 raise
             raise AuthError(f"unauthenticated input: {exc}", topic_device(topic)) from exc
 
-    def _receive_key(self, topic: str) -> bytes | None:
-        """The key to check a frame on ``topic`` with; None where none is checked.
+    def _check_for(self, topic: str) -> Check | None:
+        """How a frame on ``topic`` is checked; None where nothing is (no ``auth``).
 
         Raises:
-            AuthError: the topic names a device this channel has no key for, or (with a
-                keyring) is not a topic of the layout at all.
+            AuthError: the topic names a device this channel has no key for, is
+                fleet-wide and the channel has no coordinator key, or (with a keyring) is
+                not a topic of the layout at all.
         """
         if self.auth is None:
             return None
         device_id = topic_device(topic)
-        if device_id is None:
-            try:
-                parse_topic(topic)
-            except DecodeError:
-                raise AuthError(f"topic {topic!r} is outside the layout") from None
-            return None  # a fleet-wide topic: not authenticated
-        return self.auth.receive_key(device_id)
+        if device_id is not None:
+            key = self.auth.receive_key(device_id)
+            return lambda frame: _check_tag(key, topic, frame)
+        try:
+            parse_topic(topic)
+        except DecodeError:
+            raise AuthError(f"topic {topic!r} is outside the layout") from None
+        fleet_key = self.fleet_key
+        if fleet_key is None:
+            raise AuthError(
+                f"{topic} is fleet-wide and this peer has no coordinator public key to "
+                "check its signature with (refused)"
+            )
+        return lambda frame: fleet_key.verify(topic, frame)
 
     def _authenticated(self, topic: str) -> None:
         device_id = topic_device(topic)
@@ -263,3 +313,14 @@ class Channel:
     def unsubscribe(self, topic_filter: str) -> None:
         """Stop receiving on ``topic_filter``."""
         self.transport.unsubscribe(topic_filter)
+
+
+def _check_tag(key: bytes, topic: str, frame: bytes) -> None:
+    """The tag check of a device topic's frame: only unsigned types carry a tag.
+
+    Raises:
+        AuthError: a signed frame, or the tag does not verify.
+    """
+    if read_frame_header(frame).signed:
+        raise AuthError(f"a signed frame on {topic}, a device's topic", topic_device(topic))
+    verify(key, topic, frame)

@@ -16,6 +16,10 @@ included: each chunk but the last carries ``max_payload - 100`` data bytes::
     100     ...   the slice: bytes [index * n, index * n + len) of the original frame,
                   n being the length of every chunk but the last
 
+A signed message frame (type 0x03, fleet-wide topics) splits into signed chunks (type
+0x04): the same fields after a 64-byte signature instead of the tag, so every offset
+above moves by 32 and the header is 132 bytes (:func:`chunk_header_size`).
+
 Chunks travel on the topic the whole frame would have used. Every chunk carries its own
 tag, so a receiver with keys refuses a forged chunk before it takes any buffer: only the
 device itself can start a transfer on its topic (protocol version 5). :class:`Reassembler` takes
@@ -45,9 +49,12 @@ from dataclasses import dataclass, field
 
 from protocol.codec import (
     FRAME_CHUNK,
+    FRAME_HEADER_SIZE,
     FRAME_MAGIC,
+    FRAME_SIGNED_CHUNK,
+    FRAME_SIGNED_MESSAGE,
     MESSAGE_PREFIX_SIZE,
-    TAG_SIZE,
+    auth_size,
     read_frame_header,
 )
 from protocol.errors import DecodeError, EncodeError, QuotaError
@@ -60,6 +67,7 @@ __all__ = [
     "ChunkHeader",
     "Reassembler",
     "SourceFilter",
+    "chunk_header_size",
     "read_chunk_header",
     "split_frame",
 ]
@@ -74,6 +82,12 @@ DEFAULT_MAX_PAYLOAD = 128 * 1024
 
 _CHUNK_FIELDS = struct.Struct(">16sIIQ32s")
 CHUNK_HEADER_SIZE = MESSAGE_PREFIX_SIZE + _CHUNK_FIELDS.size  # 100: header, tag, fields
+"""The header of a chunk frame (type 0x02); a signed chunk's (0x04) is 32 bytes longer."""
+
+
+def chunk_header_size(frame_type: int) -> int:
+    """The header size of a chunk frame of ``frame_type``: 100 (0x02) or 132 (0x04)."""
+    return FRAME_HEADER_SIZE + auth_size(frame_type) + _CHUNK_FIELDS.size
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +110,19 @@ def split_frame(
     chunk but the last carries ``max_payload - 100`` data bytes, the last the rest.
     Returns ``[frame]`` unchanged when it already fits (``len(frame) <= max_payload``).
     Each chunk's tag is zero bytes: a sender with a key seals every chunk
-    (:func:`protocol.auth.seal`), as it sealed the message frame.
+    (:func:`protocol.auth.seal`), as it sealed the message frame. A signed message frame
+    (type 0x03) splits into signed chunks (0x04, 132-byte header, zero signature: the
+    sender signs each, :class:`protocol.signing.SigningKey`).
 
     Raises:
         EncodeError: ``max_payload`` leaves no room for data after the chunk header.
     """
     if len(frame) <= max_payload:
         return [frame]
-    room = max_payload - CHUNK_HEADER_SIZE
+    signed = frame[3:4] == bytes((FRAME_SIGNED_MESSAGE,))  # the type byte, as it is
+    chunk_type = FRAME_SIGNED_CHUNK if signed else FRAME_CHUNK
+    header_size = chunk_header_size(chunk_type)
+    room = max_payload - header_size
     if room < 1:
         raise EncodeError(f"max payload {max_payload} is too small to carry chunks")
     tid = transfer_id if transfer_id is not None else os.urandom(16)
@@ -111,7 +130,7 @@ def split_frame(
         raise EncodeError("transfer id must be 16 bytes")
     count = math.ceil(len(frame) / room)
     digest = hashlib.sha256(frame).digest()
-    header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, FRAME_CHUNK)) + bytes(TAG_SIZE)
+    header = FRAME_MAGIC + bytes((PROTOCOL_VERSION, chunk_type)) + bytes(auth_size(chunk_type))
     view = memoryview(frame)
     return [
         header
@@ -122,16 +141,19 @@ def split_frame(
 
 
 def read_chunk_header(frame: bytes) -> ChunkHeader:
-    """Parse a chunk frame's header (the frame header must say type 0x02).
+    """Parse a chunk frame's header (the frame header must say type 0x02 or 0x04).
 
     Raises:
         DecodeError: not a chunk frame, too short, or inconsistent index / count.
     """
-    if read_frame_header(frame).frame_type != FRAME_CHUNK:
+    header = read_frame_header(frame)
+    if not header.chunk:
         raise DecodeError("not a chunk frame")
-    if len(frame) < CHUNK_HEADER_SIZE:
+    frame_type = header.frame_type
+    if len(frame) < chunk_header_size(frame_type):
         raise DecodeError(f"chunk frame too short ({len(frame)} bytes)")
-    tid, index, count, total, digest = _CHUNK_FIELDS.unpack_from(frame, MESSAGE_PREFIX_SIZE)
+    offset = FRAME_HEADER_SIZE + auth_size(frame_type)
+    tid, index, count, total, digest = _CHUNK_FIELDS.unpack_from(frame, offset)
     if count < 2 or index >= count:
         raise DecodeError(f"bad chunk index {index} of {count}")
     return ChunkHeader(tid, index, count, total, digest)
@@ -226,10 +248,11 @@ class Reassembler:
                 whose SHA-256 does not match (that transfer is dropped).
         """
         self.expire()
-        if read_frame_header(frame).frame_type != FRAME_CHUNK:
+        frame_header = read_frame_header(frame)
+        if not frame_header.chunk:
             return frame
         head = read_chunk_header(frame)
-        data = frame[CHUNK_HEADER_SIZE:]
+        data = frame[chunk_header_size(frame_header.frame_type) :]
         key = (source, head.transfer_id)
         if key in self._done or key in self._dropped:
             log.debug(

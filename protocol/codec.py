@@ -1,14 +1,21 @@
 """Codec: :class:`~protocol.messages.Message` <-> frame bytes (msgpack envelope + zstd).
 
-A *frame* is what travels as one MQTT payload. Two frame types share a 4-byte header::
+A *frame* is what travels as one MQTT payload. Four frame types share a 4-byte header::
 
     offset  size  field
     0       2     magic b"FL" (0x46 0x4C)
-    2       1     version (PROTOCOL_VERSION, 5)
-    3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking)
-    4       32    authentication tag (HMAC-SHA256, see protocol.auth; zero bytes where the
-                  frame is not authenticated: the codec and the splitter write zeros,
-                  :class:`~protocol.channel.Channel` seals and checks it)
+    2       1     version (PROTOCOL_VERSION, 6)
+    3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking), 0x03 signed
+                  message, 0x04 signed chunk
+    4       32    types 0x01, 0x02: authentication tag (HMAC-SHA256, see protocol.auth;
+                  zero bytes where the frame is not authenticated: the codec and the
+                  splitter write zeros, :class:`~protocol.channel.Channel` seals and
+                  checks it)
+    4       64    types 0x03, 0x04: the coordinator's Ed25519 signature (protocol.signing;
+                  fleet-wide topics)
+
+A signed frame is its unsigned twin with the wider authentication field: the same
+message or chunk after it.
 
 A message frame continues with exactly one zstd frame
 (content size and content checksum present, no dictionary; a decoder rejects any other)
@@ -40,20 +47,36 @@ __all__ = [
     "FRAME_HEADER_SIZE",
     "FRAME_MAGIC",
     "FRAME_MESSAGE",
+    "FRAME_SIGNED_CHUNK",
+    "FRAME_SIGNED_MESSAGE",
     "MESSAGE_PREFIX_SIZE",
+    "SIGNATURE_SIZE",
     "ZSTD_MAGIC",
     "Codec",
     "FrameHeader",
+    "auth_size",
     "read_frame_header",
+    "signed_twin",
 ]
 
 FRAME_MAGIC = b"FL"
 FRAME_MESSAGE = 0x01
 FRAME_CHUNK = 0x02
+FRAME_SIGNED_MESSAGE = 0x03
+FRAME_SIGNED_CHUNK = 0x04
 FRAME_HEADER_SIZE = 4
 TAG_SIZE = 32
+SIGNATURE_SIZE = 64
 MESSAGE_PREFIX_SIZE = FRAME_HEADER_SIZE + TAG_SIZE
-"""A message frame's zstd frame starts after the header and the 32-byte tag."""
+"""A message frame's zstd frame starts after the header and the 32-byte tag (a signed
+message frame's after the 64-byte signature: :func:`auth_size`)."""
+_AUTH_SIZES = {
+    FRAME_MESSAGE: TAG_SIZE,
+    FRAME_CHUNK: TAG_SIZE,
+    FRAME_SIGNED_MESSAGE: SIGNATURE_SIZE,
+    FRAME_SIGNED_CHUNK: SIGNATURE_SIZE,
+}
+_SIGNED_TWIN = {FRAME_MESSAGE: FRAME_SIGNED_MESSAGE, FRAME_CHUNK: FRAME_SIGNED_CHUNK}
 ZSTD_MAGIC = bytes.fromhex("28b52ffd")
 """The first 4 bytes of a zstd frame (RFC 8878 magic number 0xFD2FB528, little-endian)."""
 _CONTENT_CHECKSUM_FLAG = 0b0000_0100  # bits of the zstd Frame_Header_Descriptor
@@ -67,6 +90,42 @@ class FrameHeader:
 
     version: int
     frame_type: int
+
+    @property
+    def signed(self) -> bool:
+        """A signed frame (types 0x03, 0x04): a 64-byte signature after the header."""
+        return self.frame_type in (FRAME_SIGNED_MESSAGE, FRAME_SIGNED_CHUNK)
+
+    @property
+    def chunk(self) -> bool:
+        """A chunk frame (types 0x02, 0x04)."""
+        return self.frame_type in (FRAME_CHUNK, FRAME_SIGNED_CHUNK)
+
+
+def auth_size(frame_type: int) -> int:
+    """Bytes of the authentication field after the header: 32 (a tag) or 64 (a
+    signature)."""
+    return _AUTH_SIZES[frame_type]
+
+
+def signed_twin(frame: bytes) -> bytes:
+    """An unsigned message or chunk frame (types 0x01, 0x02) as its signed type (0x03,
+    0x04), with a zero signature to fill in (:class:`protocol.signing.SigningKey`).
+
+    Raises:
+        ValueError: ``frame`` is not an unsigned frame.
+    """
+    twin = _SIGNED_TWIN.get(read_frame_header(frame[:FRAME_HEADER_SIZE]).frame_type)
+    if twin is None:
+        raise ValueError("the frame is signed already")
+    return b"".join(
+        (
+            frame[:3],
+            bytes((twin,)),
+            bytes(SIGNATURE_SIZE),
+            memoryview(frame)[FRAME_HEADER_SIZE + TAG_SIZE :],
+        )
+    )
 
 
 def read_frame_header(frame: bytes) -> FrameHeader:
@@ -84,7 +143,7 @@ def read_frame_header(frame: bytes) -> FrameHeader:
         raise DecodeError(
             f"unsupported protocol version {version} (this build speaks {PROTOCOL_VERSION})"
         )
-    if frame_type not in (FRAME_MESSAGE, FRAME_CHUNK):
+    if frame_type not in _AUTH_SIZES:
         raise DecodeError(f"unknown frame type 0x{frame_type:02x}")
     return FrameHeader(version, frame_type)
 
@@ -213,11 +272,12 @@ class Codec:
         if len(frame) > limits.max_frame_bytes:
             raise DecodeError(f"frame is {len(frame)} bytes, limit {limits.max_frame_bytes}")
         header = read_frame_header(frame)
-        if header.frame_type != FRAME_MESSAGE:
+        if header.chunk:
             raise DecodeError("a chunk frame must be reassembled before decoding")
-        if len(frame) < MESSAGE_PREFIX_SIZE:
+        prefix = FRAME_HEADER_SIZE + auth_size(header.frame_type)
+        if len(frame) < prefix:
             raise DecodeError(f"message frame too short ({len(frame)} bytes)")
-        body = frame[MESSAGE_PREFIX_SIZE:]
+        body = frame[prefix:]
         size = _check_zstd_header(body)
         if size > limits.max_message_bytes:
             raise DecodeError(

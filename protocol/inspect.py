@@ -6,8 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.chunking import CHUNK_HEADER_SIZE, Reassembler, read_chunk_header
-from protocol.codec import FRAME_CHUNK, Codec, read_frame_header
+from protocol.chunking import Reassembler, chunk_header_size, read_chunk_header
+from protocol.codec import Codec, read_frame_header
 from protocol.errors import DecodeError
 from protocol.limits import DecodeLimits
 from protocol.messages import Message
@@ -96,16 +96,17 @@ def summarize(
     if not payloads:
         raise DecodeError("nothing to inspect")
     codec = Codec(limits=limits)
-    if len(payloads) == 1 and read_frame_header(payloads[0]).frame_type == FRAME_CHUNK:
+    first = read_frame_header(payloads[0])
+    if len(payloads) == 1 and first.chunk:
         head = read_chunk_header(payloads[0])
         return {
-            "frame": "chunk",
+            "frame": "signed chunk" if first.signed else "chunk",
             "transfer_id": head.transfer_id.hex(),
             "index": head.index,
             "count": head.count,
             "total_size": head.total_size,
             "sha256": head.sha256.hex(),
-            "data_bytes": len(payloads[0]) - CHUNK_HEADER_SIZE,
+            "data_bytes": len(payloads[0]) - chunk_header_size(first.frame_type),
         }
     reassembler = Reassembler()
     frames = [f for p in payloads if (f := reassembler.feed("inspect", p)) is not None]

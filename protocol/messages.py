@@ -55,7 +55,7 @@ __all__ = [
     "WeightFormat",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Version of the message schemas and of the frame layout; decoders reject others.
 docs/protocol.md (section 11) lists what each version changed."""
 
@@ -235,6 +235,10 @@ class DeviceStatus(_Body):
     state: Literal["online", "offline", "idle", "training", "uploading", "error"]
     detail: Text = ""
     rss_bytes: Annotated[int, Field(ge=0)] | None = None
+    session: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")] | None = None
+    """The device's session: 16 random hex digits drawn when it starts, the same in every
+    status of that run and in its last will; the coordinator refuses an ``offline`` of
+    another session than the device's newest status (docs/protocol.md, section 7)."""
 
 
 class CoordinatorStatus(_Body):

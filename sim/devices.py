@@ -42,6 +42,7 @@ from models import classifier_names
 from models.devices import resolve_device
 from protocol.auth import Keyring
 from protocol.flags import ModelFlags
+from protocol.signing import VerifyKey
 from protocol.transport import MqttConfig, MqttTransport, Transport
 from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.datasets import dataset_names, load_dataset
@@ -72,6 +73,10 @@ class DevicesConfig(BaseModel):
     device_keys: Path
     """Keyring file (JSON: device id -> hex key), the coordinator's --device-keys: one
     emulated device per id (required)."""
+    coordinator_key_file: Path
+    """The coordinator's public signing key (its signing key file's .pub, e.g.
+    STATE_DIR/coordinator-signing.key.pub): its status, which says when the run is
+    finished, is signed with it (required)."""
     fleet: str = "sim"
     """Fleet name (topics fl/FLEET/): the coordinator's --fleet."""
     model: str = "lenet5"
@@ -207,16 +212,29 @@ def _device_data(config: DevicesConfig, ids: Sequence[str]) -> list[DeviceData]:
     ]
 
 
+def coordinator_key(config: DevicesConfig) -> str:
+    """The coordinator's public key, as hex, from ``coordinator_key_file``.
+
+    Raises:
+        SimError: the file cannot be read or holds no public key.
+    """
+    try:
+        return VerifyKey.load(config.coordinator_key_file).public.hex()
+    except ValueError as exc:
+        raise SimError(str(exc)) from exc
+
+
 def run_devices(config: DevicesConfig) -> DevicesReport:
     """Emulate the keyring's devices until the coordinator's run finishes.
 
     Raises:
-        SimError: the keyring cannot be read or is empty, the data cannot be made, or the
-            devices cannot be built.
+        SimError: the keyring or the coordinator's public key cannot be read, the keyring
+            is empty, the data cannot be made, or the devices cannot be built.
         ConnectError: the broker cannot be reached.
     """
     started = time.perf_counter()
     keyring = load_keyring(config.device_keys)
+    public = coordinator_key(config)
     if config.model not in classifier_names():
         raise SimError(f"unknown model {config.model!r}; known: {', '.join(classifier_names())}")
     try:
@@ -234,6 +252,7 @@ def run_devices(config: DevicesConfig) -> DevicesReport:
                 share_label_counts=True,
                 init_seed=config.seed,
                 auth_key=SecretStr(keyring[data.device_id].hex()),
+                coordinator_key=public,
             ),
             data,
         )
@@ -293,7 +312,12 @@ def add_devices_parser(sub: Any) -> argparse.ArgumentParser:
         DevicesConfig,
         flags={"broker_url": "--broker"},
         choices={"model": classifier_names(), "dataset": dataset_names()},
-        metavars={"broker_url": "URL", "device_keys": "FILE", "connections": "K"},
+        metavars={
+            "broker_url": "URL",
+            "device_keys": "FILE",
+            "coordinator_key_file": "FILE",
+            "connections": "K",
+        },
     )
     parser.add_argument("--json-out", type=Path, help="write the devices' report here")
     return parser
@@ -313,6 +337,7 @@ def devices_from_args(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise SimError(f"invalid settings: {problems}") from exc
     load_keyring(config.device_keys)  # bad input fails before anything connects
+    coordinator_key(config)
     _check_data_options(config)
     problem = broker_unreachable(config.broker_url)
     if problem is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import hmac
 import logging
 import math
 import resource
@@ -45,6 +47,7 @@ from models.devices import resolve_device
 from protocol.auth import Keyring, KeySource, derive_device_key, new_key
 from protocol.errors import BrokerError
 from protocol.messages import WeightFormat
+from protocol.signing import SigningKey, VerifyKey
 from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
@@ -216,7 +219,11 @@ class SimConfig(FleetSettings):
         )
 
     def device_config(
-        self, index: int, device_id: str, auth_key: bytes | None = None
+        self,
+        index: int,
+        device_id: str,
+        auth_key: bytes | None = None,
+        coordinator_key: VerifyKey | None = None,
     ) -> ClientConfig:
         """The configuration of emulated device ``index``: it runs the fleet's
         architectures in turn (device ``index`` the ``index % len``-th), consents to share
@@ -238,6 +245,7 @@ class SimConfig(FleetSettings):
             uplink_precision=up,
             weight_format=weight_format,
             auth_key=None if auth_key is None else SecretStr(auth_key.hex()),
+            coordinator_key=None if coordinator_key is None else coordinator_key.public.hex(),
         )
 
     def trainer_factory(self) -> TrainerFactory:
@@ -463,6 +471,7 @@ def run_simulation(
     coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
     token = fleet_token(shard)
     keyring = fleet_keyring(ids, token=token)
+    signing_key = run_signing_key(token)
     coordinator_keys: KeySource = keyring
     if config.enrol:
         coordinator_keys = FleetKeys(Keyring(), token=token, max_enrolled=len(ids))
@@ -480,6 +489,7 @@ def run_simulation(
                 index,
                 federation.devices[index].device_id,
                 keyring[federation.devices[index].device_id],
+                signing_key.verify_key,
             ),
             device_data(federation, index),
         )
@@ -503,6 +513,7 @@ def run_simulation(
                 store,
                 proxy_data=proxy,
                 keyring=coordinator_keys,
+                signing_key=signing_key,
             )
             fleet = Fleet(
                 devices, make_transport, trainer=trainer, options=config.fleet_options(shard)
@@ -589,6 +600,13 @@ def fleet_token(shard: Shard | None = None) -> bytes:
         token = broadcast(token)
     assert token is not None
     return token
+
+
+def run_signing_key(token: bytes) -> SigningKey:
+    """The coordinator's signing key of a run, derived from its fleet ``token`` (so every
+    rank of a sharded run holds its public half without another exchange, and nobody
+    outside the run knows it)."""
+    return SigningKey(hmac.new(token, b"edgefl-sim-signing-key", hashlib.sha256).digest())
 
 
 def fleet_keyring(device_ids: Sequence[str], token: bytes | None = None) -> Keyring:

@@ -10,6 +10,9 @@ A bundle is a folder that installs the edge client on a board with no network::
                              SIGTERM to stop, logs to the journal
     edgefl.toml              the device config (--config), else edgefl.toml.example
     template.onnx            the ONNX template of a served model (--onnx-template)
+    coordinator.pub          the coordinator's public signing key (--coordinator-key): the
+                             device checks the coordinator's status and broadcast models
+                             with it (coordinator_key_file)
     BUNDLE.json              what was built: profile, platform, Python, torch source,
                              files with sizes and SHA-256
 
@@ -72,6 +75,7 @@ PROJECT = "edgefl"
 UNIT_NAME = "edgefl-client.service"
 CONFIG_NAME = "edgefl.toml"
 TEMPLATE_NAME = "template.onnx"
+COORDINATOR_KEY_NAME = "coordinator.pub"
 _GLIBC_MINORS = range(17, 36)  # manylinux_2_17 .. manylinux_2_35 (Bookworm 2.36, JP6 2.35)
 _SYSTEMD_SIZE = re.compile(r"^(\d+(\.\d+)?[KMGT]?|infinity)$")
 _CPU_QUOTA = re.compile(r"^\d+%$")
@@ -100,6 +104,7 @@ class BundleOptions:
     torch_version: str | None = None
     config: Path | None = None
     onnx_template: Path | None = None
+    coordinator_key: Path | None = None
     memory_max: str | None = None
     cpu_quota: str = "300%"
     extra_index_urls: tuple[str, ...] = ()
@@ -249,6 +254,8 @@ class _Plan:
                 raise BundleError(f"{name} {value!r} is not a systemd value (e.g. 1G, 300%)")
         if options.onnx_template is not None and not options.onnx_template.is_file():
             raise BundleError(f"--onnx-template: no such file {options.onnx_template}")
+        if options.coordinator_key is not None:
+            _check_public_key(options.coordinator_key)
         if options.config is not None:
             _check_config(options.config)
         return cls(
@@ -386,6 +393,23 @@ def _write_files(plan: _Plan, options: BundleOptions, project_wheel: Path) -> No
         (out / f"{CONFIG_NAME}.example").write_text(example, encoding="utf-8")
     if options.onnx_template is not None:
         shutil.copyfile(options.onnx_template, out / TEMPLATE_NAME)
+    if options.coordinator_key is not None:
+        shutil.copyfile(options.coordinator_key, out / COORDINATOR_KEY_NAME)
+
+
+def _check_public_key(path: Path) -> None:
+    """A public key file holds 64 hex digits (checked here without importing the
+    protocol's crypto: the builder imports only the standard library).
+
+    Raises:
+        BundleError: unreadable, or not 32 bytes of hex.
+    """
+    try:
+        raw = bytes.fromhex(path.read_text(encoding="utf-8").strip())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise BundleError(f"--coordinator-key: cannot read a hex key from {path}: {exc}") from None
+    if len(raw) != 32:
+        raise BundleError(f"--coordinator-key: {path} holds {len(raw)} bytes, not a 32-byte key")
 
 
 def _write_manifest(report: BundleReport, plan: _Plan) -> None:
@@ -455,7 +479,8 @@ usage: sudo sh install.sh [--prefix DIR] [--config-dir DIR] [--unit-dir DIR]
                           [--python PYTHON] [--no-service]
 
   --prefix DIR      where the virtual environment goes (default /opt/edgefl)
-  --config-dir DIR  edgefl.toml, edgefl.env, template.onnx (default /etc/edgefl)
+  --config-dir DIR  edgefl.toml, edgefl.env, template.onnx, coordinator.pub
+                    (default /etc/edgefl)
   --unit-dir DIR    where the systemd unit goes (default /etc/systemd/system)
   --python PYTHON   the board's Python @PYTHON_VERSION@ (default python3)
   --no-service      install only: no user, no unit, nothing started
@@ -516,6 +541,10 @@ if [ -f "$here/template.onnx" ]; then
     cp "$here/template.onnx" "$config_dir/template.onnx"
     chmod 0644 "$config_dir/template.onnx"
 fi
+if [ -f "$here/coordinator.pub" ]; then
+    cp "$here/coordinator.pub" "$config_dir/coordinator.pub"
+    chmod 0644 "$config_dir/coordinator.pub"
+fi
 
 echo "== checking the installation"
 "$prefix/venv/bin/python" -m edge_client @COMMAND@ --help >/dev/null
@@ -565,6 +594,8 @@ tls_ca = "/etc/edgefl/ca.pem"
 data = "/var/lib/edgefl/data.npz"
 state_dir = "/var/lib/edgefl/state"
 threads = 4
+# the coordinator's public signing key (bundle --coordinator-key installs it here):
+coordinator_key_file = "/etc/edgefl/coordinator.pub"
 # keep a local ONNX model current for python -m edge_client infer:
 # serve_onnx = "/var/lib/edgefl/model.onnx"
 # onnx_template = "/etc/edgefl/template.onnx"
@@ -582,4 +613,5 @@ password_file = "/etc/edgefl/mqtt-password"
 tls_ca = "/etc/edgefl/ca.pem"
 serve_onnx = "/var/lib/edgefl/model.onnx"
 onnx_template = "/etc/edgefl/template.onnx"
+coordinator_key_file = "/etc/edgefl/coordinator.pub"
 """

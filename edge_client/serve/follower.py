@@ -23,9 +23,10 @@ from pathlib import Path
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, ConnectError, EdgeClientError
-from edge_client.link import DeviceState, connect_with_retry, publish_status
+from edge_client.link import DeviceState, connect_with_retry, new_session, publish_status
 from edge_client.serve.template import OnnxTemplate
 from protocol.arrays import content_fingerprint
+from protocol.auth import Keyring
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.deltas import decode_sets
@@ -160,9 +161,11 @@ class ModelRefresher:
 class Follower:
     """An inference-only device: keeps its served ONNX model current, trains nothing.
 
-    Subscribes to the fleet's broadcast model and the coordinator's status, publishes a
+    Subscribes to the fleet's broadcast model and the coordinator's status, and takes
+    only what the coordinator signed (``config.coordinator_key``; a forged model is
+    dropped with one log line and never served). With a device key it publishes a
     retained status (``idle`` with the round served, ``error`` when a refresh failed,
-    ``offline`` as its last will) on its own status topic, and never says hello: the
+    ``offline`` as its last will) on its own status topic; it never says hello: the
     coordinator does not select it.
 
     Args:
@@ -171,6 +174,9 @@ class Follower:
         transport: a not yet connected transport.
         refresher: where the model goes.
         codec: encoder / decoder with its limits; a default :class:`Codec` if None.
+
+    Raises:
+        ConfigError: no coordinator public key without ``insecure_no_auth``.
     """
 
     def __init__(
@@ -185,11 +191,23 @@ class Follower:
         self.transport = transport
         self.refresher = refresher
         self._topics = Topics(config.fleet)
-        # the follower reads fleet-wide topics only (not authenticated); a key, where the
-        # device has one, seals its own status
-        auth = config.keyring() if config.auth_key is not None else None
-        self._channel = Channel(transport, codec, max_payload=config.max_payload, auth=auth)
+        # the follower reads fleet-wide topics only, which the coordinator signs; a device
+        # key, where it has one, seals its own status (without one it publishes none)
+        insecure = config.insecure_no_auth
+        fleet_key = None if insecure else config.fleet_key()
+        if not insecure and fleet_key is None:
+            raise ConfigError(
+                "follow needs the coordinator's public key to check the models it serves: "
+                "give --coordinator-key-file FILE (the .pub of its signing key) or "
+                "--insecure-no-auth"
+            )
+        self._publishes_status = insecure or config.auth_key is not None
+        auth = None if insecure else config.keyring() if config.auth_key else Keyring()
+        self._channel = Channel(
+            transport, codec, max_payload=config.max_payload, auth=auth, fleet_key=fleet_key
+        )
         self._status_topic = self._topics.device(config.device_id, "status")
+        self._session = new_session()
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()
@@ -201,9 +219,11 @@ class Follower:
             ConnectError: no session within ``connect_retry_s``, or subscribing failed.
         """
         with self._lifecycle:
-            offline = self._message(DeviceStatus(state="offline"))
-            frame = self._channel.encode(self._status_topic, offline)
-            will = Will(self._status_topic, frame, retain=True)
+            will = None
+            if self._publishes_status:
+                offline = self._message(DeviceStatus(state="offline", session=self._session))
+                frame = self._channel.encode(self._status_topic, offline)
+                will = Will(self._status_topic, frame, retain=True)
             if not connect_with_retry(self.transport, self.config, will, self._stop):
                 self._stopped.set()
                 return
@@ -265,10 +285,11 @@ class Follower:
             logger.info("coordinator status: %s %s", message.body.state, message.body.detail)
 
     def _on_bad(self, topic: str, error: DecodeError) -> None:
-        logger.warning("dropped a malformed message on %s: %s", topic, error)
+        logger.warning("dropped a message on %s: %s", topic, error)
 
     def _publish_status(self, state: DeviceState, detail: str = "") -> None:
-        publish_status(self._channel, self.config, state, detail)
+        if self._publishes_status:
+            publish_status(self._channel, self.config, state, detail, self._session)
 
     def _message(self, body: DeviceStatus) -> Message:
         return Message(fleet=self.config.fleet, sender=self.config.device_id, body=body)

@@ -6,8 +6,12 @@
   array per state_dict name, no pickle). Where only the head is shared (FedGen head
   mode) the feature extractor exists nowhere else, so a restarted device picks it up
   here instead of starting from its initial weights.
+- ``unacked.msgpack``: the update sent and not yet acknowledged, as the msgpack envelope
+  of docs/protocol.md (section 3): written before it is sent, removed when its ack
+  comes, so a device killed in between sends the very same message again at its restart
+  (the coordinator answers a duplicate ``duplicate``).
 
-Both are written atomically: a temporary file, fsync, rename, fsync of the directory.
+All are written atomically: a temporary file, fsync, rename, fsync of the directory.
 :class:`DeviceStore` is a device's folder: what every shell of the device session (the
 threaded client, the sim's fleet) reads when a device starts and writes as it goes, with
 its failures logged, never raised. Numpy only; no torch.
@@ -31,10 +35,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError
+from protocol.codec import Codec
+from protocol.errors import DecodeError, EncodeError
+from protocol.messages import Message
 
 __all__ = [
     "MODEL_FILE",
     "STATE_FILE",
+    "UNACKED_FILE",
     "DeviceStore",
     "SavedState",
     "read_model",
@@ -49,6 +57,8 @@ STATE_FILE = "client_state.json"
 """Name of the persisted state file inside ``ClientConfig.state_dir``."""
 MODEL_FILE = "model.npz"
 """Name of the persisted model inside ``ClientConfig.state_dir``."""
+UNACKED_FILE = "unacked.msgpack"
+"""Name of the persisted unacknowledged update inside ``ClientConfig.state_dir``."""
 
 
 class SavedState(BaseModel):
@@ -196,6 +206,42 @@ class DeviceStore:
         except (OSError, ValueError) as exc:
             logger.warning("ignored the saved model %s: %s", path, exc)
             return None
+
+    @property
+    def unacked_path(self) -> Path:
+        """Where the unacknowledged update lives."""
+        return self.state_dir / UNACKED_FILE
+
+    def load_unacked(self, fleet: str, device_id: str) -> Message | None:
+        """The update an earlier run sent and never saw acknowledged; None if there is
+        none, or it is unreadable or not an update of this device."""
+        path = self.unacked_path
+        if not path.exists():
+            return None
+        try:
+            message = Codec().decode_envelope(path.read_bytes())
+        except (OSError, DecodeError) as exc:
+            logger.warning("ignored the unreadable unacknowledged update %s: %s", path, exc)
+            return None
+        if (message.kind, message.fleet, message.sender) != ("update", fleet, device_id):
+            logger.warning("ignored %s: not an update of %s/%s", path, fleet, device_id)
+            return None
+        return message
+
+    def save_unacked(self, message: Message | None) -> None:
+        """Persist the update ``message`` until it is acknowledged (None: it was; the file
+        is removed)."""
+        path = self.unacked_path
+        try:
+            if message is None:
+                path.unlink(missing_ok=True)
+                return
+            packed = Codec().pack(message)
+            _atomic_write(path, lambda f: f.write(packed), self._fsync)
+        except (OSError, EncodeError) as exc:
+            logger.warning("could not save the unacknowledged update to %s: %s", path, exc)
+            if isinstance(exc, OSError):
+                self._failed(exc)
 
     def save_state(self, saved: SavedState) -> None:
         """Persist ``saved``."""

@@ -45,10 +45,11 @@ from pathlib import Path
 import torch
 
 from edge_client.config import ClientConfig
-from edge_client.errors import ConnectError, EdgeClientError
+from edge_client.errors import ConfigError, ConnectError, EdgeClientError
 from edge_client.link import (
     DeviceState,
     connect_with_retry,
+    new_session,
     publish_status,
     total_memory_bytes,
 )
@@ -112,7 +113,8 @@ class EdgeClient:
 
     Raises:
         ConfigError: the images are not square, the model name or its options are
-            invalid for the data, or ``state_dir`` cannot be created.
+            invalid for the data, ``state_dir`` cannot be created, or ``serve_onnx`` or
+            ``exit_when_finished`` without the coordinator's public key (with keys).
     """
 
     def __init__(
@@ -133,9 +135,31 @@ class EdgeClient:
         self.transport = transport
         self.data = data
         self._topics = Topics(config.fleet)
+        auth, fleet_key = config.keyring(), config.fleet_key()
+        self._fleet_topics = auth is None or fleet_key is not None
+        """Whether the coordinator's fleet-wide frames can be read (they are signed: a
+        device without the coordinator's public key cannot check them)."""
+        if not self._fleet_topics:
+            for flag, given in (
+                ("--serve-onnx", config.serve_onnx is not None),
+                ("--exit-when-finished", config.exit_when_finished),
+            ):
+                if given:
+                    raise ConfigError(
+                        f"{flag} needs the coordinator's public key to check its signed "
+                        "status and models: give --coordinator-key-file FILE (the .pub of "
+                        "its signing key)"
+                    )
+            logger.warning(
+                "no coordinator public key (--coordinator-key-file): the coordinator's "
+                "status is not read (its frames are signed); the device still trains, its "
+                "tasks and acks come on its own authenticated topics"
+            )
         self._channel = Channel(
-            transport, codec, max_payload=config.max_payload, auth=config.keyring()
+            transport, codec, max_payload=config.max_payload, auth=auth, fleet_key=fleet_key
         )
+        self._session_id = new_session()
+        """This run's session id: in every status and in the last will."""
         self._lock = threading.Lock()  # guards the session
         self._lifecycle = threading.Lock()  # serializes start() and stop()
         self._queue: queue.SimpleQueue[Job | _Wake | None] = queue.SimpleQueue()
@@ -167,6 +191,7 @@ class EdgeClient:
             memory_bytes=total_memory_bytes(),
             held_base=transfer.held_fingerprint,
             saved=None if store is None else store.load_state(),
+            unacked=None if store is None else store.load_unacked(config.fleet, config.device_id),
         )
         self._shell = DeviceShell(self._session, _Effects(self), store=store, lock=self._lock)
         if self._session.restored and store is not None:
@@ -231,7 +256,7 @@ class EdgeClient:
                 status = Message(
                     fleet=self.config.fleet,
                     sender=self.device_id,
-                    body=DeviceStatus(state="offline"),
+                    body=DeviceStatus(state="offline", session=self._session_id),
                 )
                 will = Will(
                     self._status_topic,
@@ -250,11 +275,12 @@ class EdgeClient:
             try:
                 inbox = self._topics.device_inbox(self.device_id)
                 self._channel.subscribe(inbox, self._on_inbox, on_error=self._on_bad_payload)
-                self._channel.subscribe(
-                    self._topics.coordinator_status,
-                    self._on_coordinator_status,
-                    on_error=self._on_bad_payload,
-                )
+                if self._fleet_topics:
+                    self._channel.subscribe(
+                        self._topics.coordinator_status,
+                        self._on_coordinator_status,
+                        on_error=self._on_bad_payload,
+                    )
                 if self._refresher is not None:
                     self._channel.subscribe(
                         self._topics.broadcast_model,
@@ -322,7 +348,7 @@ class EdgeClient:
         return self._topics.device(self.device_id, "status")
 
     def _publish_status(self, state: DeviceState, detail: str = "") -> None:
-        publish_status(self._channel, self.config, state, detail)
+        publish_status(self._channel, self.config, state, detail, self._session_id)
 
     # ------------------------------------------------------------------ inbound
 

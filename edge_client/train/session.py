@@ -94,6 +94,7 @@ __all__ = [
     "RunJob",
     "SaveModel",
     "SaveState",
+    "SaveUnacked",
     "SendUpdate",
     "SetStatus",
     "Started",
@@ -289,6 +290,14 @@ class SaveState:
 
 
 @dataclass(frozen=True)
+class SaveUnacked:
+    """Persist the update sent and not yet acknowledged (None: it was acknowledged, or
+    given up): a device killed before the ack sends it again at its restart."""
+
+    message: Message | None
+
+
+@dataclass(frozen=True)
 class SaveModel:
     """Persist the trainer's model (it was just trained)."""
 
@@ -303,7 +312,17 @@ class Stop:
     """The coordinator finished its run: stop the device."""
 
 
-Action = Publish | SetStatus | SendUpdate | RunJob | SaveState | SaveModel | CommitUpload | Stop
+Action = (
+    Publish
+    | SetStatus
+    | SendUpdate
+    | RunJob
+    | SaveState
+    | SaveUnacked
+    | SaveModel
+    | CommitUpload
+    | Stop
+)
 
 
 @functools.cache  # the installed version does not change while the process runs
@@ -363,6 +382,9 @@ class DeviceSession:
         held_base: content fingerprint of the model the device holds, None: none.
         saved: the state persisted by an earlier run of this device; ignored (with a
             warning) when it belongs to another fleet or device.
+        unacked: the update an earlier run of this device sent and never saw
+            acknowledged (its state dir's): sent again, the very same message, when the
+            device starts, and kept until an ack refers to it.
     """
 
     def __init__(
@@ -375,6 +397,7 @@ class DeviceSession:
         memory_bytes: int,
         held_base: str | None = None,
         saved: SavedState | None = None,
+        unacked: Message | None = None,
     ) -> None:
         self.config = config
         self._schedule = RetrySchedule.of(config)
@@ -401,6 +424,9 @@ class DeviceSession:
         """Whether ``saved`` was taken (the shell then resumes the saved model too)."""
         if saved is not None:
             self._restore(saved)
+        if unacked is not None:
+            self._unacked = unacked
+            logger.info("round %d: an update of an earlier run awaits its ack", unacked.round)
 
     @property
     def rounds_done(self) -> int:
@@ -424,9 +450,10 @@ class DeviceSession:
 
     def handle(self, event: Event) -> list[Action]:
         """The actions ``event`` leads to, in the order to carry them out."""
-        if isinstance(event, (Started, Reconnected)):
-            if isinstance(event, Reconnected):
-                logger.info("reconnected to the broker; announcing again")
+        if isinstance(event, Started):
+            return self._announce() + self._resend_unacked()  # one an earlier run sent
+        if isinstance(event, Reconnected):
+            logger.info("reconnected to the broker; announcing again")
             return self._announce()
         if isinstance(event, Received):
             return self._on_inbox(event)
@@ -554,6 +581,7 @@ class DeviceSession:
             return self._retry(now, f"the coordinator could not take it ({ack.reason.value})")
         if ours:
             self._unacked, self._awaiting_ack, self._ack_due = None, False, None
+            return [SaveUnacked(None)]
         return []
 
     def _check_ack(self, now: float) -> list[Action]:
@@ -692,7 +720,11 @@ class DeviceSession:
         self._unacked, self._awaiting_ack, self._ack_due, self._resends = message, False, None, 0
         self._upload = update
         topic = self._topics.device(self.config.device_id, "update")
-        return [SaveModel(), SendUpdate(topic, message, job.message.message_id)]
+        return [
+            SaveModel(),
+            SaveUnacked(message),
+            SendUpdate(topic, message, job.message.message_id),
+        ]
 
     def _update_body(self, job: Job, result: Trained) -> Update:
         metrics = result.metrics

@@ -45,6 +45,7 @@ from edge_client.train.session import (
     RunJob,
     SaveModel,
     SaveState,
+    SaveUnacked,
     SendUpdate,
     SetStatus,
     Stop,
@@ -59,7 +60,7 @@ __all__ = ["DeviceEffects", "DeviceShell", "Retry", "Upload", "publish_once"]
 
 logger = logging.getLogger(__name__)
 
-_LOCAL = (SaveState, SaveModel, CommitUpload)
+_LOCAL = (SaveState, SaveUnacked, SaveModel, CommitUpload)
 """Actions that only touch the device's own state: carried out before
 :meth:`DeviceShell.handle` lets go of its lock, so whoever reads the session (rounds
 done, handled tasks) finds the kept model and the committed residual on disk too."""
@@ -153,6 +154,9 @@ class DeviceShell:
             case SaveState(saved=saved):
                 if self._store is not None:
                     self._store.save_state(saved)
+            case SaveUnacked(message=message):
+                if self._store is not None:
+                    self._store.save_unacked(message)
             case SaveModel():
                 if self._store is not None:
                     self._store.save_model(state_arrays(self._effects.trained_model()))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, ConnectError
-from edge_client.link import DeviceState, publish_status
+from edge_client.link import DeviceState, new_session, publish_status
 from edge_client.train.retry import RetrySchedule
 from edge_client.train.session import Event, Publish, Received, SendUpdate, Started
 from edge_client.train.shell import Retry, Upload, publish_once
@@ -218,11 +218,19 @@ class Pool:
         self._post = post
         self._rate = rate
         self._configs = {c.device_id: c for c in configs}
+        self.session = new_session()
+        """The session id of this pool's run, in every status its devices publish."""
         self._connection_of: dict[str, int] = {}
         self._connections: list[_Connection] = []
         for index, (transport, group) in enumerate(zip(transports, members, strict=True)):
             max_payload = min(c.max_payload for c in group)
-            channel = Channel(transport, self.codec, max_payload=max_payload, auth=_keyring(group))
+            channel = Channel(
+                transport,
+                self.codec,
+                max_payload=max_payload,
+                auth=_keyring(group),
+                fleet_key=group[0].fleet_key(),
+            )
             ids = tuple(c.device_id for c in group)
             self._connections.append(_Connection(self, index, channel, ids))
             self._connection_of.update(dict.fromkeys(ids, index))
@@ -445,7 +453,9 @@ class _Connection:
                     on_error=_bad_payload,
                 )
                 self._ready(device_id)
-            self.channel.transport.subscribe(topics.coordinator_status, self._on_status)
+            if self.channel.auth is None or self.channel.fleet_key is not None:
+                # (without the coordinator's public key its signed status is unreadable)
+                self.channel.transport.subscribe(topics.coordinator_status, self._on_status)
         except TransportError as exc:
             raise ConnectError(f"connection {self.index}: subscribing failed: {exc}") from exc
         for device_id in self.devices:
@@ -458,7 +468,8 @@ class _Connection:
 
     def set_status(self, device_id: str, state: DeviceState, detail: str) -> None:
         self.pool._pace()
-        publish_status(self.channel, self.pool._config(device_id), state, detail)
+        config = self.pool._config(device_id)
+        publish_status(self.channel, config, state, detail, self.pool.session)
 
     def upload(self, device_id: str, upload: Upload) -> None:
         """Publish the update once; retry later or tell the device's session."""
@@ -493,6 +504,7 @@ class _Connection:
 
     def _on_status(self, inbound: Inbound) -> None:
         try:
+            self.channel.authenticate(inbound.topic, inbound.payload)  # signed by the coordinator
             message = self.channel.codec.decode(inbound.payload)
         except DecodeError as exc:
             _bad_payload(inbound.topic, exc)

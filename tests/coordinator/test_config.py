@@ -188,6 +188,7 @@ def test_help_shows_every_setting_with_its_model_default() -> None:
 def test_resume_without_a_saved_run_says_it_starts_fresh(tmp_path: Path) -> None:
     missing = tmp_path / "state"
     argv = ["--broker", "mqtt://127.0.0.1:1", "--state-dir", str(missing), "--resume"]
+    argv += ["--connect-retry", "0"]  # nothing listens: exit at the first failure
     argv.append("--insecure-no-auth")
 
     result = subprocess.run(

@@ -20,6 +20,7 @@ import torch
 
 from edge_client.serve.infer import OnnxClassifier
 from protocol.auth import Keyring, new_key, write_key_file
+from protocol.signing import SigningKey
 from sim.datasets import load_dataset
 from sim.partition import partition_dataset, save_device_file
 from tests.protocol.brokers import Mosquitto
@@ -48,6 +49,7 @@ def device_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     for device_id, key in keys.items():
         write_key_file(out / f"{device_id}.key", key)
     Keyring(keys).save(out / "keys.json")  # the devices' key files and the keyring
+    SigningKey.generate().save(out / "coordinator.key")  # and coordinator.key.pub
     return paths
 
 
@@ -86,6 +88,8 @@ def coordinator(
         str(state),
         "--device-keys",
         str(keys),
+        "--signing-key-file",
+        str(keys.parent / "coordinator.key"),
         *extra,
     ]
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
@@ -112,6 +116,8 @@ def edge_clients(
                 str(root / path.stem),
                 "--auth-key-file",
                 str(path.with_suffix(".key")),
+                "--coordinator-key-file",
+                str(path.parent / "coordinator.key.pub"),
                 "--exit-when-finished",
             ],
             stderr=subprocess.PIPE,

@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 
 from coordinator.__main__ import main as coordinator_main
-from coordinator.enrolment import ENROLLED_FILE, REVOKED_FILE, FleetKeys, read_revoked, revoke
+from coordinator.enrolment import (
+    ENROLLED_FILE,
+    ENROLLED_JOURNAL,
+    REVOKED_FILE,
+    FleetKeys,
+    read_enrolled,
+    read_revoked,
+    revoke,
+)
 from coordinator.errors import ConfigError
 from coordinator.runtime import Coordinator
 from coordinator.store import MemoryStore
@@ -41,7 +49,8 @@ TOPICS = Topics(FLEET)
 
 
 def enrolled_file(state: Path) -> dict[str, str]:
-    return dict(json.loads((state / ENROLLED_FILE).read_text()))
+    """What the state dir holds: the keyring and the journal since the last start."""
+    return {device_id: key.hex() for device_id, key in read_enrolled(state).items()}
 
 
 def test_a_verified_device_is_enrolled_persisted_0600_and_kept_without_the_token(
@@ -57,11 +66,15 @@ def test_a_verified_device_is_enrolled_persisted_0600_and_kept_without_the_token
     # Assert
     assert key == derive_device_key(token, "dev-1")
     assert enrolled_file(tmp_path) == {"dev-1": key.hex()}
-    assert stat.S_IMODE((tmp_path / ENROLLED_FILE).stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / ENROLLED_JOURNAL).stat().st_mode) == 0o600
     assert keys.enrolments == 1 and "dev-1" in keys
     assert keys.key_for(TOPICS.to_device("dev-1", "ack")) == key
     withdrawn = FleetKeys(Keyring(), token=None, state_dir=tmp_path)  # restart, no token
     assert withdrawn.receive_key("dev-1") == key
+    # the restart folded the journal into the keyring, mode 0600
+    assert not (tmp_path / ENROLLED_JOURNAL).exists()
+    assert json.loads((tmp_path / ENROLLED_FILE).read_text()) == {"dev-1": key.hex()}
+    assert stat.S_IMODE((tmp_path / ENROLLED_FILE).stat().st_mode) == 0o600
     with pytest.raises(AuthError, match="not registered"):
         withdrawn.receive_key("dev-2")
 
@@ -73,7 +86,7 @@ def test_a_key_handed_out_for_checking_enrols_nobody_until_the_frame_verifies(
 
     keys.receive_key("dev-1")  # the frame that follows fails its tag: never reported
 
-    assert not (tmp_path / ENROLLED_FILE).exists()
+    assert not (tmp_path / ENROLLED_FILE).exists() and not (tmp_path / ENROLLED_JOURNAL).exists()
     assert "dev-1" not in keys and keys.enrolments == 0
     assert keys.key_for(TOPICS.to_device("dev-1", "ack")) is None  # nothing is sent to it
 
@@ -85,7 +98,7 @@ def test_the_operator_keyring_wins_over_the_token(tmp_path: Path) -> None:
     assert keys.receive_key("dev-1") == registered_key
     keys.authenticated("dev-1")
 
-    assert not (tmp_path / ENROLLED_FILE).exists()
+    assert not (tmp_path / ENROLLED_FILE).exists() and not (tmp_path / ENROLLED_JOURNAL).exists()
 
 
 def test_the_cap_refuses_new_ids_and_keeps_those_enrolled(tmp_path: Path) -> None:
@@ -95,13 +108,13 @@ def test_the_cap_refuses_new_ids_and_keeps_those_enrolled(tmp_path: Path) -> Non
     for device_id in ("dev-1", "dev-2"):
         keys.receive_key(device_id)
         keys.authenticated(device_id)
-    before = (tmp_path / ENROLLED_FILE).read_bytes()
+    before = (tmp_path / ENROLLED_JOURNAL).read_bytes()
     # Execute, Assert: a third is refused before and after verification; nothing changes
     with pytest.raises(AuthError, match="max-enrolled 2"):
         keys.receive_key("dev-3")
     with pytest.raises(AuthError, match="max-enrolled 2"):
         keys.authenticated("dev-3")
-    assert (tmp_path / ENROLLED_FILE).read_bytes() == before
+    assert (tmp_path / ENROLLED_JOURNAL).read_bytes() == before
     assert keys.receive_key("dev-2") == derive_device_key(token, "dev-2")
     lowered = FleetKeys(Keyring(), token=token, state_dir=tmp_path, max_enrolled=1)
     assert sorted(lowered) == ["dev-1", "dev-2"]  # a lower cap drops nobody
@@ -111,7 +124,7 @@ def test_an_enrolment_that_cannot_be_written_is_refused_and_changes_nothing(
     tmp_path: Path,
 ) -> None:
     keys = FleetKeys(Keyring(), token=new_key(), state_dir=tmp_path)
-    (tmp_path / f".{ENROLLED_FILE}.tmp").mkdir()  # the atomic write's temporary name
+    (tmp_path / ENROLLED_JOURNAL).mkdir()  # the journal cannot be opened for appending
 
     keys.receive_key("dev-1")
     with pytest.raises(AuthError, match="cannot write"):
@@ -145,6 +158,55 @@ def test_a_revoked_device_is_dropped_at_the_next_start_and_refused_for_good(
             restarted.authenticated(device_id)  # even so: never enrolled again
     assert set(enrolled_file(tmp_path)) == {"dev-2"}
     assert sorted(restarted) == ["dev-2"]
+
+
+def test_a_revocation_takes_effect_in_a_running_coordinator(tmp_path: Path) -> None:
+    # Prepare: dev-1 enrolled, op-1 registered; a clock the test moves
+    now = [0.0]
+    token = new_key()
+    keys = FleetKeys(
+        Keyring({"op-1": new_key()}), token=token, state_dir=tmp_path, clock=lambda: now[0]
+    )
+    keys.receive_key("dev-1")
+    keys.authenticated("dev-1")
+    # Execute: the operator revokes both while it runs
+    assert coordinator_main(["revoke", "--state-dir", str(tmp_path), "dev-1", "op-1"]) == 0
+    now[0] += 1.5  # the file is looked at once a second at most
+    # Assert: refused from the next frame on, nothing sent to them, never enrolled again
+    for device_id in ("dev-1", "op-1"):
+        with pytest.raises(AuthError, match="revoked"):
+            keys.receive_key(device_id)
+        assert keys.key_for(TOPICS.to_device(device_id, "ack")) is None
+    assert "dev-1" not in keys and sorted(keys) == []
+    restarted = FleetKeys(Keyring({"op-1": new_key()}), token=token, state_dir=tmp_path)
+    assert set(enrolled_file(tmp_path)) == set() and sorted(restarted) == []
+
+
+def test_an_enrolment_is_one_appended_line_and_a_line_cut_short_is_ignored(
+    tmp_path: Path,
+) -> None:
+    # Prepare: 50 devices enrolled
+    token = new_key()
+    keys = FleetKeys(Keyring(), token=token, state_dir=tmp_path)
+    for i in range(50):
+        keys.receive_key(f"dev-{i}")
+        keys.authenticated(f"dev-{i}")
+    journal = tmp_path / ENROLLED_JOURNAL
+    lines = journal.read_bytes().splitlines()
+    # Assert: one line per enrolment, the keyring untouched until the next start
+    assert len(lines) == 50 and not (tmp_path / ENROLLED_FILE).exists()
+    assert json.loads(lines[7]) == {"id": "dev-7", "key": derive_device_key(token, "dev-7").hex()}
+    # Execute: a crash cut the last append short
+    with journal.open("ab") as f:
+        f.write(b'{"id": "dev-50", "ke')
+    restarted = FleetKeys(Keyring(), token=token, state_dir=tmp_path)
+    # Assert: the 50 complete ones are kept and folded; the cut one enrolled nobody
+    assert sorted(restarted) == sorted(f"dev-{i}" for i in range(50))
+    assert set(json.loads((tmp_path / ENROLLED_FILE).read_text())) == set(restarted)
+    assert not journal.exists()
+    (tmp_path / ENROLLED_JOURNAL).write_bytes(b"not json\n" + lines[0] + b"\n")
+    with pytest.raises(ValueError, match="line 1"):
+        FleetKeys(Keyring(), token=token, state_dir=tmp_path)
 
 
 def test_revoke_refuses_bad_ids_and_a_missing_state_dir_writing_nothing(tmp_path: Path) -> None:

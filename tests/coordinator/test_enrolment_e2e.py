@@ -10,7 +10,6 @@ resumed with the token withdrawn: the enrolled devices finish the run.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -19,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.enrolment import ENROLLED_FILE
+from coordinator.enrolment import read_enrolled
 from coordinator.store import MemoryStore
 from protocol.auth import Keyring, derive_device_key, new_key, write_fleet_token
 from protocol.channel import Channel
+from protocol.signing import SigningKey
 from protocol.topics import Topics
 from protocol.transport import MqttConfig, MqttTransport
 from sim.datasets import load_dataset
@@ -48,7 +48,8 @@ def coordinator(broker: Mosquitto, state: Path, *extra: str) -> subprocess.Popen
         sys.executable, "-m", "coordinator", "--broker", broker.url, "--fleet", FLEET,
         "--strategy", "fedavg", "--model", "mlp", "--rounds", "2", "--participation", "1.0",
         "--min-devices", "2", "--round-timeout", "60", "--local-steps", "2",
-        "--batch-size", "16", "--state-dir", str(state), "--no-onnx", *extra,
+        "--batch-size", "16", "--state-dir", str(state), "--no-onnx",
+        "--signing-key-file", str(state.parent / "coordinator.key"), *extra,
     ]  # fmt: skip
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
 
@@ -58,6 +59,7 @@ def edge_client(broker: Mosquitto, data: Path, token: Path, state: Path) -> subp
         sys.executable, "-m", "edge_client", "--broker", broker.url, "--fleet", FLEET,
         "--data", str(data), "--model", "mlp", "--state-dir", str(state),
         "--fleet-token-file", str(token), "--exit-when-finished",
+        "--coordinator-key-file", str(state.parent / "coordinator.key.pub"),
     ]  # fmt: skip
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
 
@@ -85,6 +87,7 @@ def test_token_devices_enrol_and_survive_a_resume_without_the_token_strangers_ne
     write_fleet_token(token, secret)
     write_fleet_token(other, new_key())
     state = tmp_path / "state"
+    SigningKey.generate().save(tmp_path / "coordinator.key")  # its .pub for the devices
     honest_ids = [f.stem for f in files[:2]]
     stranger_id = files[2].stem
 
@@ -96,7 +99,7 @@ def test_token_devices_enrol_and_survive_a_resume_without_the_token_strangers_ne
 
     # Assert: both token devices enrolled (logged once each); the stranger did not
     # register and is not selected (2 of 2 online, not 3)
-    enrolled = json.loads((state / ENROLLED_FILE).read_text())
+    enrolled = {d: k.hex() for d, k in read_enrolled(state).items()}
     assert enrolled == {d: derive_device_key(secret, d).hex() for d in honest_ids}
     for device_id in honest_ids:
         assert first_log.count(f"enrolled {device_id} with the fleet token") == 1
@@ -120,7 +123,7 @@ def test_token_devices_enrol_and_survive_a_resume_without_the_token_strangers_ne
     # Assert: round 1 aggregated both token devices' updates; dev-late was refused
     (closed,) = [line for line in round_log.splitlines() if "round 1/2 closed" in line]
     assert "2/2 updates on time" in closed
-    assert set(json.loads((state / ENROLLED_FILE).read_text())) == set(honest_ids)
+    assert set(read_enrolled(state)) == set(honest_ids)
     assert not late_inbox.messages
 
     # Execute: the coordinator is resumed without the token
@@ -141,6 +144,6 @@ def test_token_devices_enrol_and_survive_a_resume_without_the_token_strangers_ne
         _, stranger_log = stranger.communicate(timeout=10)
     assert "coordinator accepted" not in stranger_log  # no ack, so no task, ever
     assert f"registered {stranger_id}" not in log
-    assert set(json.loads((state / ENROLLED_FILE).read_text())) == set(honest_ids)
+    assert set(read_enrolled(state)) == set(honest_ids)
     assert not [p for p in state.rglob("*") if stranger_id in p.name or "dev-late" in p.name]
     assert sorted(p.stem for p in (state / "registry").iterdir()) == sorted(honest_ids)

@@ -56,6 +56,34 @@ def test_a_replayed_offline_status_is_refused() -> None:
     assert guard.check(will.model_copy(update={"sent_at_ms": 6, "message_id": "3" * 32}), 0) is None
 
 
+def test_the_offline_of_an_earlier_session_replayed_later_is_refused() -> None:
+    # Prepare: run 1 of the device (session "a..."), then run 2 (session "b...")
+    guard = ReplayGuard(600)
+    engine = make_engine(config(), MemoryStore())
+
+    def at(state: str, ms: int, session: str, tag: str):
+        message = status("dev-0", state)
+        body = message.body.model_copy(update={"session": session * 16})
+        return message.model_copy(update={"sent_at_ms": ms, "message_id": tag * 32, "body": body})
+
+    old_will = at("offline", 100, "a", "1")
+    for message in (
+        at("online", 101, "a", "2"),
+        hello(engine, "dev-0").model_copy(update={"sent_at_ms": 102}),
+        at("idle", 150, "a", "3"),
+        at("online", 201, "b", "4"),
+        at("idle", 202, "b", "5"),
+    ):
+        assert guard.check(message, 0) is None
+    # Execute: run 1's will, captured by an attacker and replayed now
+    refused = guard.check(old_will, 0)
+    # Assert: refused (it would take the idle device offline, and with --min-devices at
+    # the fleet no round would start again); run 2's own will, older than its statuses,
+    # is still taken
+    assert refused is not None and "not the device's current session" in refused.detail
+    assert guard.check(at("offline", 200, "b", "6"), 0) is None
+
+
 def test_hellos_and_updates_outside_the_window_are_refused_statuses_are_not() -> None:
     guard = ReplayGuard(600)
     engine = make_engine(config(), MemoryStore())

@@ -153,6 +153,43 @@ def test_a_device_that_announces_another_base_gets_a_full_model() -> None:
     assert model_message(again, "d0").body.sets["global"].mode == "full"
 
 
+@pytest.mark.parametrize("held", ["decoded", "previous"])
+def test_a_device_that_says_hello_mid_round_keeps_its_delta_base(held: str) -> None:
+    # Prepare: round 2 of an int8 fleet: the task carries a delta against what the device
+    # holds, and its upload is a delta against the model it was sent
+    engine, actions = start(
+        {"d0": {"precisions": ALL}, "d1": {"precisions": ALL}},
+        downlink_precision="int8",
+        uplink_precision="int8",
+        participation=1.0,
+    )
+    devices = {d: Device(d) for d in ("d0", "d1")}
+    for device in devices.values():
+        device.take(actions)
+    previous = content_fingerprint(devices["d0"].received["global"])
+    after = []
+    for i, device in enumerate(devices.values()):
+        message, _ = device.answer(1, 0.01)
+        after = engine.handle(received(message, 2.0 + i))
+    assert engine.round == 2
+    d0 = devices["d0"]
+    d0.take(after)
+    first = model_message(after, "d0").body.sets["global"]
+    decoded = content_fingerprint(d0.received["global"])
+    # Execute: it reconnects (or saw a coordinator status) and says hello during round 2,
+    # holding the model it decoded for its task, or, had it lost the task, the previous one
+    fingerprint = decoded if held == "decoded" else previous
+    again = engine.handle(received(hello(engine, "d0", precisions=ALL, held_base=fingerprint), 5.0))
+    # Assert: the same task and model again, to the byte; its upload (a delta against the
+    # model it decoded first) is accepted
+    assert tasks_by_device(again)["d0"].message_id == d0.task_message.message_id
+    resent = model_message(again, "d0").body.sets["global"]
+    assert resent == first
+    message, _ = d0.answer(2, 0.01)
+    (ack,) = acks(engine.handle(received(message, 6.0)))
+    assert ack.accepted, (ack.reason, ack.detail)
+
+
 def test_precisions_follow_each_hello_and_qat_goes_to_int8_devices_only() -> None:
     _, actions = start(
         {

@@ -55,11 +55,13 @@ def test_a_round_runs_through_the_kits_broker_without_a_denial(
                "--tls-key", kit / "coordinator/key.pem", "--strategy", "fedavg", "--rounds", "1",
                "--participation", "1.0", "--min-devices", "2", "--round-timeout", "60",
                "--state-dir", tmp_path / "state", *TRAINING,
-               "--device-keys", kit / "coordinator/device-keys.json"),
+               "--device-keys", kit / "coordinator/device-keys.json",
+               "--signing-key-file", kit / "coordinator/signing.key"),
         launch("edge_client", "--broker", certificate_url, "--fleet", FLEET,
                "--device-id", "dev-000", "--tls-ca", device / "dev-000/ca.pem",
                "--tls-cert", device / "dev-000/cert.pem", "--tls-key", device / "dev-000/key.pem",
                "--auth-key-file", device / "dev-000/device.key",
+               "--coordinator-key-file", device / "dev-000/coordinator.pub",
                "--data", data["dev-000"], "--state-dir", tmp_path / "dev-000",
                "--exit-when-finished", *TRAINING[:2]),
         launch("edge_client", "--broker", f"mqtts://localhost:{broker.password_port}",
@@ -67,6 +69,7 @@ def test_a_round_runs_through_the_kits_broker_without_a_denial(
                "--password-file", device / "dev-001/password",
                "--tls-ca", device / "dev-001/ca.pem", "--data", data["dev-001"],
                "--auth-key-file", device / "dev-001/device.key",
+               "--coordinator-key-file", device / "dev-001/coordinator.pub",
                "--state-dir", tmp_path / "dev-001", "--exit-when-finished", *TRAINING[:2]),
     ]  # fmt: skip
     logs = []

@@ -63,11 +63,21 @@ def bundle_command(out: Path, profile: str, *flags: str) -> list[str]:
     ]
 
 
+def coordinator_public_key(root: Path) -> Path:
+    """The coordinator's signing key ``root/coordinator.key`` (made when absent, for
+    :func:`run_coordinator`); returns its public key file, the devices'."""
+    from protocol.signing import load_or_create_signing_key, public_key_path
+
+    load_or_create_signing_key(root / "coordinator.key")
+    return public_key_path(root / "coordinator.key")
+
+
 def provision_keys(root: Path, *device_ids: str) -> Path:
     """Message keys for ``device_ids``: ``root/ID.key`` each, and the coordinator's
-    keyring ``root/keys.json`` (returned)."""
+    keyring ``root/keys.json`` (returned) and signing key (:func:`coordinator_public_key`)."""
     from protocol.auth import Keyring, new_key, write_key_file
 
+    coordinator_public_key(root)
     keys = {d: new_key() for d in device_ids}
     for device_id, key in keys.items():
         write_key_file(root / f"{device_id}.key", key)
@@ -80,7 +90,8 @@ def run_coordinator(
 ) -> subprocess.CompletedProcess[str]:
     """One round of the fleet's model with one device, the model broadcast after it
     (``--broadcast-model``); the final model lands in ``state/final/model.onnx``.
-    ``device_keys``: the keyring (:func:`provision_keys`)."""
+    ``device_keys``: the keyring (:func:`provision_keys`); the coordinator's signing key
+    is the one beside it."""
     return subprocess.run(
         [
             sys.executable,
@@ -113,6 +124,8 @@ def run_coordinator(
             str(state),
             "--device-keys",
             str(device_keys),
+            "--signing-key-file",
+            str(device_keys.parent / "coordinator.key"),
         ],
         capture_output=True,
         text=True,

@@ -46,6 +46,7 @@ from tests.packaging.helpers import (
     ROOT,
     SIDE,
     bundle_command,
+    coordinator_public_key,
     provision_keys,
     run,
     run_coordinator,
@@ -109,6 +110,7 @@ class Board:
     config_dir: str
     broker: Mosquitto
     data: Path  # the host device's data
+    signing_key: Path  # the coordinator's signing key (its .pub is in the bundle)
 
     def path(self, inside: str) -> Path:
         """The file the root calls ``inside``, seen from here."""
@@ -143,10 +145,12 @@ def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Board]:
                 f"connect_retry = 120\n"
                 f'onnx_template = "{inside}/etc/template.onnx"\n'
                 f'serve_onnx = "{inside}/served/model.onnx"\n'
+                f'coordinator_key_file = "{inside}/etc/coordinator.pub"\n'
             )
             bundle = host / "bundle"
             flags = ["--platform", "linux_aarch64", "--python-version", version.strip()]
             flags += ["--config", str(config), "--onnx-template", str(template)]
+            flags += ["--coordinator-key", str(coordinator_public_key(host))]
             run(bundle_command(bundle, "infer", *flags), cwd=ROOT)
             shutil.copytree(bundle, work / "bundle")
             installed = run(
@@ -172,6 +176,7 @@ def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Board]:
                 config_dir=f"{inside}/etc",
                 broker=broker,
                 data=data,
+                signing_key=host / "coordinator.key",
             )
         finally:
             # commands in the root mount /proc in private namespaces: nothing is mounted
@@ -257,6 +262,7 @@ def fleet_round(board: Board, tmp_path_factory: pytest.TempPathFactory) -> Round
         follower.kill()
         reader.join(10)
         pytest.fail("follow on the board did not subscribe in 300 s:\n" + "".join(follower_lines))
+    shutil.copyfile(board.signing_key, host / "coordinator.key")  # the bundled key's
     provision_keys(host, "host-1")
     device = subprocess.Popen(
         [
@@ -272,6 +278,8 @@ def fleet_round(board: Board, tmp_path_factory: pytest.TempPathFactory) -> Round
             "host-1",
             "--auth-key-file",
             str(host / "host-1.key"),
+            "--coordinator-key-file",
+            str(coordinator_public_key(host)),
             "--data",
             str(board.data),
             "--model",

@@ -34,6 +34,7 @@ from tests.packaging.helpers import (
     ROOT,
     SIDE,
     bundle_command,
+    coordinator_public_key,
     provision_keys,
     run,
     run_coordinator,
@@ -56,6 +57,7 @@ class Installed:
 def build_and_install(root: Path, profile: str, config: Path, template: Path) -> Installed:
     bundle = root / f"bundle-{profile}"
     flags = ["--config", str(config), "--onnx-template", str(template)]
+    flags += ["--coordinator-key", str(coordinator_public_key(root))]
     if profile == "train":  # torch: the version installed here, from pip's own source
         flags += ["--torch-index", "default", "--torch-version", torch.__version__]
     run(bundle_command(bundle, profile, *flags), cwd=ROOT)
@@ -87,6 +89,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
         common = (
             f'broker = "{broker.url}"\nfleet = "{FLEET}"\nconnect_retry = 30\n'
             f'onnx_template = "{root}/etc-PROFILE/template.onnx"\n'
+            f'coordinator_key_file = "{root}/etc-PROFILE/coordinator.pub"\n'
         )
         provision_keys(root, "pi-1")
         train_config = root / "train.toml"
@@ -173,6 +176,9 @@ def test_the_bundle_describes_itself_and_its_service(
         run(["systemd-analyze", "verify", str(rendered)])
     assert (installed.config_dir / "edgefl.toml").is_file()
     assert (installed.config_dir / "template.onnx").is_file()
+    assert (installed.config_dir / "coordinator.pub").read_bytes() == (
+        installed.bundle / "coordinator.pub"
+    ).read_bytes()
 
 
 def test_bundled_devices_complete_a_round_and_serve_the_fleet_model(

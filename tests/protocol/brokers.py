@@ -65,13 +65,19 @@ class Mosquitto:
     so sessions and retained messages are lost, as after a real crash)."""
 
     def __init__(
-        self, workdir: Path, *, extra_config: str = "", start_timeout: float = 5.0
+        self,
+        workdir: Path,
+        *,
+        extra_config: str = "",
+        start_timeout: float = 5.0,
+        port: int = 0,
     ) -> None:
         self._binary = require_mosquitto()
         self._workdir = workdir
         self._extra = extra_config
         self._start_timeout = start_timeout
-        self._port = 0
+        self._port = port
+        """The port (0: a free one, chosen at the first start)."""
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from protocol.auth import seal, topic_device
-from protocol.codec import Codec
+from protocol.codec import Codec, signed_twin
 from protocol.messages import (
     Ack,
     CoordinatorStatus,
@@ -24,6 +24,7 @@ from protocol.messages import (
     Update,
     UploadSpec,
 )
+from protocol.signing import SigningKey
 from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet
 
@@ -39,8 +40,12 @@ GOLDEN_TOPICS = {
     "device_status": "fl/lab/devices/dev-001/status",
     "coord_status": "fl/lab/coordinator/status",
 }
-"""The topic each golden frame is sealed for; ``coord_status`` is fleet-wide, so its
-tag is zeros."""
+"""The topic each golden frame is sealed for; ``coord_status`` is fleet-wide, so it is
+signed with :data:`GOLDEN_SIGNING_SEED` instead (a frame of type 0x03)."""
+GOLDEN_SIGNING_SEED = bytes(range(0x40, 0x60))
+"""The coordinator's signing key (an Ed25519 private key) of the golden signed frames."""
+BROADCAST_TOPIC = "fl/lab/broadcast/model"
+"""The topic of the golden signed chunks: the golden model as a broadcast."""
 TRANSFER_ID = bytes(range(16))
 STUDENT_FINGERPRINT = "2e2182719fad8974"
 """Content fingerprint (docs/protocol.md, section 6) of the golden model's ``student`` set
@@ -160,7 +165,7 @@ def cases() -> dict[str, Message]:
             sender="dev-001",
             message_id=mid(6),
             **common,
-            body=DeviceStatus(state="offline"),
+            body=DeviceStatus(state="offline", session="0123456789abcdef"),
         ),
         "coord_status": Message(
             sender="coordinator",
@@ -180,10 +185,12 @@ def cases() -> dict[str, Message]:
 
 def sealed_frame(codec: Codec, name: str, message: Message) -> bytes:
     """The golden frame of case ``name``: encoded, sealed with :data:`GOLDEN_KEY` for its
-    topic where that names a device."""
+    topic where that names a device, else signed with :data:`GOLDEN_SIGNING_SEED`."""
     frame = codec.encode(message)
     topic = GOLDEN_TOPICS[name]
-    return frame if topic_device(topic) is None else seal(GOLDEN_KEY, topic, frame)
+    if topic_device(topic) is None:
+        return SigningKey(GOLDEN_SIGNING_SEED).sign(topic, signed_twin(frame))
+    return seal(GOLDEN_KEY, topic, frame)
 
 
 def write_all() -> None:  # pragma: no cover - run by hand with a version bump
@@ -194,6 +201,8 @@ def write_all() -> None:  # pragma: no cover - run by hand with a version bump
         (GOLDEN_DIR / f"{name}.frame").write_bytes(sealed_frame(codec, name, message))
     for i, chunk in enumerate(golden_chunks(sealed_frame(codec, "model", cases()["model"]))):
         (GOLDEN_DIR / f"model.chunk{i}").write_bytes(chunk)
+    for i, chunk in enumerate(golden_signed_chunks(codec.encode(cases()["model"]))):
+        (GOLDEN_DIR / f"broadcast.chunk{i}").write_bytes(chunk)
 
 
 def golden_chunks(frame: bytes) -> list[bytes]:
@@ -202,6 +211,18 @@ def golden_chunks(frame: bytes) -> list[bytes]:
 
     parts = split_frame(frame, 200, transfer_id=TRANSFER_ID)
     return [seal(GOLDEN_KEY, GOLDEN_TOPICS["model"], part) for part in parts]
+
+
+def golden_signed_chunks(frame: bytes) -> list[bytes]:
+    """The golden model frame (unsealed) as a broadcast: signed as a type 0x03 frame on
+    :data:`BROADCAST_TOPIC`, then split into signed chunks (type 0x04, 200-byte
+    payloads), each signed for the topic."""
+    from protocol.chunking import split_frame
+
+    key = SigningKey(GOLDEN_SIGNING_SEED)
+    signed = key.sign(BROADCAST_TOPIC, signed_twin(frame))
+    parts = split_frame(signed, 200, transfer_id=TRANSFER_ID)
+    return [key.sign(BROADCAST_TOPIC, part) for part in parts]
 
 
 if __name__ == "__main__":  # pragma: no cover

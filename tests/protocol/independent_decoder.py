@@ -1,7 +1,8 @@
 """A decoder of the wire protocol written from docs/protocol.md alone.
 
-It imports nothing of the ``protocol`` package (only msgpack, zstandard, numpy, hashlib
-and struct; ``test_independent_decoder.py`` checks that), so that the test can hold the
+It imports nothing of the ``protocol`` package (only msgpack, zstandard, numpy, hashlib,
+hmac, struct and, for Ed25519, ``cryptography``; ``test_independent_decoder.py`` checks
+that), so that the test can hold the
 specification against the reference implementation: every rule here cites the section of
 docs/protocol.md it comes from, and anything this module had to guess would be a gap in
 the specification.
@@ -19,12 +20,15 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 import zstandard
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-VERSION = 5  # section 2: the version byte; section 3: the envelope's "v"
+VERSION = 6  # section 2: the version byte; section 3: the envelope's "v"
 MAGIC = b"FL"
-MESSAGE_FRAME, CHUNK_FRAME = 0x01, 0x02
+MESSAGE_FRAME, CHUNK_FRAME, SIGNED_MESSAGE_FRAME, SIGNED_CHUNK_FRAME = 0x01, 0x02, 0x03, 0x04
+AUTH_SIZE = {0x01: 32, 0x02: 32, 0x03: 64, 0x04: 64}  # section 2: a tag or a signature
 ZSTD_MAGIC = bytes.fromhex("28b52ffd")  # section 2.1
-CHUNK_HEADER = struct.Struct(">2sBB32s16sIIQ32s")  # section 2.2: 100 bytes, big-endian
+CHUNK_FIELDS = struct.Struct(">16sIIQ32s")  # section 2.2: after the authentication field
 ENVELOPE_KEYS = {"v", "kind", "fleet", "round", "sender", "id", "ts", "body"}  # section 3
 KINDS = {"hello", "task", "model", "update", "ack", "device_status", "coord_status"}
 RAW = {  # section 5: dtype -> little-endian layout (itemsize); bool is one byte, 0 or 1
@@ -74,7 +78,7 @@ def frame_type(payload: bytes) -> int:
         raise RejectedError("bad magic")
     if payload[2] != VERSION:
         raise RejectedError(f"version {payload[2]}")
-    if payload[3] not in (MESSAGE_FRAME, CHUNK_FRAME):
+    if payload[3] not in AUTH_SIZE:
         raise RejectedError(f"frame type {payload[3]}")
     return payload[3]
 
@@ -102,10 +106,11 @@ def declared_content_size(zstd_frame: bytes) -> int:
 
 
 def decode_message_frame(frame: bytes, max_message_bytes: int = 64 << 20) -> dict[str, Any]:
-    """A message frame -> its envelope (section 2.1 and 3), checked."""
-    if frame_type(frame) != MESSAGE_FRAME:
+    """A message frame (signed or not) -> its envelope (sections 2.1, 2.5 and 3), checked."""
+    kind = frame_type(frame)
+    if kind not in (MESSAGE_FRAME, SIGNED_MESSAGE_FRAME):
         raise RejectedError("not a message frame")
-    body = frame[36:]  # section 2.1: after the header and the 32-byte tag
+    body = frame[4 + AUTH_SIZE[kind] :]  # after the header and the tag or signature
     size = declared_content_size(body)
     if size > max_message_bytes:
         raise RejectedError("content too large")
@@ -140,6 +145,21 @@ def check_tag(key: bytes, topic: str, frame: bytes) -> None:
     """Section 2.3: a frame on a device's topic is refused unless its tag verifies."""
     if len(frame) < 36 or not hmac.compare_digest(frame[4:36], tag(key, topic, frame)):
         raise RejectedError("bad authentication tag")
+
+
+def check_signature(public_key: bytes, topic: str, frame: bytes) -> None:
+    """Section 2.5: a frame on a fleet-wide topic is refused unless it is of a signed type
+    (0x03, 0x04) and its Ed25519 signature (bytes 4-67) verifies under the coordinator's
+    public key over the domain string, the topic (u16 BE length, UTF-8) and the frame
+    without its signature."""
+    if frame_type(frame) not in (SIGNED_MESSAGE_FRAME, SIGNED_CHUNK_FRAME) or len(frame) < 68:
+        raise RejectedError("not a signed frame")
+    name = topic.encode("utf-8")
+    data = b"edgefl-sign-v6" + struct.pack(">H", len(name)) + name + frame[:4] + frame[68:]
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(frame[4:68], data)
+    except InvalidSignature:
+        raise RejectedError("bad coordinator signature") from None
 
 
 def _no_extensions(code: int, data: bytes) -> Any:
@@ -179,12 +199,15 @@ def tensor_sets(env: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_chunk(payload: bytes) -> Chunk:
-    if frame_type(payload) != CHUNK_FRAME or len(payload) < CHUNK_HEADER.size:
+    """Section 2.2: the fields after the tag (type 0x02) or the signature (0x04)."""
+    kind = frame_type(payload)
+    start = 4 + AUTH_SIZE[kind]
+    if kind not in (CHUNK_FRAME, SIGNED_CHUNK_FRAME) or len(payload) < start + CHUNK_FIELDS.size:
         raise RejectedError("not a chunk frame")
-    _, _, _, _tag, tid, index, count, total, digest = CHUNK_HEADER.unpack_from(payload)
+    tid, index, count, total, digest = CHUNK_FIELDS.unpack_from(payload, start)
     if count < 2 or index >= count:
         raise RejectedError("chunk index")
-    return Chunk(tid, index, count, total, digest, payload[CHUNK_HEADER.size :])
+    return Chunk(tid, index, count, total, digest, payload[start + CHUNK_FIELDS.size :])
 
 
 def reassemble(payloads: list[bytes]) -> bytes:

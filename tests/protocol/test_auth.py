@@ -23,9 +23,11 @@ from protocol.auth import (
 )
 from protocol.channel import Channel
 from protocol.chunking import split_frame
+from protocol.codec import signed_twin
 from protocol.errors import DecodeError, EncodeError
-from protocol.messages import DeviceStatus, Message, ModelPayload
+from protocol.messages import CoordinatorStatus, DeviceStatus, Message, ModelPayload
 from protocol.samples import sample_weights
+from protocol.signing import SigningKey, VerifyKey
 from protocol.tensorset import encode_tensors
 from protocol.transport.memory import MemoryBroker, MemoryTransport
 
@@ -45,21 +47,28 @@ def model() -> Message:
 class Receiver:
     """A channel with ``keyring`` subscribed to everything, recording messages and errors."""
 
-    def __init__(self, broker: MemoryBroker, keyring: Keyring | None) -> None:
+    def __init__(
+        self, broker: MemoryBroker, keyring: Keyring | None, fleet_key: VerifyKey | None = None
+    ) -> None:
         transport = MemoryTransport(broker, "receiver")
         transport.connect()
         self.messages: queue.Queue[Message] = queue.Queue()
         self.errors: queue.Queue[DecodeError] = queue.Queue()
-        self.channel = Channel(transport, auth=keyring)
+        self.channel = Channel(transport, auth=keyring, fleet_key=fleet_key)
         self.channel.subscribe(
             "fl/#", lambda _t, m: self.messages.put(m), on_error=lambda _t, e: self.errors.put(e)
         )
 
 
-def sender(broker: MemoryBroker, keyring: Keyring | None) -> Channel:
-    transport = MemoryTransport(broker, "sender")
+def sender(
+    broker: MemoryBroker,
+    keyring: Keyring | None,
+    fleet_key: SigningKey | None = None,
+    client_id: str = "sender",
+) -> Channel:
+    transport = MemoryTransport(broker, client_id)
     transport.connect()
-    return Channel(transport, auth=keyring, max_payload=32 * 1024)
+    return Channel(transport, auth=keyring, max_payload=32 * 1024, fleet_key=fleet_key)
 
 
 def test_a_sealed_message_arrives_and_every_change_to_it_is_refused() -> None:
@@ -203,18 +212,80 @@ def test_with_a_keyring_a_topic_outside_the_layout_is_refused_before_decoding() 
     assert insecure.messages.get(timeout=5).kind == "device_status"
 
 
-def test_fleet_wide_topics_are_not_authenticated_and_device_topics_need_a_key() -> None:
-    # Prepare
-    broker = MemoryBroker()
-    receiver = Receiver(broker, Keyring({"dev-1": new_key()}))
+STATUS = "fl/lab/coordinator/status"
+BROADCAST = "fl/lab/broadcast/model"
+
+
+def coordinator_status() -> Message:
+    return Message(fleet="lab", sender="coordinator", body=CoordinatorStatus(state="finished"))
+
+
+def test_fleet_wide_frames_are_signed_by_the_coordinator_and_checked_by_devices() -> None:
+    # Prepare: the coordinator's channel holds the signing key, the device's its public half
+    broker, signing = MemoryBroker(), SigningKey.generate()
+    device = Receiver(broker, Keyring({"dev-1": new_key()}), signing.verify_key)
+    coordinator = sender(broker, Keyring({"dev-1": new_key()}), signing)
+    # Execute: a status and a chunked broadcast model, both signed
+    coordinator.send(STATUS, coordinator_status())
+    sent = coordinator.send(BROADCAST, model())
+    # Assert
+    assert device.messages.get(timeout=5).kind == "coord_status"
+    assert device.messages.get(timeout=5).kind == "model"
+    assert sent.frames > 1 and device.errors.empty()
+    frame = coordinator.encode(STATUS, coordinator_status())
+    assert frame[:4] == b"FL\x06\x03" and frame[4:68] != bytes(64)
+
+
+def test_forged_fleet_wide_frames_are_refused_before_any_buffer() -> None:
+    # Prepare: anyone on the broker (here with a device's key, or another signing key)
+    broker, signing = MemoryBroker(), SigningKey.generate()
+    device = Receiver(broker, Keyring({"dev-1": new_key()}), signing.verify_key)
+    attacker = sender(broker, None)  # writes unsigned frames
+    impostor = sender(broker, Keyring({"dev-1": new_key()}), SigningKey.generate(), "impostor")
+    honest = sender(broker, Keyring({"dev-1": new_key()}), signing, "coordinator").encode(
+        STATUS, coordinator_status()
+    )
+    # Execute: unsigned, signed by another key, a genuine status moved to another topic,
+    # a tampered one, and a forged chunked model
+    attacker.send(STATUS, coordinator_status())
+    impostor.send(STATUS, coordinator_status())
+    attacker.transport.publish(BROADCAST, honest)
+    attacker.transport.publish(STATUS, honest[:-5] + bytes([honest[-5] ^ 1]) + honest[-4:])
+    forged_chunks = impostor.send(BROADCAST, model()).frames
+    # Assert: every one refused as unauthenticated, nothing delivered or buffered
+    errors = [device.errors.get(timeout=5) for _ in range(4 + 1)]
+    assert all(isinstance(e, AuthError) for e in errors)
+    assert forged_chunks > 1  # the rest were remembered as refused, or refused one by one
+    assert device.messages.empty()
+    assert device.channel._reassembler.pending_transfers == 0
+
+
+def test_without_a_coordinator_key_fleet_wide_frames_are_refused_and_not_sent() -> None:
+    # Prepare: a device channel with its own key only
+    broker, signing = MemoryBroker(), SigningKey.generate()
+    device = Receiver(broker, Keyring({"dev-1": new_key()}))
     channel = sender(broker, Keyring({"dev-1": new_key()}))
-    # Execute, Assert: a zero tag on the coordinator's status topic; a device topic
-    # without a key cannot be sent on
-    channel.send("fl/lab/coordinator/status", status())
-    assert receiver.messages.get(timeout=5).kind == "device_status"
-    assert channel.encode("fl/lab/coordinator/status", status())[4:36] == ZERO_TAG
+    # Execute, Assert: it cannot check the coordinator's frames, nor publish fleet-wide
+    sender(broker, Keyring(), signing, "coordinator").send(STATUS, coordinator_status())
+    assert isinstance(device.errors.get(timeout=5), AuthError)
+    assert device.messages.empty()
+    with pytest.raises(EncodeError, match="signing key"):
+        channel.send(STATUS, coordinator_status())
     with pytest.raises(EncodeError, match="no key"):
         channel.send("fl/lab/devices/dev-9/status", status())
+
+
+def test_a_signed_frame_on_a_device_topic_is_refused() -> None:
+    # Prepare
+    broker, key, signing = MemoryBroker(), new_key(), SigningKey.generate()
+    receiver = Receiver(broker, Keyring({"dev-1": key}), signing.verify_key)
+    raw = sender(broker, None)
+    frame = signing.sign(UP, signed_twin(raw.codec.encode(status())))
+    # Execute
+    raw.transport.publish(UP, frame)
+    # Assert
+    assert isinstance(receiver.errors.get(timeout=5), AuthError)
+    assert receiver.messages.empty()
 
 
 def test_an_insecure_channel_writes_zero_tags_and_checks_none() -> None:

@@ -9,18 +9,22 @@ import numpy as np
 import pytest
 
 from protocol.arrays import content_fingerprint, fingerprint_bytes
-from protocol.auth import ZERO_TAG, frame_tag, topic_device, verify
+from protocol.auth import AuthError, frame_tag, topic_device, verify
 from protocol.chunking import Reassembler
 from protocol.codec import Codec
 from protocol.errors import DecodeError
+from protocol.signing import SigningKey, VerifyKey
 from tests.protocol.golden_cases import (
+    BROADCAST_TOPIC,
     GOLDEN_DIR,
     GOLDEN_KEY,
+    GOLDEN_SIGNING_SEED,
     GOLDEN_TOPICS,
     STUDENT_FINGERPRINT,
     TRANSFER_ID,
     cases,
     golden_chunks,
+    golden_signed_chunks,
 )
 
 CASES = cases()
@@ -46,11 +50,13 @@ def test_golden_frames_still_decode(name: str) -> None:
     # Assert
     assert message == CASES[name]
     assert codec.decompress(frame) == (GOLDEN_DIR / f"{name}.msgpack").read_bytes()
-    assert frame[:4] == b"FL\x05\x01"
+    signed = topic_device(GOLDEN_TOPICS[name]) is None  # fleet-wide: type 0x03
+    assert frame[:4] == (b"FL\x06\x03" if signed else b"FL\x06\x01")
+    body = 68 if signed else 36  # after the 64-byte signature or the 32-byte tag
     # the zstd frame: magic, then a descriptor with Frame_Content_Size present (bits 6-7
     # or Single_Segment), Content_Checksum_flag (bit 2) set and no Dictionary_ID (bits 0-1)
-    assert frame[36:40] == bytes.fromhex("28b52ffd")
-    descriptor = frame[40]
+    assert frame[body : body + 4] == bytes.fromhex("28b52ffd")
+    descriptor = frame[body + 4]
     assert descriptor & 0b100 and descriptor & 0b11 == 0 and descriptor & 0b1110_0000
 
 
@@ -62,14 +68,28 @@ def test_version_3_frames_are_refused() -> None:
         Codec().decode(b"FL\x03\x01" + frame[36:])
 
 
+def test_version_5_frames_are_refused() -> None:
+    # Prepare: version 5 had the same layouts but no signed types (fleet-wide frames
+    # carried a zero tag and nothing else)
+    frame = (GOLDEN_DIR / "ack.frame").read_bytes()
+    # Execute, Assert
+    with pytest.raises(DecodeError, match="unsupported protocol version 5"):
+        Codec().decode(b"FL\x05\x01" + frame[4:])
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_frames_carry_their_tag(name: str) -> None:
     # Prepare
     frame = (GOLDEN_DIR / f"{name}.frame").read_bytes()
     topic = GOLDEN_TOPICS[name]
-    # Execute, Assert: device topics are sealed with the device's key, fleet-wide not
+    # Execute, Assert: device topics are sealed with the device's key, fleet-wide ones
+    # signed with the coordinator's (Ed25519 is deterministic: the bytes are frozen)
     if topic_device(topic) is None:
-        assert frame[4:36] == ZERO_TAG
+        key = SigningKey(GOLDEN_SIGNING_SEED)
+        key.verify(topic, frame)
+        assert frame[4:68] != bytes(64)
+        with pytest.raises(AuthError, match="bad coordinator signature"):
+            key.verify("fl/lab/broadcast/model", frame)  # the topic is signed
     else:
         verify(GOLDEN_KEY, topic, frame)
         assert frame[4:36] == frame_tag(GOLDEN_KEY, topic, frame)
@@ -88,7 +108,7 @@ def test_chunk_frames_are_frozen_and_reassemble() -> None:
     assert [p.read_bytes() for p in golden] == chunks
     count = len(chunks)
     assert count == -(-len(frame) // (200 - 100))
-    assert chunks[1][:4] == b"FL\x05\x02"
+    assert chunks[1][:4] == b"FL\x06\x02"
     assert (
         chunks[1][36:100]
         == TRANSFER_ID
@@ -101,6 +121,34 @@ def test_chunk_frames_are_frozen_and_reassemble() -> None:
     reassembler = Reassembler()
     outputs = [reassembler.feed("t", c) for c in reversed(chunks)]
     assert outputs[:-1] == [None] * (len(chunks) - 1) and outputs[-1] == frame
+
+
+def test_signed_chunk_frames_are_frozen_and_reassemble() -> None:
+    # Prepare: the golden model published on the broadcast topic, in 200-byte chunks
+    golden = sorted(
+        GOLDEN_DIR.glob("broadcast.chunk*"), key=lambda p: int(p.name[len("broadcast.chunk") :])
+    )
+    frame = Codec().encode(CASES["model"])
+    key = SigningKey(GOLDEN_SIGNING_SEED)
+    public = VerifyKey(key.verify_key.public)
+    # Execute
+    chunks = golden_signed_chunks(frame)
+    # Assert: the bytes, the layout (132-byte header), every chunk's own signature
+    assert [p.read_bytes() for p in golden] == chunks
+    signed_length = len(frame) + 32  # a 64-byte signature in place of the 32-byte tag
+    assert len(chunks) == -(-signed_length // (200 - 132))
+    assert chunks[1][:4] == b"FL\x06\x04"
+    assert chunks[1][68:84] == TRANSFER_ID
+    assert chunks[1][84:100] == bytes.fromhex(f"00000001{len(chunks):08x}{signed_length:016x}")
+    for chunk in chunks:
+        public.verify(BROADCAST_TOPIC, chunk)
+    reassembler = Reassembler()
+    outputs = [reassembler.feed("t", c) for c in chunks]
+    whole = outputs[-1]
+    assert outputs[:-1] == [None] * (len(chunks) - 1) and whole is not None
+    assert whole[:4] == b"FL\x06\x03" and hashlib.sha256(whole).digest() == chunks[0][100:132]
+    public.verify(BROADCAST_TOPIC, whole)
+    assert Codec().decode(whole) == CASES["model"]
 
 
 def test_tensor_layouts_match_the_documented_bytes() -> None:

@@ -17,15 +17,18 @@ import zstandard
 from protocol.arrays import content_fingerprint
 from protocol.auth import AuthError, Keyring, derive_device_key, new_key, seal, verify
 from protocol.chunking import split_frame
-from protocol.codec import Codec
+from protocol.codec import Codec, signed_twin
 from protocol.errors import DecodeError
 from protocol.messages import Message, ModelPayload
+from protocol.signing import SigningKey
 from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet
 from tests.protocol import independent_decoder as spec
 from tests.protocol.golden_cases import (
+    BROADCAST_TOPIC,
     GOLDEN_DIR,
     GOLDEN_KEY,
+    GOLDEN_SIGNING_SEED,
     GOLDEN_TOPICS,
     STUDENT_FINGERPRINT,
     TRANSFER_ID,
@@ -42,6 +45,7 @@ ALLOWED_IMPORTS = {
     "msgpack",
     "numpy",
     "zstandard",
+    "cryptography",  # Ed25519 (RFC 8032), section 2.5: any implementation would do
 }
 NAMES = sorted(cases())
 
@@ -233,7 +237,7 @@ def _with_tensor_data(data: bytes, tensor: list[object]) -> bytes:
     )
     env["body"]["sets"]["m"]["tensors"] = [[*tensor[:5], data, *tensor[6:]]]  # type: ignore[index]
     raw = msgpack.packb(env, use_bin_type=True)
-    return b"FL\x05\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    return b"FL\x06\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
 
 
 def _streamed(raw: bytes) -> bytes:
@@ -251,8 +255,10 @@ def _bad_frames() -> dict[str, bytes]:
     assert isinstance(int4_data, bytes)
     return {
         "version 3": b"FL\x03\x01" + ack[36:],
-        "no checksum": b"FL\x05\x01" + bytes(32) + zstandard.ZstdCompressor().compress(raw),
-        "no content size": b"FL\x05\x01" + bytes(32) + _streamed(raw),
+        "version 5": b"FL\x05\x01" + ack[4:],
+        "frame type 5": b"FL\x06\x05" + ack[4:],
+        "no checksum": b"FL\x06\x01" + bytes(32) + zstandard.ZstdCompressor().compress(raw),
+        "no content size": b"FL\x06\x01" + bytes(32) + _streamed(raw),
         "corrupt checksum": ack[:-1] + bytes([ack[-1] ^ 1]),
         # Dictionary_ID_flag 1 with a 1-byte Dictionary_ID of 0: zstd itself would accept it
         "dictionary flag": ack[:40] + bytes([ack[40] | 1, 0]) + ack[41:],
@@ -319,3 +325,42 @@ def test_a_frame_sealed_with_a_derived_key_verifies_under_the_spec_derivation() 
             spec.check_tag(spec.derived_key(token, device_id + "x"), topic, sealed)
         with pytest.raises(spec.RejectedError):
             spec.check_tag(spec.derived_key(new_key(), device_id), topic, sealed)
+
+
+def test_the_spec_verifies_the_coordinator_signature_of_fleet_wide_frames() -> None:
+    # Prepare: the golden status (signed, type 0x03) and the broadcast's signed chunks
+    public = SigningKey(GOLDEN_SIGNING_SEED).verify_key.public
+    status = (GOLDEN_DIR / "coord_status.frame").read_bytes()
+    chunks = sorted(GOLDEN_DIR.glob("broadcast.chunk*"), key=lambda p: int(p.name[15:]))
+    payloads = [p.read_bytes() for p in chunks]
+    # Execute
+    spec.check_signature(public, GOLDEN_TOPICS["coord_status"], status)
+    for payload in payloads:
+        spec.check_signature(public, BROADCAST_TOPIC, payload)
+    whole = spec.reassemble(payloads[::-1])
+    spec.check_signature(public, BROADCAST_TOPIC, whole)
+    # Assert: it decodes as the reference does, and nothing else verifies
+    assert spec.decode_message_frame(status) == msgpack.unpackb(
+        (GOLDEN_DIR / "coord_status.msgpack").read_bytes(), raw=False
+    )
+    assert_same_tensors(whole)
+    with pytest.raises(spec.RejectedError, match="bad coordinator signature"):
+        spec.check_signature(public, BROADCAST_TOPIC, status)  # the topic is signed
+    with pytest.raises(spec.RejectedError, match="bad coordinator signature"):
+        spec.check_signature(SigningKey.generate().verify_key.public, BROADCAST_TOPIC, whole)
+    unsigned = Codec().encode(cases()["coord_status"])
+    with pytest.raises(spec.RejectedError, match="not a signed frame"):
+        spec.check_signature(public, GOLDEN_TOPICS["coord_status"], unsigned)
+
+
+def test_the_spec_and_the_reference_agree_on_signatures_of_random_keys_and_topics() -> None:
+    frame = Codec().encode(cases()["coord_status"])
+    for i in range(10):
+        key, topic = SigningKey.generate(), f"fl/f{i}/coordinator/status"
+        signed = key.sign(topic, signed_twin(frame))
+        spec.check_signature(key.verify_key.public, topic, signed)
+        tampered = signed[:-5] + bytes([signed[-5] ^ 1]) + signed[-4:]
+        with pytest.raises(spec.RejectedError):
+            spec.check_signature(key.verify_key.public, topic, tampered)
+        with pytest.raises(AuthError):
+            key.verify(topic, tampered)

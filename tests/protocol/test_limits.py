@@ -15,7 +15,7 @@ from protocol.messages import Message, ModelPayload
 from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet, encode_tensors
 
-HEADER = b"FL\x05\x01" + bytes(32)
+HEADER = b"FL\x06\x01" + bytes(32)
 
 
 def model_frame(arrays: dict[str, np.ndarray], sets: int = 1, precision: str = "fp32") -> bytes:

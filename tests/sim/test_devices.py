@@ -8,18 +8,26 @@ from pathlib import Path
 import pytest
 
 from protocol.auth import Keyring, new_key
+from protocol.signing import SigningKey
 from sim.__main__ import main
 
 BROKER = "mqtt://127.0.0.1:9"  # nothing listens: reaching it would fail with exit code 1
 
 
+@pytest.fixture
+def pub(tmp_path: Path) -> list[str]:
+    """The coordinator's public key flag, for a key made here."""
+    SigningKey.generate().save(tmp_path / "coordinator.key")
+    return ["--coordinator-key-file", str(tmp_path / "coordinator.key.pub")]
+
+
 def test_unreadable_keyring_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, pub: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     keys = tmp_path / "keys.json"
     keys.write_text("not json")
 
-    code = main(["devices", "--broker", BROKER, "--device-keys", str(keys)])
+    code = main(["devices", "--broker", BROKER, "--device-keys", str(keys), *pub])
 
     err = capsys.readouterr().err
     assert code == 2
@@ -28,22 +36,24 @@ def test_unreadable_keyring_is_a_usage_error(
     )
 
 
-def test_empty_keyring_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_empty_keyring_is_a_usage_error(
+    tmp_path: Path, pub: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     keys = tmp_path / "keys.json"
     Keyring({}).save(keys)
 
-    assert main(["devices", "--broker", BROKER, "--device-keys", str(keys)]) == 2
+    assert main(["devices", "--broker", BROKER, "--device-keys", str(keys), *pub]) == 2
     assert "holds no device" in capsys.readouterr().err
 
 
 def test_synthetic_options_with_a_file_dataset_are_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, pub: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     keys = tmp_path / "keys.json"
     Keyring({"dev-1": new_key()}).save(keys)
 
     code = main(
-        ["devices", "--broker", BROKER, "--device-keys", str(keys), "--dataset", "mnist",
+        ["devices", "--broker", BROKER, "--device-keys", str(keys), *pub, "--dataset", "mnist",
          "--image-size", "8"]
     )  # fmt: skip
 
@@ -60,11 +70,29 @@ def test_missing_broker_flag_is_a_usage_error(
     assert "broker_url" in capsys.readouterr().err
 
 
-def test_unreachable_broker_is_exit_code_1(
+def test_missing_or_bad_coordinator_key_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the coordinator's status, which says when its run is finished, is signed: without
+    # its public key the devices could never tell
+    keys = tmp_path / "keys.json"
+    Keyring({"dev-1": new_key()}).save(keys)
+    bad = tmp_path / "bad.pub"
+    bad.write_text("not hex\n")
+
+    assert main(["devices", "--broker", BROKER, "--device-keys", str(keys)]) == 2
+    assert "coordinator_key_file" in capsys.readouterr().err
+    code = main(["devices", "--broker", BROKER, "--device-keys", str(keys),
+                 "--coordinator-key-file", str(bad)])  # fmt: skip
+    assert code == 2
+    assert "coordinator public key file" in capsys.readouterr().err
+
+
+def test_unreachable_broker_is_exit_code_1(
+    tmp_path: Path, pub: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     keys = tmp_path / "keys.json"
     Keyring({"dev-1": new_key()}).save(keys)
 
-    assert main(["devices", "--broker", BROKER, "--device-keys", str(keys)]) == 1
+    assert main(["devices", "--broker", BROKER, "--device-keys", str(keys), *pub]) == 1
     assert "cannot reach the MQTT broker" in capsys.readouterr().err

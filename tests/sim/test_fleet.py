@@ -30,8 +30,10 @@ from edge_client.train.session import (
 )
 from edge_client.train.transfer import TransferState
 from models import Classifier
+from protocol.auth import Keyring
 from protocol.channel import Channel
 from protocol.messages import Ack, CoordinatorStatus, DeviceStatus, Hello, Message, Update
+from protocol.signing import SigningKey
 from protocol.transport import (
     MemoryBroker,
     MemoryTransport,
@@ -48,6 +50,8 @@ from sim.run import SimConfig, build_federation, device_data, fleet_keyring, run
 from tests.protocol.brokers import Mosquitto
 
 KEY = bytes(range(32))
+SIGNING = SigningKey(bytes(range(32, 64)))
+"""The coordinator's signing key in these tests; the devices hold its public half."""
 """A key for devices that talk to no coordinator here (the same key for all is fine)."""
 QUICK = TrainingSettings(local_epochs=1, local_steps=2, batch_size=16)
 MakeTransport = Callable[[str], Transport]
@@ -132,10 +136,11 @@ def running(
         config.coordinator_config(federation.num_classes, channels, side),
         make_transport(f"{config.fleet}-coordinator"),
         keyring=keyring,
+        signing_key=SIGNING,
     )
     devices = [
         (
-            config.device_config(i, split.device_id, keyring[split.device_id]),
+            config.device_config(i, split.device_id, keyring[split.device_id], SIGNING.verify_key),
             device_data(federation, i),
         )
         for i, split in enumerate(federation.devices)
@@ -331,7 +336,8 @@ def test_training_does_not_hold_up_inbound_messages_and_threads_stay_few(
         status = Message(fleet="busy", sender="sim-coordinator", body=body)
         with MemoryTransport(memory, "restarted") as transport:
             transport.connect()
-            Channel(transport).send("fl/busy/coordinator/status", status, retain=True)
+            signed = Channel(transport, auth=Keyring(), fleet_key=SIGNING)
+            signed.send("fl/busy/coordinator/status", status, retain=True)
 
         # Assert: every device announced itself again meanwhile.
         wait_for(lambda: len(run.sniffer.of(Hello)) == hellos + 30)
@@ -348,13 +354,13 @@ def test_status_reaching_several_devices_of_a_connection_counts_once_per_device(
     config = settings(fleet="fan", devices=6, connections=2)
     federation, *_ = build_federation(config)
     devices = [
-        (config.device_config(i, s.device_id, KEY), device_data(federation, i))
+        (config.device_config(i, s.device_id, KEY, SIGNING.verify_key), device_data(federation, i))
         for i, s in enumerate(federation.devices)
     ]
     status = Message(fleet="fan", sender="coordinator", body=CoordinatorStatus(state="waiting"))
     coordinator = MemoryTransport(memory, "coordinator")
     coordinator.connect()
-    channel = Channel(coordinator)
+    channel = Channel(coordinator, auth=Keyring(), fleet_key=SIGNING)
     sent = channel.send("fl/fan/coordinator/status", status, retain=True)
     fleet = Fleet(devices, on(memory), options=config.fleet_options())
 
@@ -379,7 +385,7 @@ def test_a_reconnected_connection_announces_each_of_its_devices_again(
     config = settings(fleet="again", devices=4, connections=2)
     federation, *_ = build_federation(config)
     devices = [
-        (config.device_config(i, s.device_id, KEY), device_data(federation, i))
+        (config.device_config(i, s.device_id, KEY, SIGNING.verify_key), device_data(federation, i))
         for i, s in enumerate(federation.devices)
     ]
     fleet = Fleet(devices, on(memory), options=config.fleet_options())
@@ -454,7 +460,7 @@ def test_devices_keep_their_state_in_the_state_dir_and_resume_from_it(tmp_path: 
     # A fleet built on the same state dirs resumes: its sessions know the rounds done.
     federation, *_ = build_federation(config)
     devices = [
-        (config.device_config(i, s.device_id, KEY), device_data(federation, i))
+        (config.device_config(i, s.device_id, KEY, SIGNING.verify_key), device_data(federation, i))
         for i, s in enumerate(federation.devices)
     ]
     fleet = Fleet(devices, on(MemoryBroker()), options=config.fleet_options())
@@ -466,7 +472,9 @@ def test_the_loop_trainer_builds_a_model_only_for_devices_that_need_one() -> Non
     federation, *_ = build_federation(config)
     specs = [
         FleetDevice(
-            config.device_config(i, s.device_id, KEY), device_data(federation, i), TransferState()
+            config.device_config(i, s.device_id, KEY, SIGNING.verify_key),
+            device_data(federation, i),
+            TransferState(),
         )
         for i, s in enumerate(federation.devices)
     ]

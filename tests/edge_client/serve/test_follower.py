@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +20,11 @@ from edge_client.serve.infer import OnnxClassifier
 from models import build_classifier, load_state_arrays, state_arrays
 from models.onnx_export import export_onnx
 from models.onnx_template import export_template
+from protocol.auth import Keyring, new_key
 from protocol.channel import Channel
 from protocol.errors import DecodeError
 from protocol.messages import DeviceStatus, Message, ModelPayload
+from protocol.signing import SigningKey
 from protocol.tensorset import encode_tensors
 from protocol.topics import Topics
 from protocol.transport import MemoryBroker, MemoryTransport
@@ -132,7 +135,8 @@ def test_a_follower_serves_the_retained_broadcast_and_reports_its_status(
     topics = Topics(FLEET)
     coordinator = MemoryTransport(broker, "coordinator")
     coordinator.connect()
-    channel = Channel(coordinator)
+    key, signing = new_key(), SigningKey.generate()
+    channel = Channel(coordinator, auth=Keyring({"cam-1": key}), fleet_key=signing)
     statuses: list[DeviceStatus] = []
     lock = threading.Lock()
 
@@ -151,7 +155,12 @@ def test_a_follower_serves_the_retained_broadcast_and_reports_its_status(
 
     served = tmp_path / "model.onnx"
     config = ClientConfig(
-        device_id="cam-1", fleet=FLEET, serve_onnx=served, onnx_template=templates["fp32"]
+        device_id="cam-1",
+        fleet=FLEET,
+        serve_onnx=served,
+        onnx_template=templates["fp32"],
+        auth_key=key.hex(),
+        coordinator_key=signing.verify_key.public.hex(),
     )
     follower = Follower(
         config, MemoryTransport(broker, "cam-1"), ModelRefresher(templates["fp32"], served)
@@ -172,3 +181,64 @@ def test_a_follower_serves_the_retained_broadcast_and_reports_its_status(
         follower.stop()
     wait_until(lambda: statuses[-1].state == "offline")
     assert follower.wait(0)
+
+
+def test_a_follower_serves_only_what_the_coordinator_signed(
+    templates: dict[str, Path],
+    tmp_path: Path,
+    broker: MemoryBroker,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Prepare: a follower with the coordinator's public key; an attacker on the broker
+    # publishes models unsigned, signed by another key, and a genuine status moved there
+    topics, signing = Topics(FLEET), SigningKey.generate()
+    coordinator = MemoryTransport(broker, "coordinator")
+    coordinator.connect()
+    genuine = Channel(coordinator, auth=Keyring(), fleet_key=signing)
+    attacker = MemoryTransport(broker, "attacker")
+    attacker.connect()
+    forged = broadcast(state_arrays(classifier(9)), 7, "int8")
+    unsigned = Channel(attacker).encode(topics.broadcast_model, forged)
+    impostor = Channel(attacker, auth=Keyring(), fleet_key=SigningKey.generate())
+    served = tmp_path / "model.onnx"
+    config = ClientConfig(
+        device_id="cam-2",
+        fleet=FLEET,
+        serve_onnx=served,
+        onnx_template=templates["int8"],
+        coordinator_key=signing.verify_key.public.hex(),
+    )
+    refresher = ModelRefresher(templates["int8"], served)
+    follower = Follower(config, MemoryTransport(broker, "cam-2"), refresher)
+    caplog.set_level(logging.WARNING, logger="edge_client.serve.follower")
+    follower.start()
+    try:
+        # Execute
+        attacker.publish(topics.broadcast_model, unsigned)
+        impostor.send(topics.broadcast_model, forged)
+        moved = genuine.encode(topics.coordinator_status, broadcast({}, 7))
+        attacker.publish(topics.broadcast_model, moved)
+        real = state_arrays(classifier(4))
+        genuine.send(topics.broadcast_model, broadcast(real, 2, "int8"))
+        wait_until(lambda: refresher.round == 2)
+    finally:
+        follower.stop()
+    # Assert: three refusals, one line each; the signed model is the one served
+    refusals = [r for r in caplog.records if "dropped a message on" in r.getMessage()]
+    assert len(refusals) == 3
+    assert any("unsigned frame" in r.getMessage() for r in refusals)
+    assert sum("bad coordinator signature" in r.getMessage() for r in refusals) == 2
+    assert refresher.round == 2
+
+
+def test_a_follower_without_the_coordinator_key_refuses_to_start(
+    templates: dict[str, Path], tmp_path: Path, broker: MemoryBroker
+) -> None:
+    served = tmp_path / "model.onnx"
+    config = ClientConfig(
+        device_id="cam-3", fleet=FLEET, serve_onnx=served, onnx_template=templates["fp32"]
+    )
+    with pytest.raises(ConfigError, match="--coordinator-key-file"):
+        Follower(
+            config, MemoryTransport(broker, "cam-3"), ModelRefresher(templates["fp32"], served)
+        )

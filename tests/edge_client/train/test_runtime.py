@@ -16,7 +16,7 @@ import torch
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, ConnectError
-from edge_client.train.client_state import MODEL_FILE, read_model
+from edge_client.train.client_state import MODEL_FILE, UNACKED_FILE, read_model
 from edge_client.train.data import DeviceData
 from edge_client.train.runtime import STATE_FILE, EdgeClient
 from edge_client.train.transfer import RESIDUAL_FILE
@@ -275,7 +275,7 @@ def test_bad_and_foreign_input_changes_nothing(
     caplog.set_level(logging.WARNING, logger="edge_client")
 
     coordinator.transport.publish(task_topic, b"garbage bytes")
-    coordinator.transport.publish(task_topic, b"FL\x05\x01" + b"\0" * 72)
+    coordinator.transport.publish(task_topic, b"FL\x06\x01" + b"\0" * 72)
     foreign_task = Message(
         fleet="other",
         sender="coordinator",
@@ -501,9 +501,11 @@ def test_the_train_gate_is_held_while_training(
     assert gate.acquire(blocking=False)  # released by every client
 
 
-def test_handled_tasks_survive_a_restart(
+def test_handled_tasks_and_an_unacknowledged_update_survive_a_restart(
     tmp_path: Path, coordinator: Coordinator, make_client: Callable[..., EdgeClient]
 ) -> None:
+    # Prepare: the device sends its update; no ack comes (the coordinator was down), and
+    # the device stops
     first = make_client(state_dir=tmp_path / "state")
     model = coordinator.send_model(0)
     task = coordinator.send_task(0, model)
@@ -511,17 +513,29 @@ def test_handled_tasks_survive_a_restart(
     first.stop()
     saved = json.loads((tmp_path / "state" / STATE_FILE).read_text())
     assert saved["rounds_done"] == 1 and task.message_id in saved["handled_tasks"]
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [STATE_FILE, MODEL_FILE]
+    names = sorted(p.name for p in (tmp_path / "state").iterdir())
+    assert names == sorted([STATE_FILE, MODEL_FILE, UNACKED_FILE])
     trained = state_arrays(first.model)
+    (sent,) = coordinator.messages(Update)
 
+    # Execute: it restarts from its state dir; the resumed coordinator resends its task
     second = make_client(state_dir=tmp_path / "state")
-    for name, value in state_arrays(second.model).items():  # the local model came back
-        np.testing.assert_array_equal(value, trained[name])
+    coordinator.wait_for(Update, 2)
     coordinator.resend("model", model)
     coordinator.resend("task", task)
-    coordinator.run_round(1, updates_before=1)
+    coordinator.wait_for(Update, 3)
 
-    assert len(coordinator.bodies(Update)) == 2
+    # Assert: the local model came back; the very same update went out again, at the
+    # start and for the task, until an ack referred to it
+    for name, value in state_arrays(second.model).items():
+        np.testing.assert_array_equal(value, trained[name])
+    assert [m.message_id for m in coordinator.messages(Update)] == [sent.message_id] * 3
+    coordinator.send("ack", Ack(accepted=True, ref=sent.message_id), 0)
+    deadline = time.monotonic() + WAIT
+    while (tmp_path / "state" / UNACKED_FILE).exists():  # removed when the ack came
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    coordinator.run_round(1, updates_before=3)
     assert second.rounds_done == 2
 
 
@@ -700,3 +714,32 @@ def test_a_stop_during_the_upload_abandons_it_cleanly(
     assert not (state / STATE_FILE).exists()
     assert task_message.message_id not in client._handled
     assert not (state / RESIDUAL_FILE).exists()  # the error feedback is as it was
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [
+        ({"exit_when_finished": True}, "--exit-when-finished"),
+        (
+            {"serve_onnx": Path("m.onnx"), "onnx_template": Path("t.onnx")},
+            "--serve-onnx",
+        ),
+    ],
+)
+def test_what_needs_the_coordinators_status_or_models_needs_its_public_key(
+    broker: MemoryBroker, fields: dict[str, Any], flag: str
+) -> None:
+    # the coordinator signs its status and broadcast models: a keyed device without its
+    # public key could never read "finished", nor check a model it would serve
+    config = ClientConfig(device_id="dev-k", fleet=FLEET, model="mlp", auth_key="11" * 32, **fields)
+    with pytest.raises(ConfigError, match=f"{flag} needs the coordinator's public key"):
+        EdgeClient(config, MemoryTransport(broker, "dev-k"), make_data())
+
+
+def test_a_keyed_device_without_the_coordinators_key_still_trains_and_says_why(
+    broker: MemoryBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="edge_client.train.runtime")
+    config = ClientConfig(device_id="dev-k", fleet=FLEET, model="mlp", auth_key="11" * 32)
+    EdgeClient(config, MemoryTransport(broker, "dev-k"), make_data())
+    assert any("no coordinator public key" in r.getMessage() for r in caplog.records)

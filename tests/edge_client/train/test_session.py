@@ -28,6 +28,7 @@ from edge_client.train.session import (
     RunJob,
     SaveModel,
     SaveState,
+    SaveUnacked,
     SendUpdate,
     SetStatus,
     Started,
@@ -57,7 +58,9 @@ TOPICS = Topics(FLEET)
 WEIGHTS = encode_tensors({"w": np.ones((2, 2), dtype=np.float32)})
 
 
-def make_session(saved: SavedState | None = None, **fields: Any) -> DeviceSession:
+def make_session(
+    saved: SavedState | None = None, unacked: Message | None = None, **fields: Any
+) -> DeviceSession:
     config = ClientConfig(device_id=DEVICE, fleet=FLEET, model="mlp", **fields)
     return DeviceSession(
         config,
@@ -66,6 +69,7 @@ def make_session(saved: SavedState | None = None, **fields: Any) -> DeviceSessio
         label_counts=(10, 10, 10, 10),
         memory_bytes=2**30,
         saved=saved,
+        unacked=unacked,
     )
 
 
@@ -189,6 +193,8 @@ def test_a_trained_job_publishes_the_update_then_idle_and_persists() -> None:
 
     assert isinstance(actions[0], SaveModel)
     (send,) = of(actions, SendUpdate)
+    (kept,) = of(actions, SaveUnacked)  # persisted before it is sent
+    assert actions.index(kept) < actions.index(send) and kept.message == send.message
     assert send.topic == TOPICS.device(DEVICE, "update") and send.task_id == task.message_id
     update = send.message.body
     assert isinstance(update, Update) and update.task_message == task.message_id
@@ -232,6 +238,26 @@ def test_an_ack_forgets_the_update_and_a_starting_coordinator_resends_until_then
     (hello,) = of(coordinator(session, "starting"), Publish)
     assert isinstance(hello.message.body, Hello)
     assert deliver(session, task) == []  # handled, nothing to resend
+
+
+def test_an_update_sent_but_not_acknowledged_is_sent_again_after_a_restart() -> None:
+    # Prepare: the device sent its update; the coordinator was down, and the device was
+    # killed before any ack came (its state dir kept the task as handled, and the update)
+    session = make_session()
+    model = model_message()
+    task = task_message(model)
+    send = train_to_update(session, task, model)
+    (save,) = of(session.handle(UpdateSent(task.message_id, ok=True)), SaveState)
+    # Execute: it restarts from its state dir; the resumed coordinator sends the task again
+    restarted = make_session(saved=save.saved, unacked=send.message)
+    at_start = restarted.handle(Started())
+    again = deliver(restarted, task)
+    # Assert: the very same message at its start and for the task; kept until its ack
+    assert [a.message for a in of(at_start, Publish)][-1] == send.message
+    assert [a.message for a in of(again, Publish)] == [send.message]
+    acked = deliver(restarted, inbox(Ack(accepted=True, ref=send.message.message_id)))
+    assert of(acked, SaveUnacked) == [SaveUnacked(None)]
+    assert deliver(restarted, task) == []
 
 
 def test_one_job_at_a_time_and_stale_tasks_are_skipped() -> None:
@@ -363,7 +389,7 @@ def test_a_final_nack_or_an_accepting_ack_ends_the_wait() -> None:
     for reason, accepted in (("late", False), ("not_selected", False), ("ok", True)):
         session, update = sent_update()
         ack = Ack(accepted=accepted, ref=update.message_id, reason=reason)
-        assert deliver(session, inbox(ack), now=1.0) == []
+        assert deliver(session, inbox(ack), now=1.0) == [SaveUnacked(None)]  # forgotten
         assert session.next_expiry is None
         assert session.handle(Tick(1000.0)) == []
         again = Ack(accepted=False, ref=update.message_id, reason="malformed")

@@ -31,6 +31,7 @@ from edge_client.train.session import (
     RunJob,
     SaveModel,
     SaveState,
+    SaveUnacked,
     SendUpdate,
     SetStatus,
     Started,
@@ -39,12 +40,13 @@ from edge_client.train.session import (
 )
 from edge_client.train.shell import DeviceShell, Retry, Upload
 from models import Classifier, build_classifier, state_arrays
-from protocol import CoordinatorStatus, DeviceStatus, Message
+from protocol import CoordinatorStatus, DeviceStatus, Message, Update
 from protocol.errors import EncodeError, TransportError
 from tests.edge_client.train.test_session import (
     DEVICE,
     FLEET,
     TOPICS,
+    WEIGHTS,
     decoded,
     inbox,
     make_session,
@@ -122,12 +124,16 @@ def config(tmp_path: Path | None = None, **fields: Any) -> ClientConfig:
 SAVED = SavedState(fleet=FLEET, device_id=DEVICE, rounds_done=1, handled_tasks=["t1"])
 MESSAGE = Message(fleet=FLEET, sender=DEVICE, body=DeviceStatus(state="idle"))
 UPDATE_TOPIC = TOPICS.device(DEVICE, "update")
+UPDATE = Message(
+    fleet=FLEET, sender=DEVICE, round=1, body=Update(num_samples=10, sets={"weights": WEIGHTS})
+)
 ONE_OF_EACH: dict[type, tuple[Action, str]] = {
     Publish: (Publish(TOPICS.device(DEVICE, "status"), MESSAGE), "publish"),
     SetStatus: (SetStatus("idle"), "set_status"),
     SendUpdate: (SendUpdate(UPDATE_TOPIC, MESSAGE, "t1"), "send_update"),
     RunJob: (RunJob(DecodeJob(MESSAGE, task_message(None).body)), "run_job"),
     SaveState: (SaveState(SAVED), "store"),
+    SaveUnacked: (SaveUnacked(UPDATE), "unacked"),
     SaveModel: (SaveModel(), "trained_model"),
     CommitUpload: (CommitUpload(), "commit_upload"),
     Stop: (Stop(), "stop"),
@@ -153,6 +159,10 @@ def test_each_action_is_carried_out_by_one_effect(kind: type, tmp_path: Path) ->
     # Assert: exactly one effect, with the action's content; persistence in the store
     if expected == "store":
         assert effects.calls == [] and store.load_state() == SAVED
+    elif expected == "unacked":  # kept until acknowledged, the very same message
+        assert effects.calls == [] and store.load_unacked(FLEET, DEVICE) == UPDATE
+        shell.carry_out(SaveUnacked(None))
+        assert store.load_unacked(FLEET, DEVICE) is None
     elif expected == "trained_model":
         assert effects.names() == ["trained_model"]
         saved = store.load_model()

@@ -1,0 +1,247 @@
+"""The coordinator's signature on fleet-wide frames (Ed25519).
+
+Frames on a device's own topics carry an HMAC tag under the device's key
+(:mod:`protocol.auth`). Fleet-wide topics (``broadcast/model``, ``coordinator/status``)
+are read by every device, so no device key can authenticate them without letting every
+device forge them: the coordinator signs them with its **signing key**, an Ed25519 key
+pair (RFC 8032) whose private half only the coordinator holds, and every device verifies
+with the public half, provisioned with it (docs/protocol.md, section 2.5)::
+
+    signature = Ed25519-Sign(private key, b"edgefl-sign-v6" || u16 BE len(topic) || topic
+                                           || frame[0:4] || frame[68:])
+
+A signed frame is a message frame of type 0x03 or a chunk frame of type 0x04: the layouts
+of types 0x01 and 0x02 with a 64-byte signature where those carry their 32-byte tag. The
+topic in the signed input keeps a status from being replayed as a broadcast model, or
+into another fleet. Ed25519 signatures are deterministic: the same frame on the same
+topic is signed with the same bytes.
+
+Key files hold hex: the private key file the 32-byte seed (mode 0600), the public key
+file the 32-byte public key (``python -m protocol keys --new-signing-key FILE`` writes
+``FILE`` and ``FILE.pub``; a coordinator with a state dir makes its own at first start).
+The library is ``cryptography`` (pyca), whose wheels need no torch: a device that only
+serves inference verifies too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from protocol.auth import AuthError, write_secret_file
+from protocol.codec import (
+    FRAME_HEADER_SIZE,
+    SIGNATURE_SIZE,
+    read_frame_header,
+)
+
+__all__ = [
+    "PUBLIC_KEY_SIZE",
+    "SIGNATURE_SIZE",
+    "SigningKey",
+    "VerifyKey",
+    "load_or_create_signing_key",
+    "public_key_path",
+]
+
+log = logging.getLogger(__name__)
+
+PUBLIC_KEY_SIZE = 32
+_SEED_SIZE = 32
+_DOMAIN = b"edgefl-sign-v6"
+
+
+def _signed_input(topic: str, frame: bytes | memoryview) -> bytes:
+    """What the signature of ``frame`` on ``topic`` covers: every byte but the signature's,
+    after the domain label and the topic."""
+    name = topic.encode("utf-8")
+    view = memoryview(frame)
+    return b"".join(
+        (
+            _DOMAIN,
+            len(name).to_bytes(2, "big"),
+            name,
+            view[:FRAME_HEADER_SIZE],
+            view[FRAME_HEADER_SIZE + SIGNATURE_SIZE :],
+        )
+    )
+
+
+def _read_hex(path: Path, what: str, size: int) -> bytes:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{what} {path} must hold {2 * size} hex digits") from None
+    if len(raw) != size:
+        raise ValueError(f"{what} {path} must hold {size} bytes, not {len(raw)}")
+    return raw
+
+
+class VerifyKey:
+    """The coordinator's public key: checks the signature of fleet-wide frames.
+
+    Args:
+        public: the 32-byte Ed25519 public key.
+
+    Raises:
+        ValueError: ``public`` is not a valid 32-byte public key.
+    """
+
+    def __init__(self, public: bytes) -> None:
+        if len(public) != PUBLIC_KEY_SIZE:
+            raise ValueError(f"a public key is {PUBLIC_KEY_SIZE} bytes, not {len(public)}")
+        self._key = Ed25519PublicKey.from_public_bytes(public)
+        self.public = bytes(public)
+
+    @property
+    def fingerprint(self) -> str:
+        """The public key's first 8 bytes in hex: what a log names the key by."""
+        return self.public[:8].hex()
+
+    def verify(self, topic: str, frame: bytes | memoryview) -> None:
+        """Check the signature of ``frame`` (a signed message or chunk frame) on ``topic``.
+
+        Raises:
+            AuthError: not a signed frame (an unsigned one on a fleet-wide topic is
+                refused), too short, or the signature does not verify (another key, another
+                topic, any byte changed).
+        """
+        try:
+            header = read_frame_header(bytes(frame[:FRAME_HEADER_SIZE]))
+        except ValueError as exc:
+            raise AuthError(f"unsigned input on {topic}: {exc}") from None
+        if not header.signed:
+            raise AuthError(f"unsigned frame on {topic} (fleet-wide frames must be signed)")
+        if len(frame) < FRAME_HEADER_SIZE + SIGNATURE_SIZE:
+            raise AuthError(f"frame too short for a signature ({len(frame)} bytes)")
+        signature = bytes(frame[FRAME_HEADER_SIZE : FRAME_HEADER_SIZE + SIGNATURE_SIZE])
+        try:
+            self._key.verify(signature, _signed_input(topic, frame))
+        except InvalidSignature:
+            raise AuthError(f"bad coordinator signature on {topic}") from None
+
+    @classmethod
+    def load(cls, path: Path) -> VerifyKey:
+        """Read a public key file (64 hex digits).
+
+        Raises:
+            ValueError: unreadable, or not a 32-byte public key.
+        """
+        return cls(_read_hex(path, "coordinator public key file", PUBLIC_KEY_SIZE))
+
+    def save(self, path: Path) -> None:
+        """Write the public key file (64 hex digits and a newline; not secret, mode 0644)."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(self.public.hex() + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o644)
+        tmp.replace(path)
+
+
+class SigningKey:
+    """The coordinator's private key: signs fleet-wide frames.
+
+    Args:
+        seed: the 32-byte Ed25519 private key (RFC 8032's seed).
+    """
+
+    def __init__(self, seed: bytes) -> None:
+        if len(seed) != _SEED_SIZE:
+            raise ValueError(f"a signing key is {_SEED_SIZE} bytes, not {len(seed)}")
+        self._key = Ed25519PrivateKey.from_private_bytes(seed)
+        self._seed = bytes(seed)
+        self.verify_key = VerifyKey(
+            self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        )
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        """A new key from the operating system's CSPRNG."""
+        return cls(os.urandom(_SEED_SIZE))
+
+    def sign(self, topic: str, frame: bytes) -> bytes:
+        """``frame`` (a signed message or chunk frame, signature bytes whatever they are)
+        with its signature set for ``topic``.
+
+        Raises:
+            ValueError: ``frame`` is not of a signed type.
+        """
+        if not read_frame_header(frame[:FRAME_HEADER_SIZE]).signed:
+            raise ValueError("only frames of a signed type (0x03, 0x04) carry a signature")
+        signature = self._key.sign(_signed_input(topic, frame))
+        return b"".join(
+            (
+                frame[:FRAME_HEADER_SIZE],
+                signature,
+                memoryview(frame)[FRAME_HEADER_SIZE + SIGNATURE_SIZE :],
+            )
+        )
+
+    def seed_hex(self) -> str:
+        """The key file's text: the 32-byte private key as hex, and a newline."""
+        return self._seed.hex() + "\n"
+
+    def verify(self, topic: str, frame: bytes | memoryview) -> None:
+        """:meth:`VerifyKey.verify` with this key's public half."""
+        self.verify_key.verify(topic, frame)
+
+    @classmethod
+    def load(cls, path: Path) -> SigningKey:
+        """Read a signing key file (64 hex digits); warns when others can read it.
+
+        Raises:
+            ValueError: unreadable, or not a 32-byte key.
+        """
+        key = cls(_read_hex(path, "signing key file", _SEED_SIZE))
+        try:
+            if path.stat().st_mode & 0o077:
+                log.warning(
+                    "%s holds the coordinator's signing key but is readable by others "
+                    "(chmod 600 it)",
+                    path,
+                )
+        except OSError:
+            pass
+        return key
+
+    def save(self, path: Path) -> None:
+        """Write the key file (mode 0600, atomically) and the public key beside it
+        (:func:`public_key_path`)."""
+        write_secret_file(path, self.seed_hex())
+        self.verify_key.save(public_key_path(path))
+
+
+def public_key_path(path: Path) -> Path:
+    """Where the public key of the signing key file ``path`` is written: ``path`` +
+    ``.pub``."""
+    return path.with_name(path.name + ".pub")
+
+
+def load_or_create_signing_key(path: Path) -> tuple[SigningKey, bool]:
+    """The signing key in ``path``, made (with its ``.pub``) when there is none yet;
+    returns it and whether it was made.
+
+    Raises:
+        ValueError: the file exists but cannot be read or is not a key.
+        OSError: a new key cannot be written.
+    """
+    if path.exists():
+        key = SigningKey.load(path)
+        pub = public_key_path(path)
+        if not pub.exists():
+            key.verify_key.save(pub)
+        return key, False
+    key = SigningKey.generate()
+    key.save(path)
+    return key, True
