@@ -41,7 +41,7 @@ def add_fleet_flags(
     names = [n for n in (include or model.model_fields) if n not in exclude]
     split = names.index("downlink_precision") if "downlink_precision" in names else len(names)
     options: dict[str, Any] = {
-        "flags": {"round_timeout_s": "--round-timeout"},
+        "flags": {"round_timeout_s": "--round-timeout", "silent_grace_s": "--silent-grace"},
         "choices": {"strategy": strategy_names()},
         "metavars": {"model": "MODEL[,MODEL...]"},
         "help": {

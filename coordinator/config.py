@@ -205,6 +205,11 @@ class _SharedFleetSettings(_Frozen):
     strategy's own default where it has one, such as dense's 1.0)."""
     round_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     """Seconds devices have per round to deliver their update."""
+    silent_grace_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    """Once every selected device the coordinator heard from in a round has answered, the
+    selected ones it heard nothing from since the round started (a device that stopped
+    answering) are dropped after this many seconds and the round closes, without waiting
+    for its deadline; 0: the round waits for them to its deadline."""
     max_update_norm_ratio: float = Field(default=10.0, ge=0, allow_inf_nan=False)
     """Norm screening: reject an update whose distance (L2) from the model the device
     was sent exceeds this many times the round's reference (the median of the round's

@@ -186,6 +186,13 @@ class RoundEngine:
         self._selected: frozenset[str] = frozenset()
         """The round's selected devices (``run.selected`` as a set, for O(1) look-ups)."""
         self._answered: set[str] = set()
+        self._heard: set[str] = set()
+        """Selected devices that sent anything since the round started (or the engine
+        did): those not in it and not answered are silent."""
+        self._heard_waiting: set[str] = set()
+        """Heard and not answered yet: the round waits for them."""
+        self._last_answer_at = 0.0
+        """When the last selected device answered (or the round, or the engine, started)."""
         """Selected devices of the round whose update is stored or was screened out."""
         self._screened: set[str] = set()
         """Selected devices whose on-time update of the round was screened out (persisted
@@ -255,6 +262,9 @@ class RoundEngine:
             self._state.recover(run.round, self._caches)
         self._run = run
         self._index_run(run)
+        # a resumed round's devices get the grace anew (from the round's start if the
+        # clock says the engine started before it)
+        self._last_answer_at = max(now, run.started_at)
         self._models = self._state.load_models(run.round, self._groups, required=("aca",))
         self._screen.new_round(run.norm_floor)
         self._on_time = set()
@@ -328,6 +338,10 @@ class RoundEngine:
             if isinstance(message.body, Update) and message.sender in self.registry:
                 return [self._ack(message.sender, message, False, replayed.reason, replayed.detail)]
             return []
+        if message.sender in self._selected and message.sender not in self._heard:
+            self._heard.add(message.sender)  # it is alive: the round waits for it
+            if message.sender not in self._answered:
+                self._heard_waiting.add(message.sender)
         body = message.body
         if isinstance(body, Hello):
             return self._on_hello(message, body, event.now)
@@ -489,7 +503,7 @@ class RoundEngine:
                 # resumed round does not wait for it either
                 self._state.screen_out(device_id, run.round)
                 self._screened.add(device_id)
-                self._answered.add(device_id)
+                self._answered_now(device_id, now)
                 return [ack, *self._close_if_answered()]
             return [ack]
         stored = StoredUpdate(
@@ -508,7 +522,7 @@ class RoundEngine:
         )
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
         if message.round == run.round:
-            self._answered.add(device_id)
+            self._answered_now(device_id, now)
         if on_time:
             self._on_time.add(device_id)
             self._screen.accepted(norm)
@@ -615,6 +629,18 @@ class RoundEngine:
                 some(missing),
             )
             return self._close_round()
+        if run.phase == "training" and self._silent_only(now):
+            missing = [d for d in run.selected if d not in self._answered]  # once a round
+            log.warning(
+                "round %d: every device heard from answered; dropped %d silent of %d "
+                "selected %.0f s later (--silent-grace): %s",
+                run.round,
+                len(missing),
+                len(run.selected),
+                now - self._last_answer_at,
+                some(missing),
+            )
+            return self._close_round()
         if run.phase == "waiting":
             # counted on every event while devices join: sorting the online devices
             # each time made joining O(devices^2) (benchmarks/load.py)
@@ -622,6 +648,24 @@ class RoundEngine:
                 return self._start_round(now, self.registry.online())
             return self._status("waiting")
         return []
+
+    def _answered_now(self, device_id: str, now: float) -> None:
+        """``device_id`` answered its task of the open round at ``now``."""
+        self._answered.add(device_id)
+        self._heard_waiting.discard(device_id)
+        self._last_answer_at = now
+
+    def _silent_only(self, now: float) -> bool:
+        """Whether the devices the round still waits for are all silent (selected, never
+        heard from this round) and the grace since the last answer has passed: O(1)."""
+        grace = self.config.silent_grace_s
+        return (
+            grace > 0
+            and bool(self._answered)
+            and not self._heard_waiting
+            and len(self._answered) < len(self._selected)
+            and now >= self._last_answer_at + grace
+        )
 
     def _start_round(self, now: float, online: list[str]) -> list[Action]:
         run = self._require_run()
@@ -633,6 +677,7 @@ class RoundEngine:
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
         run.screened_out = []
         self._selected, self._answered = frozenset(selected), set()
+        self._heard, self._heard_waiting, self._last_answer_at = set(), set(), now
         self._screened, self._on_time = set(), set()
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()

@@ -13,4 +13,7 @@ Modules:
     mosquitto  the configuration and ACL, rendered from the templates in mosquitto/
     files      writing files with the right modes, never replacing one by accident
     errors     the error classes
+
+Importing this package imports nothing else: the command line can say which extra to
+install (``edgefl[deploy]``) when ``cryptography`` is missing.
 """

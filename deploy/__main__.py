@@ -21,8 +21,8 @@ secrets are never printed.
 Exit codes:
     0   success
     1   a file could not be written or read (the operating system's error)
-    2   usage error: a bad name, host or option, a credential that exists, or no kit; one
-        line on stderr
+    2   usage error: a bad name, host or option, a credential that exists, no kit, or the
+        ``cryptography`` library missing (install ``edgefl[deploy]``); one line on stderr
 """
 
 from __future__ import annotations
@@ -181,6 +181,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         written = _run(args)
+    except ModuleNotFoundError as exc:
+        if exc.name != "cryptography":
+            raise
+        print(
+            "error: the deployment kit needs the cryptography library: "
+            "pip install 'edgefl[deploy]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except KitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

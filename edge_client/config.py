@@ -411,6 +411,10 @@ class ClientConfig(DeviceOptions):
     loss; the emulator may turn it off for speed (the write stays atomic)."""
     task_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     """How long a task waits for its model message before it is dropped, seconds."""
+    stale_task_s: float = Field(default=600.0, ge=0, allow_inf_nan=False)
+    """A task whose deadline passed more than this long ago (by this device's clock) is
+    refused: a replay, or a leftover of an earlier run; the slack allows for clock skew
+    (the coordinator's replay window is as wide)."""
     connect_retry_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     """How long start() keeps retrying the first connection (broker not up yet), s."""
     connect_backoff_s: float = Field(default=0.5, gt=0, allow_inf_nan=False)

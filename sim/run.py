@@ -79,6 +79,10 @@ class SimConfig(FleetSettings):
 
     devices: int = Field(default=50, ge=1)
     """Emulated devices K."""
+    silent_grace_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """As the coordinator's --silent-grace, but 0 (off) by default: every emulated device
+    is alive, and one queued behind a long cohort has sent nothing yet (it would be
+    dropped as silent)."""
     dataset: str = "synthetic"
     """Dataset to partition across the devices."""
     data_dir: Path | None = None

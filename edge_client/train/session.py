@@ -45,8 +45,9 @@ import importlib.metadata
 import logging
 import math
 import platform
+import time
 from collections import OrderedDict, deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -385,6 +386,7 @@ class DeviceSession:
         unacked: the update an earlier run of this device sent and never saw
             acknowledged (its state dir's): sent again, the very same message, when the
             device starts, and kept until an ack refers to it.
+        wall_clock: Unix time in seconds, against which a task's deadline is judged.
     """
 
     def __init__(
@@ -398,8 +400,10 @@ class DeviceSession:
         held_base: str | None = None,
         saved: SavedState | None = None,
         unacked: Message | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
+        self._wall = wall_clock
         self._schedule = RetrySchedule.of(config)
         self._topics = Topics(config.fleet)
         self._fingerprint = fingerprint
@@ -525,6 +529,16 @@ class DeviceSession:
             unacked = self._unacked
             if unacked is not None and getattr(unacked.body, "task_message", None) == task_id:
                 return self._resend_unacked()  # the coordinator asks again: it lost the update
+            return []
+        overdue = self._wall() - task.deadline
+        if overdue > self.config.stale_task_s:
+            logger.warning(
+                "ignored task %s for round %d: its deadline passed %.0f s ago (a replay, or "
+                "a task of an earlier run)",
+                task_id,
+                message.round,
+                overdue,
+            )
             return []
         if message.round < self._last_round:
             logger.warning(

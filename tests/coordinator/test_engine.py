@@ -429,3 +429,42 @@ def test_a_strategy_without_a_downlink_sends_the_task_alone(precision: str) -> N
     assert isinstance(task, RoundTask)
     assert task.payloads == () and task.model_message is None
     assert (task.uplink.mode, task.uplink.precision.value) == ("full", precision)
+
+
+def test_a_silent_selected_device_is_dropped_after_the_grace_once_the_rest_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Prepare: three devices selected; two answer at t=5; dev-2 never sends anything
+    engine, _, actions = started(3, silent_grace_s=30.0, round_timeout_s=600.0)
+    w = global_weights(actions)
+    for device_id in ("dev-0", "dev-1"):
+        engine.handle(received(update(device_id, 1, shifted(w, 0.1), 100), 5.0))
+    caplog.set_level(logging.WARNING, logger="coordinator.engine")
+    # Execute, Assert: not before the grace; at it, the round closes without dev-2
+    assert engine.handle(Tick(34.9)) == [] and engine.round == 1
+    engine.handle(Tick(35.0))
+    assert engine.round == 2
+    assert any("dropped 1 silent of 3 selected" in r.getMessage() for r in caplog.records)
+    assert "dev-2" in caplog.text
+
+
+def test_a_device_heard_from_during_the_round_is_waited_for_to_the_deadline() -> None:
+    # Prepare: as above, but dev-2 said it is training (a slow device, not a dead one)
+    engine, _, actions = started(3, silent_grace_s=30.0, round_timeout_s=600.0)
+    w = global_weights(actions)
+    engine.handle(received(status("dev-2", "training"), 2.0))
+    for device_id in ("dev-0", "dev-1"):
+        engine.handle(received(update(device_id, 1, shifted(w, 0.1), 100), 5.0))
+    # Execute, Assert: the grace passes, the round stays open; the deadline closes it
+    engine.handle(Tick(100.0))
+    assert engine.round == 1
+    engine.handle(Tick(602.0))
+    assert engine.round == 2
+
+
+def test_without_a_grace_a_silent_device_holds_the_round_to_its_deadline() -> None:
+    engine, _, actions = started(2, silent_grace_s=0.0, round_timeout_s=600.0)
+    w = global_weights(actions)
+    engine.handle(received(update("dev-0", 1, shifted(w, 0.1), 100), 5.0))
+    engine.handle(Tick(500.0))
+    assert engine.round == 1

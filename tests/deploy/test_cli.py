@@ -269,11 +269,20 @@ def test_usage_errors_are_one_line_and_write_nothing(
     assert not out.exists()
 
 
-def test_python_m_deploy_runs(tmp_path: Path) -> None:
+def test_python_m_deploy_runs_and_says_which_extra_is_missing(tmp_path: Path) -> None:
     helped = subprocess.run(
         [sys.executable, "-m", "deploy", "--help"], cwd=ROOT, capture_output=True, text=True
     )
     assert helped.returncode == 0 and "init" in helped.stdout
+
+    without = (
+        "import sys; sys.modules['cryptography'] = None\n"
+        "from deploy.__main__ import main\n"
+        f"sys.exit(main(['init', '--fleet', 'lab', '--out', {str(tmp_path / 'k')!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", without], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == EXIT_USAGE
+    assert "pip install 'edgefl[deploy]'" in done.stderr
 
 
 def test_each_device_gets_a_message_key_the_coordinators_keyring_holds(kit: Path) -> None:

@@ -150,14 +150,15 @@ def check_tag(key: bytes, topic: str, frame: bytes) -> None:
 def check_signature(public_key: bytes, topic: str, frame: bytes) -> None:
     """Section 2.5: a frame on a fleet-wide topic is refused unless it is of a signed type
     (0x03, 0x04) and its Ed25519 signature (bytes 4-67) verifies under the coordinator's
-    public key over the domain string, the topic (u16 BE length, UTF-8) and the frame
-    without its signature."""
+    public key over the domain string and the SHA-256 of the topic (u16 BE length, UTF-8)
+    and the frame without its signature."""
     if frame_type(frame) not in (SIGNED_MESSAGE_FRAME, SIGNED_CHUNK_FRAME) or len(frame) < 68:
         raise RejectedError("not a signed frame")
     name = topic.encode("utf-8")
-    data = b"edgefl-sign-v6" + struct.pack(">H", len(name)) + name + frame[:4] + frame[68:]
+    digest = hashlib.sha256(struct.pack(">H", len(name)) + name + frame[:4] + frame[68:])
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(frame[4:68], data)
+        key = Ed25519PublicKey.from_public_bytes(public_key)
+        key.verify(frame[4:68], b"edgefl-sign-v6" + digest.digest())
     except InvalidSignature:
         raise RejectedError("bad coordinator signature") from None
 

@@ -260,6 +260,26 @@ def test_an_update_sent_but_not_acknowledged_is_sent_again_after_a_restart() -> 
     assert deliver(restarted, task) == []
 
 
+def test_a_task_whose_deadline_passed_long_ago_is_refused_and_changes_nothing() -> None:
+    # Prepare: a genuine task and model of an earlier run, replayed to the device (round
+    # 7 there; this run is at round 1)
+    session = make_session(stale_task_s=600)
+    model = model_message(7)
+    old = task_message(model, 7).model_copy()
+    body = old.body.model_copy(update={"deadline": time.time() - 3600})
+    old = old.model_copy(update={"body": body})
+    deliver(session, model)
+    # Execute
+    refused = deliver(session, old)
+    # Assert: nothing trained, nothing remembered: the real round-1 task still runs
+    assert refused == [] and session.handled == ()
+    current = model_message(1)
+    late_but_close = task_message(current, 1)
+    body = late_but_close.body.model_copy(update={"deadline": time.time() - 60})  # skew
+    deliver(session, current)
+    assert of(deliver(session, late_but_close.model_copy(update={"body": body})), RunJob)
+
+
 def test_one_job_at_a_time_and_stale_tasks_are_skipped() -> None:
     session = make_session()
     first, second = model_message(0), model_message(0)
