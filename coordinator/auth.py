@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.enrolment import FleetKeys
@@ -193,6 +194,35 @@ class ReplayGuard:
         self._remember = remember
         self._max_devices = max_devices
         self._devices: OrderedDict[str, _Seen] = OrderedDict()
+
+    def snapshot(self) -> dict[str, list[Any]]:
+        """What survives a restart: per device, the newest ``ts`` accepted of a hello, a
+        status and an offline status (-1: none) and its current session (the ids seen
+        do not: the ``ts`` rules and the stored updates cover them)."""
+        return {
+            device_id: [
+                seen.newest.get("hello", -1),
+                seen.newest.get("device_status", -1),
+                seen.newest.get("offline", -1),
+                seen.session,
+            ]
+            for device_id, seen in self._devices.items()
+        }
+
+    def restore(self, snapshot: Mapping[str, Any]) -> None:
+        """Take what :meth:`snapshot` wrote (entries that do not parse are skipped)."""
+        for device_id, entry in snapshot.items():
+            try:
+                hello_ts, status_ts, offline_ts, session = entry
+                newest = {"hello": int(hello_ts), "device_status": int(status_ts)}
+                newest["offline"] = int(offline_ts)
+            except (TypeError, ValueError):
+                continue
+            seen = _Seen(newest={k: v for k, v in newest.items() if v >= 0})
+            seen.session = session if isinstance(session, str) else None
+            self._devices[str(device_id)] = seen
+        while len(self._devices) > self._max_devices:
+            self._devices.popitem(last=False)
 
     def check(self, message: Message, skew_ms: int) -> Replayed | None:
         """None when ``message`` is fresh (then it is recorded), else why it is refused.

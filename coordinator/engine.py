@@ -250,6 +250,7 @@ class RoundEngine:
         if self._proxy_digest is not None:
             fingerprint["proxy_data"] = self._proxy_digest
         run = self._state.load_run(fingerprint)
+        self._replay.restore(self._state.load_replay())
         if self.strategy.uses_oca:
             self._caches = {group: OcaCache(self._state, group) for group in self._groups}
         if run is None:
@@ -788,6 +789,7 @@ class RoundEngine:
             norm_floor=self._screen.next_floor(),
         )
         self._state.save_run(next_run)  # the commit point of the round
+        self._state.save_replay(self._replay.snapshot())  # a restart refuses old frames
         self._run, self._models = next_run, server
         self._counted, self._aggregating = _counted(next_run), frozenset()
         self._cleanup(closing)

@@ -275,6 +275,17 @@ class RunState:
     def save_run(self, run: RunMeta) -> None:
         self.store.write("run", run.to_meta())
 
+    def save_replay(self, snapshot: Mapping[str, Any]) -> None:
+        """The replay guard's memory (:meth:`coordinator.auth.ReplayGuard.snapshot`),
+        written as each round closes: O(devices) once a round."""
+        self.store.write("replay", {"devices": dict(snapshot)})
+
+    def load_replay(self) -> Mapping[str, Any]:
+        """What :meth:`save_replay` wrote last (empty: nothing, or unreadable)."""
+        meta = self.store.read_meta("replay")
+        devices = None if meta is None else meta.get("devices")
+        return devices if isinstance(devices, dict) else {}
+
     def load_registry(self) -> dict[str, Hello]:
         """Every registered device's entry (the hello it registered with), by device id.
 

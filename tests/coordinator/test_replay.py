@@ -134,3 +134,33 @@ def test_refusals_are_logged_once_per_source_and_interval(caplog: pytest.LogCapt
     with caplog.at_level(logging.DEBUG, logger="test.refusals"):
         limited.warning("dev-x", "refused %s", "dev-x")
     assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
+def test_the_guard_survives_a_restart_of_the_coordinator() -> None:
+    # Prepare: a run whose round 1 closed with dev-0's hello, statuses and update seen
+    store = MemoryStore()
+    engine = make_engine(config(min_devices=1), store)
+    engine.start(0.0)
+    first = hello(engine, "dev-0")
+    old_status = status("dev-0", "idle").model_copy(update={"sent_at_ms": first.sent_at_ms + 5})
+    tasks = tasks_by_device(engine.handle(Received("dev-0", first, 1.0)))  # round 1 starts
+    engine.handle(Received("dev-0", old_status, 1.5))
+    newer = status("dev-0", "idle").model_copy(update={"sent_at_ms": first.sent_at_ms + 9})
+    engine.handle(Received("dev-0", newer, 2.0))
+    w = {k: np.ones(s, np.float32) for k, s in shapes_of(engine).items()}
+    engine.handle(Received("dev-0", update("dev-0", 1, w, 100, task=tasks["dev-0"]), 3.0))
+    assert engine.round == 2
+    # Execute: the coordinator restarts; the older status and hello are replayed
+    resumed = make_engine(engine.config, store)
+    resumed.start(4.0)
+    replayed = [
+        resumed.handle(
+            Received("dev-0", old_status.model_copy(update={"message_id": "9" * 32}), 5.0)
+        ),
+        resumed.handle(
+            Received("dev-0", first.model_copy(update={"sent_at_ms": first.sent_at_ms - 1}), 5.0)
+        ),
+    ]
+    # Assert: both refused as older than what the guard had seen before the restart
+    assert all(r == [] for r in replayed)
+    assert "dev-0" not in resumed.registry.online()
