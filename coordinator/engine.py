@@ -115,6 +115,10 @@ def _counted(run: RunMeta) -> dict[str, str | None]:
     return {d: run.counted_ids.get(d) for d in run.counted}
 
 
+WAITING_LOG_S = 60.0
+"""While too few devices are online, the log says why no round starts this often."""
+
+
 @dataclass
 class _RoundCounters:
     late: int = 0
@@ -192,6 +196,8 @@ class RoundEngine:
         self._heard_waiting: set[str] = set()
         """Heard and not answered yet: the round waits for them."""
         self._last_answer_at = 0.0
+        self._waiting_logged_at = -WAITING_LOG_S
+        """When the coordinator last said in its log why no round starts."""
         """When the last selected device answered (or the round, or the engine, started)."""
         """Selected devices of the round whose update is stored or was screened out."""
         self._screened: set[str] = set()
@@ -645,8 +651,19 @@ class RoundEngine:
         if run.phase == "waiting":
             # counted on every event while devices join: sorting the online devices
             # each time made joining O(devices^2) (benchmarks/load.py)
-            if self.registry.online_count() >= self.config.min_devices:
+            online = self.registry.online_count()
+            if online >= self.config.min_devices:
                 return self._start_round(now, self.registry.online())
+            if now >= self._waiting_logged_at + WAITING_LOG_S:
+                self._waiting_logged_at = now
+                log.info(
+                    "round %d waits for %d online device(s) (--min-devices): %d of %d "
+                    "registered online; a device comes online with its next hello or status",
+                    run.round,
+                    self.config.min_devices,
+                    online,
+                    len(self.registry),
+                )
             return self._status("waiting")
         return []
 

@@ -468,3 +468,14 @@ def test_without_a_grace_a_silent_device_holds_the_round_to_its_deadline() -> No
     engine.handle(received(update("dev-0", 1, shifted(w, 0.1), 100), 5.0))
     engine.handle(Tick(500.0))
     assert engine.round == 1
+
+
+def test_the_log_says_why_no_round_starts_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    engine = make_engine(config(min_devices=3), MemoryStore())
+    engine.start(0.0)
+    caplog.set_level(logging.INFO, logger="coordinator.engine")
+    engine.handle(received(hello(engine, "dev-0"), 1.0))
+    for t in (2.0, 30.0, 61.5, 62.0):
+        engine.handle(Tick(t))
+    lines = [r.getMessage() for r in caplog.records if "waits for 3 online" in r.getMessage()]
+    assert len(lines) == 2 and "1 of 1 registered online" in lines[0]
