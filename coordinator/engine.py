@@ -49,7 +49,6 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +64,7 @@ from coordinator.actions import (
     RoundClosed,
     RoundStarted,
 )
+from coordinator.admission import hello_refusal
 from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import RateLimitedLog, ReplayGuard
 from coordinator.config import CoordinatorConfig, participants, run_weight_format
@@ -77,12 +77,13 @@ from coordinator.events import (
     Undecodable,
 )
 from coordinator.groups import ArchitectureGroup, GroupModels
+from coordinator.liveness import RoundLiveness
 from coordinator.outbox import Outbox, mean_metric, some, weighted_metric
 from coordinator.registry import DeviceRegistry
 from coordinator.screening import NormScreen, delta_norm, model_norm
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies.base import Arrays, NothingToAggregate, Strategy
+from coordinator.strategies.base import Arrays, NothingToAggregate, Strategy, device_seed
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
 from protocol.messages import (
@@ -98,7 +99,7 @@ from protocol.messages import (
 from protocol.sets import WEIGHTS_SET
 from protocol.topics import Topics
 
-__all__ = ["RoundEngine", "device_seed"]
+__all__ = ["RoundEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,6 @@ _ANSWERED = frozenset({ReasonCode.NON_FINITE, ReasonCode.UPDATE_NORM})
 the round does not wait for it to its deadline (other rejections change nothing)."""
 
 
-def _counted(run: RunMeta) -> dict[str, str | None]:
-    """Device -> id of its update the run's previous round counted (None: unrecorded)."""
-    return {d: run.counted_ids.get(d) for d in run.counted}
-
-
 WAITING_LOG_S = 60.0
 """While too few devices are online, the log says why no round starts this often."""
 
@@ -123,12 +119,6 @@ WAITING_LOG_S = 60.0
 class _RoundCounters:
     late: int = 0
     rejected: int = 0
-
-
-def device_seed(seed: int, round_number: int, device_id: str) -> int:
-    """The training seed sent to ``device_id`` in ``round_number`` (31 bits)."""
-    sequence = np.random.SeedSequence([seed, round_number, zlib.crc32(device_id.encode())])
-    return int(sequence.generate_state(1)[0] >> 1)
 
 
 class RoundEngine:
@@ -190,16 +180,11 @@ class RoundEngine:
         self._selected: frozenset[str] = frozenset()
         """The round's selected devices (``run.selected`` as a set, for O(1) look-ups)."""
         self._answered: set[str] = set()
-        self._heard: set[str] = set()
-        """Selected devices that sent anything since the round started (or the engine
-        did): those not in it and not answered are silent."""
-        self._heard_waiting: set[str] = set()
-        """Heard and not answered yet: the round waits for them."""
-        self._last_answer_at = 0.0
+        """Selected devices of the round whose update is stored or was screened out."""
+        self._liveness = RoundLiveness(config.silent_grace_s)
+        """Whom the round still waits for (the silent are dropped after the grace)."""
         self._waiting_logged_at = -WAITING_LOG_S
         """When the coordinator last said in its log why no round starts."""
-        """When the last selected device answered (or the round, or the engine, started)."""
-        """Selected devices of the round whose update is stored or was screened out."""
         self._screened: set[str] = set()
         """Selected devices whose on-time update of the round was screened out (persisted
         one record each, :meth:`RunState.screen_out`)."""
@@ -271,7 +256,7 @@ class RoundEngine:
         self._index_run(run)
         # a resumed round's devices get the grace anew (from the round's start if the
         # clock says the engine started before it)
-        self._last_answer_at = max(now, run.started_at)
+        self._liveness.new_round(max(now, run.started_at))
         self._models = self._state.load_models(run.round, self._groups, required=("aca",))
         self._screen.new_round(run.norm_floor)
         self._on_time = set()
@@ -300,7 +285,7 @@ class RoundEngine:
         """Rebuild the in-memory sets over ``run`` and the store (at start, a resume
         among them): O(devices) once, so that each event then looks up in O(1)."""
         self._selected = frozenset(run.selected)
-        self._counted = _counted(run)
+        self._counted = run.counted_updates()
         self._aggregating = frozenset(run.aggregating)
         self._screened = {
             d for d in {*run.screened_out, *self._state.screened(run.round)} if d in self._selected
@@ -345,10 +330,8 @@ class RoundEngine:
             if isinstance(message.body, Update) and message.sender in self.registry:
                 return [self._ack(message.sender, message, False, replayed.reason, replayed.detail)]
             return []
-        if message.sender in self._selected and message.sender not in self._heard:
-            self._heard.add(message.sender)  # it is alive: the round waits for it
-            if message.sender not in self._answered:
-                self._heard_waiting.add(message.sender)
+        if message.sender in self._selected:  # it is alive: the round waits for it
+            self._liveness.heard(message.sender, message.sender in self._answered)
         body = message.body
         if isinstance(body, Hello):
             return self._on_hello(message, body, event.now)
@@ -370,27 +353,8 @@ class RoundEngine:
 
     def _on_hello(self, message: Message, hello: Hello, now: float) -> list[Action]:
         device_id = message.sender
-        problem: tuple[ReasonCode, str] | None = None
-        group = self._groups.get(hello.architecture)
         registered = self.registry.get(device_id)
-        if group is None or hello.fingerprint != group.fingerprint:
-            runs = ", ".join(f"{g.name} ({g.fingerprint})" for g in self._groups.values())
-            problem = (
-                ReasonCode.FINGERPRINT_MISMATCH,
-                f"fleet runs {runs}; device announced {hello.architecture} ({hello.fingerprint})",
-            )
-        elif registered is not None and registered.architecture != group.name:
-            problem = (
-                ReasonCode.FINGERPRINT_MISMATCH,
-                f"registered with {registered.architecture}: a device keeps its "
-                "architecture for the run",
-            )
-        elif (unsupported := self._unsupported_precision(hello)) is not None:
-            problem = (ReasonCode.UNSUPPORTED_PRECISION, unsupported)
-        elif hello.num_samples < 1:
-            problem = (ReasonCode.MALFORMED, "a device without training samples cannot join")
-        elif (refusal := self.strategy.refuse(hello)) is not None:
-            problem = (ReasonCode.CONSENT_REQUIRED, refusal)
+        problem = hello_refusal(hello, self._groups, registered, self.config, self.strategy)
         if problem is not None:
             self._refusals.warning(
                 f"hello:{device_id}:{problem[0].value}",
@@ -423,18 +387,6 @@ class RoundEngine:
         else:
             self._transfers.announced(device_id, hello.held_base)
         return actions + self._on_tick(now)
-
-    def _unsupported_precision(self, hello: Hello) -> str | None:
-        """Why the fleet's default precisions do not suit a device that asks for none."""
-        speaks = ", ".join(p.value for p in hello.precisions)
-        for direction, asked, default in (
-            ("downlink", hello.downlink_precision, self.config.downlink_precision),
-            ("uplink", hello.uplink_precision, self.config.uplink_precision),
-        ):
-            if asked is None and default not in hello.precisions:
-                fleet = f"this fleet's {direction} precision is {default.value}"
-                return f"{fleet}; the device speaks {speaks}"
-        return None
 
     def _weight_format(self, device_id: str) -> WeightFormat:
         """The format ``device_id`` runs its model at, as this run trains it: its hello's
@@ -636,7 +588,8 @@ class RoundEngine:
                 some(missing),
             )
             return self._close_round()
-        if run.phase == "training" and self._silent_only(now):
+        silent = self._liveness.silent_only(now, len(self._answered), len(self._selected))
+        if run.phase == "training" and silent:
             missing = [d for d in run.selected if d not in self._answered]  # once a round
             log.warning(
                 "round %d: every device heard from answered; dropped %d silent of %d "
@@ -644,7 +597,7 @@ class RoundEngine:
                 run.round,
                 len(missing),
                 len(run.selected),
-                now - self._last_answer_at,
+                now - self._liveness.last_answer_at,
                 some(missing),
             )
             return self._close_round()
@@ -670,20 +623,7 @@ class RoundEngine:
     def _answered_now(self, device_id: str, now: float) -> None:
         """``device_id`` answered its task of the open round at ``now``."""
         self._answered.add(device_id)
-        self._heard_waiting.discard(device_id)
-        self._last_answer_at = now
-
-    def _silent_only(self, now: float) -> bool:
-        """Whether the devices the round still waits for are all silent (selected, never
-        heard from this round) and the grace since the last answer has passed: O(1)."""
-        grace = self.config.silent_grace_s
-        return (
-            grace > 0
-            and bool(self._answered)
-            and not self._heard_waiting
-            and len(self._answered) < len(self._selected)
-            and now >= self._last_answer_at + grace
-        )
+        self._liveness.answered(device_id, now)
 
     def _start_round(self, now: float, online: list[str]) -> list[Action]:
         run = self._require_run()
@@ -695,7 +635,7 @@ class RoundEngine:
         run.task_ids = {d: uuid.uuid4().hex for d in selected}
         run.screened_out = []
         self._selected, self._answered = frozenset(selected), set()
-        self._heard, self._heard_waiting, self._last_answer_at = set(), set(), now
+        self._liveness.new_round(now)
         self._screened, self._on_time = set(), set()
         self._state.save_run(run)  # before the tasks go out, so a resume knows them
         self._counters = _RoundCounters()
@@ -808,7 +748,7 @@ class RoundEngine:
         self._state.save_run(next_run)  # the commit point of the round
         self._state.save_replay(self._replay.snapshot())  # a restart refuses old frames
         self._run, self._models = next_run, server
-        self._counted, self._aggregating = _counted(next_run), frozenset()
+        self._counted, self._aggregating = next_run.counted_updates(), frozenset()
         self._cleanup(closing)
         models = self.models()
         metrics = [(u.num_samples, {**u.timings, **u.metrics}) for u in stats]

@@ -137,6 +137,10 @@ class RunMeta:
     state_format: int = STATE_FORMAT
     """The :data:`STATE_FORMAT` the store was written with."""
 
+    def counted_updates(self) -> dict[str, str | None]:
+        """Device -> id of its update the previous round counted (None: not recorded)."""
+        return {d: self.counted_ids.get(d) for d in self.counted}
+
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -59,6 +59,7 @@ __all__ = [
     "new_key",
     "parse_key",
     "read_fleet_token",
+    "read_hex_file",
     "read_key_file",
     "seal",
     "topic_device",
@@ -299,12 +300,19 @@ def write_secret_file(path: Path, text: str) -> None:
         os.close(folder)
 
 
-def _read_secret(path: Path, what: str, noun: str) -> bytes:
+def read_hex_file(path: Path, what: str, noun: str, *, secret: bool = True) -> bytes:
+    """The 32 bytes a file holds as 64 hex digits (surrounding whitespace ignored); a
+    ``secret`` one warns when group or others can read it.
+
+    Raises:
+        ValueError: unreadable, or not 32 bytes of hex (``what`` and ``noun`` name them).
+    """
     try:
         text = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {what} {path}: {exc}") from None
-    _warn_if_readable(path)
+    if secret:
+        _warn_if_readable(path)
     try:
         key = bytes.fromhex(text)
     except ValueError:
@@ -320,7 +328,7 @@ def read_key_file(path: Path) -> bytes:
     Raises:
         ValueError: unreadable, or not a 32-byte hex key.
     """
-    return _read_secret(path, "key file", "key")
+    return read_hex_file(path, "key file", "key")
 
 
 def read_fleet_token(path: Path) -> bytes:
@@ -330,7 +338,7 @@ def read_fleet_token(path: Path) -> bytes:
     Raises:
         ValueError: unreadable, or not a 32-byte hex token.
     """
-    return _read_secret(path, "fleet token file", "token")
+    return read_hex_file(path, "fleet token file", "token")
 
 
 def write_fleet_token(path: Path, token: bytes) -> None:

@@ -31,14 +31,13 @@ project's CPU (OpenSSL's Ed25519, through ``cryptography``, took 180 us).
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from pathlib import Path
 
 import nacl.exceptions
 import nacl.signing
 
-from protocol.auth import AuthError, write_secret_file
+from protocol.auth import AuthError, read_hex_file, write_secret_file
 from protocol.codec import (
     FRAME_HEADER_SIZE,
     SIGNATURE_SIZE,
@@ -54,7 +53,6 @@ __all__ = [
     "public_key_path",
 ]
 
-log = logging.getLogger(__name__)
 
 PUBLIC_KEY_SIZE = 32
 _SEED_SIZE = 32
@@ -71,20 +69,6 @@ def _signed_input(topic: str, frame: bytes | memoryview) -> bytes:
     digest.update(view[:FRAME_HEADER_SIZE])
     digest.update(view[FRAME_HEADER_SIZE + SIGNATURE_SIZE :])
     return _DOMAIN + digest.digest()
-
-
-def _read_hex(path: Path, what: str, size: int) -> bytes:
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {what} {path}: {exc}") from None
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(f"{what} {path} must hold {2 * size} hex digits") from None
-    if len(raw) != size:
-        raise ValueError(f"{what} {path} must hold {size} bytes, not {len(raw)}")
-    return raw
 
 
 class VerifyKey:
@@ -140,7 +124,7 @@ class VerifyKey:
         Raises:
             ValueError: unreadable, or not a 32-byte public key.
         """
-        return cls(_read_hex(path, "coordinator public key file", PUBLIC_KEY_SIZE))
+        return cls(read_hex_file(path, "coordinator public key file", "key", secret=False))
 
     def save(self, path: Path) -> None:
         """Write the public key file (64 hex digits and a newline; not secret, mode 0644)."""
@@ -202,17 +186,7 @@ class SigningKey:
         Raises:
             ValueError: unreadable, or not a 32-byte key.
         """
-        key = cls(_read_hex(path, "signing key file", _SEED_SIZE))
-        try:
-            if path.stat().st_mode & 0o077:
-                log.warning(
-                    "%s holds the coordinator's signing key but is readable by others "
-                    "(chmod 600 it)",
-                    path,
-                )
-        except OSError:
-            pass
-        return key
+        return cls(read_hex_file(path, "signing key file", "key"))
 
     def save(self, path: Path) -> None:
         """Write the key file (mode 0600, atomically) and the public key beside it

@@ -51,6 +51,7 @@ from coordinator.strategies.base import Strategy
 from coordinator.strategies.registry import build_strategy
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.link import DeviceState, total_memory_bytes
+from edge_client.train import exchange
 from edge_client.train import session as dev
 from edge_client.train.shell import DeviceShell
 from edge_client.train.trainer import build_device_model
@@ -363,7 +364,7 @@ class _Emulation:
             max_cohort=config.max_cohort,
             workers=1,
         )
-        self._training: list[tuple[_Device, dev.TrainJob]] = []  # deferred to the cohort
+        self._training: list[tuple[_Device, exchange.TrainJob]] = []  # deferred to the cohort
         self._joined: list[_Device] = []
         self._retained: Message | None = None  # the coordinator's retained status
         self._inbox: deque[tuple[_Device, str, Message, bool]] = deque()  # to, topic, ..., selected
@@ -382,7 +383,7 @@ class _Emulation:
             if self._retained is not None:
                 status_topic = self.topics.coordinator_status
                 self._inbox.append((device, status_topic, self._retained, False))
-            device.shell.handle(dev.Started())
+            device.shell.handle(exchange.Started())
             self._drain()
         self.trainer.close()
         if not self._finished:
@@ -477,27 +478,27 @@ class _Emulation:
             while self._inbox:
                 device, topic, message, selected = self._inbox.popleft()
                 self._count(topic, message, up=False, selected=selected)
-                event: dev.Event
+                event: exchange.Event
                 if isinstance(message.body, CoordinatorStatus):
-                    event = dev.CoordinatorStatusReceived(topic, message)
+                    event = exchange.CoordinatorStatusReceived(topic, message)
                 else:
-                    event = dev.Received(topic, message, self._now)
+                    event = exchange.Received(topic, message, self._now)
                 device.shell.handle(event)
             if self._training:
                 cohort, self._training = self._training, []
                 jobs = [(device.device_id, job) for device, job in cohort]
                 for (device, job), result in zip(cohort, self.trainer.run_many(jobs), strict=True):
                     self._check(device, job, result)
-                    if isinstance(result, dev.Trained) and self._progress is not None:
+                    if isinstance(result, exchange.Trained) and self._progress is not None:
                         self._progress.advance()
-                    device.shell.handle(dev.JobDone(result))
+                    device.shell.handle(exchange.JobDone(result))
 
-    def _check(self, device: _Device, job: dev.Job, result: dev.JobResult) -> None:
+    def _check(self, device: _Device, job: exchange.Job, result: exchange.JobResult) -> None:
         """An emulated device that cannot run its task stops the estimate."""
         cannot = f"{device.device_id} cannot run its round {job.message.round} task"
-        if isinstance(result, (dev.NeedsBase, dev.Rejected)):
+        if isinstance(result, (exchange.NeedsBase, exchange.Rejected)):
             raise SimError(f"{cannot}: {result.reason}")
-        if isinstance(result, dev.Failed):
+        if isinstance(result, exchange.Failed):
             raise SimError(f"{cannot}: {result.error}") from result.error
 
     def _status(self, device: _Device, state: DeviceState, *, selected: bool = False) -> None:
@@ -518,29 +519,29 @@ class _Device:
         self.stopped = False
         self._emulation = emulation
 
-    def publish(self, action: dev.Publish) -> None:
+    def publish(self, action: exchange.Publish) -> None:
         self._emulation._publish(self, action.topic, action.message, selected=False)
 
-    def set_status(self, action: dev.SetStatus) -> None:
+    def set_status(self, action: exchange.SetStatus) -> None:
         if action.state == "error":
             raise SimError(f"{self.device_id}: {action.detail}")
         selected = action.state in ("training", "idle")
         self._emulation._status(self, action.state, selected=selected)
 
-    def send_update(self, action: dev.SendUpdate) -> None:
+    def send_update(self, action: exchange.SendUpdate) -> None:
         self._emulation._update_ids.add(action.message.message_id)
         self._emulation._publish(self, action.topic, action.message, selected=True)
-        self.shell.handle(dev.UpdateSent(action.task_id, ok=True))
+        self.shell.handle(exchange.UpdateSent(action.task_id, ok=True))
 
-    def run_job(self, job: dev.Job) -> None:
+    def run_job(self, job: exchange.Job) -> None:
         emulation = self._emulation
-        if isinstance(job, dev.TrainJob):  # trained with the round's cohort
+        if isinstance(job, exchange.TrainJob):  # trained with the round's cohort
             emulation._training.append((self, job))
             return
         emulation.device_rounds += 1
         result = emulation.trainer.run_many([(self.device_id, job)])[0]
         emulation._check(self, job, result)
-        self.shell.handle(dev.JobDone(result))
+        self.shell.handle(exchange.JobDone(result))
 
     def commit_upload(self) -> None:
         self._emulation.trainer.commit_upload(self.device_id)

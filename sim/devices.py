@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
-from edge_client.train.session import Job, JobResult, TrainJob
+from edge_client.train.exchange import Job, JobResult, TrainJob
 from models import classifier_names
 from models.devices import resolve_device
 from protocol.auth import Keyring

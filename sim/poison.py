@@ -29,7 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from edge_client.train.session import Job, JobResult, Trained, TrainJob
+from edge_client.train.exchange import Job, JobResult, Trained, TrainJob
 from protocol.deltas import apply_delta_set, encode_full
 from protocol.tensors import Precision
 from sim.fleet import FleetTrainer, WrappedTrainer

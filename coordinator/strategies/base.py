@@ -33,10 +33,12 @@ way to say "no update".
 from __future__ import annotations
 
 import abc
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+import numpy as np
 import numpy.typing as npt
 
 from coordinator.averaging import Accumulator, accumulator
@@ -60,6 +62,7 @@ __all__ = [
     "NothingToAggregate",
     "Scalar",
     "Strategy",
+    "device_seed",
     "head_of",
 ]
 
@@ -105,6 +108,13 @@ class NothingToAggregate:
 
 
 AggregateResult = Aggregated | NothingToAggregate
+
+
+def device_seed(seed: int, round_number: int, device_id: str) -> int:
+    """The training seed sent to ``device_id`` in ``round_number`` (31 bits): the task's
+    ``seed`` hyperparameter, distinct per device and round."""
+    sequence = np.random.SeedSequence([seed, round_number, zlib.crc32(device_id.encode())])
+    return int(sequence.generate_state(1)[0] >> 1)
 
 
 class Strategy(abc.ABC):

@@ -56,10 +56,8 @@ from edge_client.link import (
 from edge_client.serve.follower import ModelRefresher
 from edge_client.train.client_state import STATE_FILE, DeviceStore
 from edge_client.train.data import DeviceData
-from edge_client.train.retry import RetrySchedule
-from edge_client.train.session import (
+from edge_client.train.exchange import (
     CoordinatorStatusReceived,
-    DeviceSession,
     Event,
     Failed,
     Job,
@@ -73,6 +71,8 @@ from edge_client.train.session import (
     Started,
     Tick,
 )
+from edge_client.train.retry import RetrySchedule
+from edge_client.train.session import DeviceSession
 from edge_client.train.shell import DeviceShell, Retry, Upload, publish_once
 from edge_client.train.trainer import CancelHook, LocalTrainer, build_device_model
 from edge_client.train.transfer import TransferState

@@ -34,11 +34,9 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 from edge_client.train.client_state import DeviceStore
-from edge_client.train.retry import RetrySchedule
-from edge_client.train.session import (
+from edge_client.train.exchange import (
     Action,
     CommitUpload,
-    DeviceSession,
     Event,
     Job,
     Publish,
@@ -51,6 +49,8 @@ from edge_client.train.session import (
     Stop,
     UpdateSent,
 )
+from edge_client.train.retry import RetrySchedule
+from edge_client.train.session import DeviceSession
 from models import Classifier, state_arrays
 from protocol.channel import Channel
 from protocol.errors import EncodeError, TransportError
@@ -84,7 +84,7 @@ class DeviceEffects(Protocol):
 
     def run_job(self, job: Job) -> None:
         """Run ``job`` on the trainer and feed the session its
-        :class:`~edge_client.train.session.JobDone`."""
+        :class:`~edge_client.train.exchange.JobDone`."""
         ...
 
     def commit_upload(self) -> None:

@@ -24,8 +24,7 @@ from torch import nn
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, TaskError
 from edge_client.train.data import DeviceData
-from edge_client.train.local_update import local_update, validate_task
-from edge_client.train.session import (
+from edge_client.train.exchange import (
     Cancelled,
     Decoded,
     DecodeJob,
@@ -37,6 +36,7 @@ from edge_client.train.session import (
     Trained,
     TrainJob,
 )
+from edge_client.train.local_update import local_update, validate_task
 from edge_client.train.task import LocalResult, LocalTask
 from edge_client.train.training import TrainHook
 from edge_client.train.transfer import TransferState

@@ -22,8 +22,8 @@ from typing import Literal
 
 import torch
 
+from edge_client.train.exchange import Cancelled, DecodeJob, Failed, Job, JobResult, TrainJob
 from edge_client.train.resources import estimate_training, memory_limit
-from edge_client.train.session import Cancelled, DecodeJob, Failed, Job, JobResult, TrainJob
 from edge_client.train.training import TrainConfig
 from models import Classifier
 from sim.cohort.engine import Member, SampleCache, train_cohort

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from edge_client.train.session import DecodeJob, Job
+from edge_client.train.exchange import DecodeJob, Job
 
 __all__ = ["DEFAULT_LINGER_S", "DEFAULT_MAX_COHORT", "CohortQueue"]
 

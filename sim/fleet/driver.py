@@ -41,9 +41,8 @@ from edge_client.config import ClientConfig
 from edge_client.link import total_memory_bytes
 from edge_client.train.client_state import DeviceStore
 from edge_client.train.data import DeviceData
-from edge_client.train.session import (
+from edge_client.train.exchange import (
     CoordinatorStatusReceived,
-    DeviceSession,
     Event,
     Failed,
     Job,
@@ -57,6 +56,7 @@ from edge_client.train.session import (
     Started,
     Tick,
 )
+from edge_client.train.session import DeviceSession
 from edge_client.train.shell import DeviceShell
 from models import Classifier
 from protocol.codec import Codec

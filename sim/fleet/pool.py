@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, ConnectError
 from edge_client.link import DeviceState, new_session, publish_status
+from edge_client.train.exchange import Event, Publish, Received, SendUpdate, Started
 from edge_client.train.retry import RetrySchedule
-from edge_client.train.session import Event, Publish, Received, SendUpdate, Started
 from edge_client.train.shell import Retry, Upload, publish_once
 from protocol.auth import Keyring
 from protocol.channel import Channel

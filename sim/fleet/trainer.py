@@ -26,7 +26,7 @@ import torch
 
 from edge_client.config import ClientConfig
 from edge_client.train.data import DeviceData
-from edge_client.train.session import Cancelled, Failed, Job, JobResult
+from edge_client.train.exchange import Cancelled, Failed, Job, JobResult
 from edge_client.train.trainer import CancelHook, LocalTrainer, build_device_model
 from edge_client.train.transfer import TransferState
 from models import Classifier, ModelError, load_state_arrays

@@ -20,14 +20,7 @@ from coordinator.actions import Action, RoundClosed
 from coordinator.config import TrainingSettings
 from coordinator.runtime import Coordinator
 from edge_client.train.client_state import MODEL_FILE, STATE_FILE, read_state
-from edge_client.train.session import (
-    Cancelled,
-    DecodeJob,
-    Failed,
-    Job,
-    JobResult,
-    TrainJob,
-)
+from edge_client.train.exchange import Cancelled, DecodeJob, Failed, Job, JobResult, TrainJob
 from edge_client.train.transfer import TransferState
 from models import Classifier
 from protocol.auth import Keyring

@@ -9,14 +9,13 @@ import numpy as np
 
 from edge_client.config import ClientConfig
 from edge_client.train.client_state import SavedState
-from edge_client.train.session import (
+from edge_client.train.exchange import (
     Action,
     Cancelled,
     CommitUpload,
     CoordinatorStatusReceived,
     Decoded,
     DecodeJob,
-    DeviceSession,
     Failed,
     Job,
     JobDone,
@@ -38,6 +37,7 @@ from edge_client.train.session import (
     TrainJob,
     UpdateSent,
 )
+from edge_client.train.session import DeviceSession
 from edge_client.train.task import LocalTask
 from protocol import (
     Ack,

@@ -18,8 +18,7 @@ import pytest
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError
 from edge_client.train.client_state import MODEL_FILE, STATE_FILE, DeviceStore, SavedState
-from edge_client.train.retry import RetrySchedule
-from edge_client.train.session import (
+from edge_client.train.exchange import (
     Action,
     CommitUpload,
     CoordinatorStatusReceived,
@@ -38,6 +37,7 @@ from edge_client.train.session import (
     Stop,
     UpdateSent,
 )
+from edge_client.train.retry import RetrySchedule
 from edge_client.train.shell import DeviceShell, Retry, Upload
 from models import Classifier, build_classifier, state_arrays
 from protocol import CoordinatorStatus, DeviceStatus, Message, Update
