@@ -45,9 +45,10 @@ class ModelRefresher:
     """Writes each newer broadcast model into the template and replaces ``onnx_path``.
 
     Next to the model, ``NAME.json`` records the round, fleet, precision, content
-    fingerprint and SHA-256 of the file, so a restarted device skips the model it has
-    (the broker redelivers the retained broadcast) and an operator can see which round
-    a device serves.
+    fingerprint, the broadcast's send time and the SHA-256 of the file, so a restarted
+    device skips the model it has (the broker redelivers the retained broadcast), never
+    goes back to an older broadcast (a genuine one of an earlier round, replayed: its
+    send time is signed with it), and an operator can see which round a device serves.
 
     Args:
         template: the ONNX template file (``python -m edge_client template``).
@@ -72,7 +73,7 @@ class ModelRefresher:
         self.info_path = onnx_path.with_name(onnx_path.name + ".json")
         self._fsync = fsync
         self._lock = threading.Lock()
-        self.round, self._content = self._read_info()
+        self.round, self._content, self._sent_at_ms = self._read_info()
 
     @property
     def precision(self) -> str:
@@ -83,8 +84,9 @@ class ModelRefresher:
         """Refresh the served model from a broadcast ``model`` message; True if written.
 
         A model whose content is the one served (the broker redelivers the retained
-        broadcast at every connection) is skipped (False). Any other is served, whatever
-        its round: a new coordinator run starts again at round 1.
+        broadcast at every connection) is skipped (False), and so is one sent before the
+        one served (a replay of an earlier broadcast). Any other is served, whatever its
+        round: a new coordinator run starts again at round 1.
 
         Raises:
             DecodeError: the message is not a broadcast model, or its set cannot be
@@ -102,6 +104,13 @@ class ModelRefresher:
             if content == self._content:
                 logger.debug("broadcast model of round %d already served", message.round)
                 return False
+            if message.sent_at_ms < self._sent_at_ms:
+                logger.warning(
+                    "ignored a broadcast model of round %d sent before the one served "
+                    "(a replay of an earlier broadcast)",
+                    message.round,
+                )
+                return False
             data = self.template.render(arrays)
             self._replace(self.onnx_path, data)
             info = {
@@ -111,10 +120,12 @@ class ModelRefresher:
                 "content": content,
                 "sha256": hashlib.sha256(data).hexdigest(),
                 "bytes": len(data),
+                "sent_at_ms": message.sent_at_ms,
                 "updated_at": time.time(),
             }
             self._replace(self.info_path, (json.dumps(info, indent=1) + "\n").encode())
             self.round, self._content = message.round, content
+            self._sent_at_ms = message.sent_at_ms
         logger.info(
             "round %d: served model refreshed (%s, %d bytes) at %s",
             message.round,
@@ -139,23 +150,29 @@ class ModelRefresher:
             finally:
                 os.close(folder)
 
-    def _read_info(self) -> tuple[int, str | None]:
-        """(round, content fingerprint) of the served model, or (-1, None)."""
+    def _read_info(self) -> tuple[int, str | None, int]:
+        """(round, content fingerprint, send time in ms) of the served model, or
+        (-1, None, -1)."""
+        nothing = -1, None, -1
         if not (self.onnx_path.is_file() and self.info_path.is_file()):
-            return -1, None
+            return nothing
         try:
             info = json.loads(self.info_path.read_text(encoding="utf-8"))
             served = hashlib.sha256(self.onnx_path.read_bytes()).hexdigest()
         except (OSError, ValueError) as exc:
             logger.warning("ignored the unreadable %s: %s", self.info_path, exc)
-            return -1, None
+            return nothing
         if not isinstance(info, dict) or info.get("sha256") != served:
             logger.warning("%s does not describe %s; refreshing", self.info_path, self.onnx_path)
-            return -1, None
-        round_, content = info.get("round"), info.get("content")
+            return nothing
+        round_, content, sent = info.get("round"), info.get("content"), info.get("sent_at_ms")
         if info.get("precision") != self.precision or not isinstance(round_, int):
-            return -1, None
-        return round_, content if isinstance(content, str) else None
+            return nothing
+        return (
+            round_,
+            content if isinstance(content, str) else None,
+            sent if isinstance(sent, int) else -1,
+        )
 
 
 class Follower:

@@ -208,6 +208,7 @@ class DeviceSession:
         self._ack_due: float | None = None  # when it is sent again (set at the next tick)
         self._resends = 0  # times _unacked was sent again for want of an ack
         self._seen_live_coordinator = False  # a starting / waiting / running status came
+        self._newest_status_ms = -1  # send time of the newest coordinator status taken
         self.restored = False
         """Whether ``saved`` was taken (the shell then resumes the saved model too)."""
         if saved is not None:
@@ -421,6 +422,13 @@ class DeviceSession:
         if message.fleet != self.config.fleet or not isinstance(status, CoordinatorStatus):
             logger.warning("ignored a %s (fleet %r) on %s", message.kind, message.fleet, topic)
             return []
+        if message.sent_at_ms < self._newest_status_ms:
+            logger.warning(
+                "ignored a coordinator status %s sent before the newest one (a replay)",
+                status.state,
+            )
+            return []
+        self._newest_status_ms = message.sent_at_ms
         logger.info("coordinator status: %s %s", status.state, status.detail)
         if status.state in ("starting", "waiting", "running"):
             self._seen_live_coordinator = True

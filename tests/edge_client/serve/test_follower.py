@@ -108,6 +108,25 @@ def test_bad_broadcasts_change_nothing(templates: dict[str, Path], tmp_path: Pat
     assert served.read_bytes() == before and refresher.round == 1
 
 
+def test_an_earlier_broadcast_replayed_does_not_roll_the_served_model_back(
+    templates: dict[str, Path], tmp_path: Path
+) -> None:
+    # Prepare: round 3's model served; round 2's genuine broadcast was captured
+    served = tmp_path / "model.onnx"
+    refresher = ModelRefresher(templates["fp32"], served)
+    older = broadcast(state_arrays(classifier(2)), 2)
+    newer = broadcast(state_arrays(classifier(3)), 3)
+    older = older.model_copy(update={"sent_at_ms": newer.sent_at_ms - 1000})
+    assert refresher.apply(newer)
+    before = served.read_bytes()
+    # Execute: replayed, also to a restarted device
+    again = [refresher.apply(older), ModelRefresher(templates["fp32"], served).apply(older)]
+    # Assert: skipped both times; a newer broadcast (a new run's round 1) is served
+    assert again == [False, False] and served.read_bytes() == before
+    fresh = broadcast(state_arrays(classifier(4)), 1)
+    assert refresher.apply(fresh) and refresher.round == 1
+
+
 def test_templates_and_settings_are_checked(tmp_path: Path) -> None:
     junk = tmp_path / "junk.onnx"
     junk.write_bytes(b"\x00\x01not an onnx model")

@@ -434,3 +434,16 @@ def test_a_nack_of_another_message_is_ignored() -> None:
     session, _ = sent_update()
     nack = Ack(accepted=False, ref="0" * 32, reason="malformed")
     assert deliver(session, inbox(nack), now=1.0) == []
+
+
+def test_a_coordinator_status_older_than_the_newest_is_a_replay_and_ignored() -> None:
+    # Prepare: an earlier run's genuine "finished", captured; this run is live
+    session = make_session(exit_when_finished=True)
+    old_finished = inbox(CoordinatorStatus(state="finished"))
+    stale = old_finished.model_copy(update={"sent_at_ms": old_finished.sent_at_ms - 60_000})
+    coordinator(session, "running")
+    # Execute: the attacker replays it (the signature holds: it is genuine)
+    actions = session.handle(CoordinatorStatusReceived(TOPICS.coordinator_status, stale))
+    # Assert: the device does not stop; the real "finished" stops it
+    assert actions == []
+    assert of(coordinator(session, "finished"), Stop)
