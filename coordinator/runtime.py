@@ -65,6 +65,7 @@ from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.signing import SigningKey
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will
+from protocol.transport.retry import connect_retrying
 
 __all__ = [
     "STATUS_FILE",
@@ -384,39 +385,30 @@ class Coordinator:
         Raises:
             TransportError: no session within ``connect_retry_s``.
         """
-        retry_s = self.config.connect_retry_s
-        deadline = time.monotonic() + retry_s
-        delay, attempt = 1.0, 0
-        while True:
-            attempt += 1
-            remaining = deadline - time.monotonic()
-            timeout = 10.0 if retry_s == 0 else max(1.0, min(10.0, remaining))
-            try:
-                self.transport.connect(will=will, timeout=timeout)
-                if attempt > 1:
-                    log.info("connected to the MQTT broker at attempt %d", attempt)
-                return True
-            except TransportError as exc:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    if retry_s == 0:
-                        raise
-                    raise TransportError(
-                        f"no connection to the MQTT broker after {attempt} attempt(s) in "
-                        f"{retry_s:.0f} s (--connect-retry): {exc}"
-                    ) from exc
-                wait = min(delay, remaining)
-                log.warning(
-                    "waiting for the MQTT broker: attempt %d failed (%s); next in %.0f s, "
-                    "giving up %.0f s from now (--connect-retry)",
-                    attempt,
-                    exc,
-                    wait,
-                    remaining,
-                )
-                if self._stop.wait(wait):
-                    return False
-                delay = min(delay * 2, 10.0)
+
+        def waiting(attempt: int, exc: TransportError, wait: float, remaining: float) -> None:
+            log.warning(
+                "waiting for the MQTT broker: attempt %d failed (%s); next in %.0f s, "
+                "giving up %.0f s from now (--connect-retry)",
+                attempt,
+                exc,
+                wait,
+                remaining,
+            )
+
+        attempts = connect_retrying(
+            self.transport,
+            will,
+            self._stop,
+            retry_s=self.config.connect_retry_s,
+            first_delay_s=1.0,
+            max_delay_s=10.0,
+            timeout_s=10.0,
+            on_wait=waiting,
+        )
+        if attempts is not None and attempts > 1:
+            log.info("connected to the MQTT broker at attempt %d", attempts)
+        return attempts is not None
 
     def _on_reconnect(self) -> None:
         self._events.put(Reconnected(self._clock()))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +18,7 @@ from protocol.errors import EncodeError, TransportError
 from protocol.messages import DeviceStatus, Message
 from protocol.topics import Topics
 from protocol.transport.base import Transport, Will
+from protocol.transport.retry import connect_retrying
 
 __all__ = [
     "DeviceState",
@@ -103,24 +103,21 @@ def connect_with_retry(
     Raises:
         ConnectError: no session within ``connect_retry_s``.
     """
-    deadline = time.monotonic() + config.connect_retry_s
-    delay = config.connect_backoff_s
-    attempt = 0
-    while True:
-        if stop.is_set():
-            return False
-        attempt += 1
-        try:
-            transport.connect(will=will, timeout=config.broker.connect_timeout_s)
-            return True
-        except TransportError as exc:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ConnectError(
-                    f"no connection to the broker after {attempt} attempts in "
-                    f"{config.connect_retry_s:.0f} s: {exc}"
-                ) from exc
-            wait = min(delay, remaining)
-            logger.warning("connect attempt %d failed (%s); retry in %.1f s", attempt, exc, wait)
-            stop.wait(wait)
-            delay = min(delay * 2, config.connect_backoff_max_s)
+
+    def waiting(attempt: int, exc: TransportError, wait: float, _remaining: float) -> None:
+        logger.warning("connect attempt %d failed (%s); retry in %.1f s", attempt, exc, wait)
+
+    try:
+        attempts = connect_retrying(
+            transport,
+            will,
+            stop,
+            retry_s=config.connect_retry_s,
+            first_delay_s=config.connect_backoff_s,
+            max_delay_s=config.connect_backoff_max_s,
+            timeout_s=config.broker.connect_timeout_s,
+            on_wait=waiting,
+        )
+    except TransportError as exc:
+        raise ConnectError(str(exc)) from exc
+    return attempts is not None

@@ -8,10 +8,11 @@ Packet Size leaves after the PUBLISH header.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from protocol.auth import AuthError, KeySource, seal, topic_device, verify
@@ -218,8 +219,8 @@ class Channel:
         that fails before its tag can be checked (a bad frame header, a bad chunk, a
         transfer without room) on an authenticated topic, and any input on a topic outside
         the layout (:func:`~protocol.topics.parse_topic`). On a fleet-wide topic the check
-        is the coordinator's signature (``fleet_key``), of each chunk and of the whole
-        frame. Input that passes is reported to the key source (``authenticated``) before
+        is the coordinator's signature (``fleet_key``): of the frame, or of each of its
+        chunks. Input that passes is reported to the key source (``authenticated``) before
         it is decoded.
         """
 
@@ -266,12 +267,8 @@ class Channel:
         """
         check = self._check_for(topic)
         if check is not None:
-            try:
+            with _unauthenticated(topic):
                 check(frame)
-            except AuthError:
-                raise
-            except DecodeError as exc:
-                raise AuthError(f"unauthenticated input: {exc}", topic_device(topic)) from exc
 
     def _feed(self, topic: str, payload: bytes, check: Check | None) -> bytes | None:
         """Reassemble; on an authenticated topic a frame that fails before its tag can be
@@ -280,16 +277,12 @@ class Channel:
         Raises:
             DecodeError: as :meth:`Reassembler.feed`, AuthError where ``check`` is set.
         """
-        try:
-            if check is not None and read_frame_header(payload).chunk:
+        if check is None:
+            return self._reassembler.feed(topic, payload)
+        with _unauthenticated(topic):
+            if read_frame_header(payload).chunk:
                 check(payload)  # a forged chunk never takes a buffer
             return self._reassembler.feed(topic, payload)
-        except AuthError:
-            raise
-        except DecodeError as exc:
-            if check is None:
-                raise
-            raise AuthError(f"unauthenticated input: {exc}", topic_device(topic)) from exc
 
     def _check_for(self, topic: str) -> Check | None:
         """How a frame on ``topic`` is checked; None where nothing is (no ``auth``).
@@ -325,6 +318,18 @@ class Channel:
     def unsubscribe(self, topic_filter: str) -> None:
         """Stop receiving on ``topic_filter``."""
         self.transport.unsubscribe(topic_filter)
+
+
+@contextlib.contextmanager
+def _unauthenticated(topic: str) -> Iterator[None]:
+    """Input on an authenticated ``topic`` that fails before its tag or signature can be
+    checked cannot be told from an attacker's: its DecodeError becomes an AuthError."""
+    try:
+        yield
+    except AuthError:
+        raise
+    except DecodeError as exc:
+        raise AuthError(f"unauthenticated input: {exc}", topic_device(topic)) from exc
 
 
 def _check_tag(key: bytes, topic: str, frame: bytes) -> None:
