@@ -118,15 +118,23 @@ class RoundSync:
             return answers
 
     def close(self) -> None:
-        """Rank 0: release the other ranks' threads. Others: wait until released."""
+        """Rank 0: release the other ranks' threads. Others: wait until released. Then
+        every rank leaves the process group together (a rank that exits with gloo's
+        threads still up may abort at exit)."""
         if self.shard.leader:
             with self._lock:
-                if not self._closed:
-                    self._closed = True
-                    broadcast(None)
-            return
-        if self._thread is not None:
+                if self._closed:
+                    return
+                self._closed = True
+                broadcast(None)
+        elif self._thread is not None:
             self._thread.join()
+            self._thread = None
+        else:
+            return
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def _serve(self) -> None:
         while True:
