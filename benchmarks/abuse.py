@@ -22,8 +22,9 @@ honest sender), ``replay`` (captured honest frames, verbatim), ``unregistered``
 status, ``starting`` and ``finished``, unsigned or signed with another key: refused by
 every device, counted in the devices' logs), ``int_tensors`` (updates of the current
 round under a compromised honest key, with int64 tensors of the model's names and
-shapes) and ``stale_offline`` (the devices' genuine ``offline`` statuses of the
-reference run, replayed).
+shapes), ``stale_offline`` (the devices' genuine ``offline`` statuses of the
+reference run, replayed) and ``stale_task`` (the reference run's tasks, replayed to the
+devices they named: refused by the devices, counted in their logs).
 
 Counts per category: ``tried`` (publishes), ``rejected`` (refusal lines the coordinator
 wrote while the burst was processed: lines saying refused / rejected / dropped /
@@ -92,9 +93,15 @@ CATEGORIES = (
     "forged_fleet",
     "int_tensors",
     "stale_offline",
+    "stale_task",
 )
-DEVICE_SIDE = ("forged_fleet",)
-"""Categories the devices refuse (fleet-wide frames): counted in their logs, per device."""
+DEVICE_SIDE = {
+    "forged_fleet": f"dropped a bad payload on fl/{FLEET}/coordinator/status",
+    "stale_task": "ignored task ",
+}
+"""Categories the devices refuse, with the refusal line each device's log holds: a
+forged fleet-wide frame reaches (and is refused by) every device, a replayed task only
+the device it names."""
 # the refusal lines of the coordinator's log (``-v``), the thing this benchmark counts
 _REFUSAL = re.compile(
     r"^\S+ \S+ (WARNING|DEBUG) (?:coordinator|protocol)[\w.]*: "
@@ -322,7 +329,7 @@ def _attack(
 
 def one_run(
     url: str, cfg: AbuseConfig, files: list[Path], keys: Path, work: Path, *,
-    abuse: bool, old: list[tuple[str, bytes]],
+    abuse: bool, old: list[tuple[str, bytes]], old_tasks: list[tuple[str, bytes]],
 ) -> tuple[AbuseReport, dict[int, tuple[float, int]], Hostile]:  # fmt: skip
     """One run from scratch; with ``abuse`` the hostile client attacks it (without, it
     only listens, recording frames to replay later). Returns its report, round -> (duration
@@ -333,6 +340,7 @@ def one_run(
     rogue_key = Keyring.load(keys)[ROGUE]
     stolen = Keyring.load(keys).without({ROGUE})  # the honest devices' keys, compromised
     hostile = Hostile(url, honest, rogue_key, cfg.seed, f"hostile-{work.name}", stolen)
+    hostile.earlier_tasks = old_tasks
     hostile.start()
     log = work / "coordinator.log"
     start = time.monotonic()
@@ -380,12 +388,19 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     files, keys = write_fleet(work / "fleet", cfg.devices, cfg.seed, key_only=(ROGUE,))
     with private_broker(work, "abuse") as broker:
         reference, ref_rounds, listener = one_run(
-            broker.url, cfg, files, keys, work / "reference", abuse=False, old=[]
+            broker.url, cfg, files, keys, work / "reference", abuse=False, old=[], old_tasks=[]
         )
         if reference.coordinator_exit != 0:
             raise RuntimeError(f"the reference run failed: {reference.problems}")
         report, rounds, _ = one_run(
-            broker.url, cfg, files, keys, work / "abuse", abuse=True, old=listener.frames()
+            broker.url,
+            cfg,
+            files,
+            keys,
+            work / "abuse",
+            abuse=True,
+            old=listener.frames(),
+            old_tasks=listener.task_frames,
         )
     report.reference_rounds_completed = len(ref_rounds)
     report.rounds_completed = len(rounds)
@@ -403,11 +418,14 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     report.reference_peak_rss_mb = reference.coordinator_peak_rss_mb
     report.reference_wall_s = reference.wall_s
     report.held_at_end = _held_at_end(report)
-    refused = _device_refusals(work / "abuse" / "devices", [f.stem for f in files])
-    for name in DEVICE_SIDE:
+    for name, needle in DEVICE_SIDE.items():
         entry = report.categories.get(name)
-        if entry is not None:  # refused by every device: the fewest lines of any
-            entry.rejected = entry.logged = min(refused, default=0)
+        if entry is None:
+            continue
+        refused = _device_refusals(work / "abuse" / "devices", [f.stem for f in files], needle)
+        # a forged fleet-wide frame is refused by every device: the fewest lines of any
+        total = min(refused, default=0) if name == "forged_fleet" else sum(refused)
+        entry.rejected = entry.logged = total
     report.categories = {n: report.categories[n] for n in CATEGORIES if n in report.categories}
     for entry in report.categories.values():
         report.tried += entry.tried
@@ -420,10 +438,10 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     return report
 
 
-def _device_refusals(root: Path, devices: list[str]) -> list[int]:
-    """Per device, the frames on the coordinator's status topic it refused (its log's
-    WARNING lines; an honest status never fails its signature)."""
-    needle = f"dropped a bad payload on fl/{FLEET}/coordinator/status"
+def _device_refusals(root: Path, devices: list[str], needle: str) -> list[int]:
+    """Per device, its log's refusal lines holding ``needle`` (WARNING lines that no
+    honest frame causes: an honest status never fails its signature, an honest task is
+    never older than the newest taken)."""
     counts = []
     for device in devices:
         try:

@@ -141,6 +141,10 @@ class Hostile:
         """A signing key of the attacker's own (not the coordinator's)."""
         self.tasks: dict[str, tuple[int, str]] = {}
         """Device -> (round, message id hex) of the newest task it was sent."""
+        self.task_frames: list[tuple[str, bytes]] = []
+        """The first 64 task frames seen (topic, frame): genuine, to replay in a later run."""
+        self.earlier_tasks: list[tuple[str, bytes]] = []
+        """Task frames of an earlier run (another listener's ``task_frames``)."""
         self._lock = threading.Lock()
         self.captured: dict[str, list[bytes]] = {}  # topic -> message frames seen
         self.chunks: list[tuple[str, bytes]] = []  # chunk frames seen
@@ -199,6 +203,8 @@ class Hostile:
             return
         with self._lock:
             self.tasks[inbound.topic.split("/")[3]] = (int(env["round"]), env["id"].hex())
+            if len(self.task_frames) < 64:
+                self.task_frames.append((inbound.topic, bytes(inbound.payload)))
 
     def ready(self) -> bool:
         """Whether a hello and an update of some honest device were seen."""
@@ -455,6 +461,13 @@ class Hostile:
             payload = msgpack.packb(env, use_bin_type=True)
             out.append((topic, _frame(payload, self.stolen[device], topic)))
         return out
+
+    def _stale_task(self, n: int) -> list[tuple[str, bytes]]:
+        """Genuine tasks of the devices' earlier run, replayed to them: before version 7
+        a task whose deadline had not passed long ago was trained on, and the device then
+        skipped its real rounds ("a later round is done")."""
+        tasks = self.earlier_tasks
+        return [self.rng.choice(tasks) for _ in range(n)] if tasks else []
 
     def _stale_offline(self, n: int, old: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """Genuine ``offline`` statuses of the devices' earlier run (their last wills or

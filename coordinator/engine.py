@@ -343,6 +343,7 @@ class RoundEngine:
             self.registry.set_status(message.sender, body)
             return self._on_tick(event.now)
         if isinstance(body, Update):
+            self.registry.heard(message.sender)
             return self._on_update(message, body, event.now)
         self._refusals.warning(
             f"kind:{message.sender}", "dropped unexpected %s from %s", message.kind, message.sender

@@ -4,7 +4,8 @@ An entry is the device's :class:`~protocol.messages.Hello`, typed as it came off
 less the model the device holds (``held_base``: it changes every round and lives with the
 transfers). Entries are persisted (:meth:`coordinator.state.RunState.save_device`);
 online flags come from the devices' retained status messages and last wills, which the
-broker replays on (re)subscribe, so they are kept in memory only.
+broker replays on (re)subscribe, and from their hellos and updates (any fresh frame of a
+device brings it back online), so they are kept in memory only.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ class DeviceRegistry:
         if status.state in _OFFLINE_STATES:
             self._online.discard(device_id)
         else:
+            self._online.add(device_id)
+
+    def heard(self, device_id: str) -> None:
+        """A fresh, authenticated frame other than a status came from ``device_id``
+        (its update): a registered device that sends one is online, whatever status was
+        taken last (a lost ``online`` or a stale ``offline`` must not keep it out)."""
+        if device_id in self._entries:
             self._online.add(device_id)
 
     def online(self) -> list[str]:

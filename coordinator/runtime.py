@@ -61,6 +61,7 @@ from protocol.auth import AuthError, KeySource
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
+from protocol.limits import ReassemblyLimits
 from protocol.messages import CoordinatorStatus, Message, ReasonCode
 from protocol.signing import SigningKey
 from protocol.topics import parse_topic
@@ -237,7 +238,12 @@ class Coordinator:
         self.signing_key = None if self.keyring is None else signing_key
         """The key of the fleet-wide frames (None: insecure, nothing is signed)."""
         self.channel = Channel(
-            transport, codec, admit=self._admit, auth=self.keyring, fleet_key=self.signing_key
+            transport,
+            codec,
+            reassembly=ReassemblyLimits(max_transfer_age_s=config.replay_window_s),
+            admit=self._admit,
+            auth=self.keyring,
+            fleet_key=self.signing_key,
         )
         self._refusals = RateLimitedLog(log)
         self._clock = clock

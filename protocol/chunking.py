@@ -8,7 +8,8 @@ included: each chunk but the last carries ``max_payload - 100`` data bytes::
     offset  size  field
     0       4     frame header: b"FL", version, type 0x02 (see protocol.codec)
     4       32    authentication tag of this chunk frame (protocol.auth; zeros unsealed)
-    36      16    transfer id (random)
+    36      16    transfer id: its send time (uint64 big-endian Unix milliseconds,
+                  strictly increasing per sender) then 8 random bytes
     52      4     chunk index, uint32 big-endian, 0-based
     56      4     chunk count, uint32 big-endian, >= 2
     60      8     total size of the original frame, uint64 big-endian
@@ -26,9 +27,16 @@ device itself can start a transfer on its topic (protocol version 5). :class:`Re
 frames in any order, ignores duplicates and redeliveries (also after completion),
 bounds the memory it holds, drops transfers that stall, and checks the SHA-256.
 
+The send time in the transfer id (protocol version 7) orders one source's transfers, so
+genuine chunks recorded earlier and replayed cannot displace a newer transfer: a
+transfer sent before the newest one completed from its source is ignored, and a source
+over its quota loses its transfers sent first (a replayed one, never the newer genuine
+transfer in flight). A receiver may also ignore transfers older than a window by its
+own clock (``ReassemblyLimits.max_transfer_age_s``; the coordinator's replay window).
+
 Memory is bounded per source (the topic, so one device) as well as in total, so that
 one source cannot starve the others: a source over its quota of transfers or bytes
-loses its own oldest transfers; when the total is full the source holding the most
+loses its own transfers sent first; when the total is full the source holding the most
 loses its oldest. An ``admit`` hook can refuse a source any buffer at all (a
 coordinator admits only the update topics of registered devices). A refused or evicted
 transfer is remembered, so its later chunks are dropped silently: one error per
@@ -42,6 +50,7 @@ import logging
 import math
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -70,6 +79,7 @@ __all__ = [
     "chunk_header_size",
     "read_chunk_header",
     "split_frame",
+    "transfer_sent_ms",
 ]
 
 SourceFilter = Callable[[str], bool]
@@ -83,6 +93,34 @@ DEFAULT_MAX_PAYLOAD = 128 * 1024
 _CHUNK_FIELDS = struct.Struct(">16sIIQ32s")
 CHUNK_HEADER_SIZE = MESSAGE_PREFIX_SIZE + _CHUNK_FIELDS.size  # 100: header, tag, fields
 """The header of a chunk frame (type 0x02); a signed chunk's (0x04) is 32 bytes longer."""
+
+
+class _TransferClock:
+    """Send times of this process's transfers: Unix milliseconds, strictly increasing
+    (two transfers started in one millisecond take the next one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def next_ms(self) -> int:
+        with self._lock:
+            self._last = max(time.time_ns() // 1_000_000, self._last + 1)
+            return self._last
+
+
+_TRANSFER_CLOCK = _TransferClock()
+
+
+def new_transfer_id() -> bytes:
+    """A fresh transfer id: this process's next send time (u64 BE Unix ms) then 8
+    random bytes."""
+    return _TRANSFER_CLOCK.next_ms().to_bytes(8, "big") + os.urandom(8)
+
+
+def transfer_sent_ms(transfer_id: bytes) -> int:
+    """The send time (Unix milliseconds) a transfer id carries."""
+    return int.from_bytes(transfer_id[:8], "big")
 
 
 def chunk_header_size(frame_type: int) -> int:
@@ -109,6 +147,8 @@ def split_frame(
     ``max_payload`` includes the 100-byte chunk header (:data:`CHUNK_HEADER_SIZE`): every
     chunk but the last carries ``max_payload - 100`` data bytes, the last the rest.
     Returns ``[frame]`` unchanged when it already fits (``len(frame) <= max_payload``).
+    The transfer id is a fresh one (:func:`new_transfer_id`) unless ``transfer_id`` is
+    given (a sender that sends the same transfer again).
     Each chunk's tag is zero bytes: a sender with a key seals every chunk
     (:func:`protocol.auth.seal`), as it sealed the message frame. A signed message frame
     (type 0x03) splits into signed chunks (0x04, 132-byte header, zero signature: the
@@ -125,7 +165,7 @@ def split_frame(
     room = max_payload - header_size
     if room < 1:
         raise EncodeError(f"max payload {max_payload} is too small to carry chunks")
-    tid = transfer_id if transfer_id is not None else os.urandom(16)
+    tid = transfer_id if transfer_id is not None else new_transfer_id()
     if len(tid) != 16:
         raise EncodeError("transfer id must be 16 bytes")
     count = math.ceil(len(frame) / room)
@@ -169,6 +209,14 @@ class _Transfer:
 
 Key = tuple[str, bytes]
 
+SOURCES_REMEMBERED = 1 << 17
+"""Sources whose newest completed transfer a :class:`Reassembler` remembers (131,072: a
+fleet of 10,000 devices with room to spare; about 15 MB at most)."""
+
+
+def _sent(key: Key) -> int:
+    return transfer_sent_ms(key[1])
+
 
 class Reassembler:
     """Collects chunk frames per (source, transfer id) and returns complete frames.
@@ -180,6 +228,7 @@ class Reassembler:
     Args:
         limits: the bounds (defaults when None).
         clock: monotonic seconds, for the stall timeout.
+        wall_clock: Unix seconds, for ``limits.max_transfer_age_s``.
         admit: called with the source of each new transfer; False refuses it any
             buffer (:class:`~protocol.errors.QuotaError`). None admits every source.
 
@@ -191,13 +240,17 @@ class Reassembler:
         limits: ReassemblyLimits | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         admit: SourceFilter | None = None,
     ) -> None:
         self.limits = limits or ReassemblyLimits()
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._newest: OrderedDict[str, int] = OrderedDict()
+        """Per source, the send time of the newest transfer completed from it (at most
+        :data:`SOURCES_REMEMBERED` sources, the least recent forgotten first)."""
         self._admit = admit
         self._pending: OrderedDict[Key, _Transfer] = OrderedDict()
-        self._done: OrderedDict[Key, None] = OrderedDict()
         self._dropped: OrderedDict[Key, None] = OrderedDict()
         """Transfers refused or evicted: their later chunks are ignored."""
         self._pending_bytes = 0
@@ -233,12 +286,19 @@ class Reassembler:
         redeliveries of chunks (even of a completed transfer) return None, and so do
         chunks of a transfer refused or evicted earlier.
 
+        Freshness: the first chunk of a transfer sent (by its id's send time) no later
+        than the newest transfer completed from its source, before one of its source's
+        transfers in flight (a sender starts its transfers in the order it sends them),
+        or longer ago than ``limits.max_transfer_age_s`` by the wall clock, is ignored
+        (None), and so are its later chunks: a replay never takes a buffer from a newer
+        transfer.
+
         Room: a new transfer over the source's ``max_source_transfers`` evicts that
-        source's oldest transfer; one over ``max_pending_transfers`` evicts the oldest
-        transfer of the source holding the most. A chunk over the source's
-        ``max_source_bytes`` evicts that source's older transfers, one over
-        ``max_pending_bytes`` those of the source holding the most bytes; where that
-        is not enough, the chunk's own transfer is dropped with a QuotaError.
+        source's transfer sent first; one over ``max_pending_transfers`` evicts the
+        transfer sent first of the source holding the most. A chunk over the source's
+        ``max_source_bytes`` evicts that source's transfers sent before its own, one
+        over ``max_pending_bytes`` those of the source holding the most bytes; where
+        that is not enough, the chunk's own transfer is dropped with a QuotaError.
 
         Raises:
             QuotaError: the source is not admitted, or the chunk's transfer cannot fit
@@ -254,13 +314,12 @@ class Reassembler:
         head = read_chunk_header(frame)
         data = frame[chunk_header_size(frame_header.frame_type) :]
         key = (source, head.transfer_id)
-        if key in self._done or key in self._dropped:
+        if key in self._dropped:
             log.debug(
-                "ignored chunk %d of transfer %s from %s: the transfer is %s",
+                "ignored chunk %d of transfer %s from %s: the transfer was dropped",
                 head.index,
                 head.transfer_id.hex(),
                 source,
-                "complete" if key in self._done else "dropped",
             )
             return None
         transfer = self._pending.get(key)
@@ -273,6 +332,17 @@ class Reassembler:
             if self._admit is not None and not self._admit(source):
                 self._drop(key)
                 raise QuotaError(f"no transfer buffer for {source}")
+            stale = self._stale(source, head.transfer_id)
+            if stale is not None:
+                self._drop(key)
+                log.debug(
+                    "ignored chunk %d of transfer %s from %s: %s",
+                    head.index,
+                    head.transfer_id.hex(),
+                    source,
+                    stale,
+                )
+                return None
             self._room_for_transfer(source)
             transfer = _Transfer(head)
         elif (head.count, head.total_size, head.sha256) != (
@@ -325,24 +395,51 @@ class Reassembler:
         if head.total_size < head.count:
             raise DecodeError("transfer total size is smaller than its chunk count")
 
+    def _stale(self, source: str, transfer_id: bytes) -> str | None:
+        """Why a new transfer from ``source`` is a replay to ignore; None if it is not."""
+        sent = transfer_sent_ms(transfer_id)
+        newest = self._newest.get(source)
+        if newest is not None and sent <= newest:
+            return (
+                "it was sent no later than the newest transfer completed from its source "
+                "(a redelivery or a replay)"
+            )
+        if self.source_transfers(source) and sent < _sent(self._last_of(source)):
+            return "it was sent before a transfer in flight from its source (a replay)"
+        age = self.limits.max_transfer_age_s
+        if age is not None:
+            ago = self._wall_clock() - sent / 1000
+            if ago > age:
+                if self._first_warning(source):  # an honest sender's clock may be wrong
+                    log.warning(
+                        "ignored a transfer from %s sent %.0f s ago by its clock, outside "
+                        "the %.0f s window (a replay, or a sender whose clock is wrong)",
+                        source,
+                        ago,
+                        age,
+                    )
+                return f"it was sent {ago:.0f} s ago, outside the {age:.0f} s window"
+        return None
+
     def _room_for_transfer(self, source: str) -> None:
-        """Evict so that one more transfer of ``source`` fits both counts."""
+        """Evict so that one more transfer of ``source`` (sent after all of its pending
+        ones) fits both counts."""
         limits = self.limits
         while self.source_transfers(source) >= limits.max_source_transfers:
-            self._evict(self._oldest_of(source), "its source started too many transfers")
+            self._evict(self._first_of(source), "its source started too many transfers")
         while len(self._pending) >= limits.max_pending_transfers:
             hog = max(self._source_transfers, key=self._source_transfers.__getitem__)
-            self._evict(self._oldest_of(hog), "the reassembly buffer is full")
+            self._evict(self._first_of(hog), "the reassembly buffer is full")
 
     def _room_for_bytes(self, key: Key, transfer: _Transfer, size: int) -> bool:
         """Evict other transfers so that ``size`` more bytes of ``key`` fit; False when
         that is impossible (the transfer itself is too big for the room left)."""
         source, limits = key[0], self.limits
         while self.source_bytes(source) + size > limits.max_source_bytes:
-            older = [k for k in self._pending if k[0] == source and k != key]
+            older = [k for k in self._pending if k[0] == source and _sent(k) < _sent(key)]
             if not older:
                 return False
-            self._evict(older[0], "its source holds too many bytes")
+            self._evict(min(older, key=_sent), "its source holds too many bytes")
         while self._pending_bytes + size > limits.max_pending_bytes:
             others = [k for k in self._pending if k != key]
             if not others:
@@ -353,15 +450,17 @@ class Reassembler:
             self._evict(next(k for k in others if k[0] == hog), "the reassembly buffer is full")
         return True
 
-    def _oldest_of(self, source: str) -> Key:
-        return next(k for k in self._pending if k[0] == source)
+    def _first_of(self, source: str) -> Key:
+        """The pending transfer of ``source`` sent first."""
+        return min((k for k in self._pending if k[0] == source), key=_sent)
+
+    def _last_of(self, source: str) -> Key:
+        """The pending transfer of ``source`` sent last."""
+        return max((k for k in self._pending if k[0] == source), key=_sent)
 
     def _evict(self, key: Key, why: str) -> None:
         transfer = self._pending[key]
-        level = logging.DEBUG if key[0] in self._warned else logging.WARNING
-        if len(self._warned) >= 1024:
-            self._warned.clear()
-        self._warned.add(key[0])
+        level = logging.WARNING if self._first_warning(key[0]) else logging.DEBUG
         log.log(
             level,
             "dropped incomplete transfer %s from %s (%d of %d chunks): %s",
@@ -374,10 +473,20 @@ class Reassembler:
         self._forget(key, transfer)
         self._drop(key)
 
+    def _first_warning(self, source: str) -> bool:
+        """Whether ``source`` has had no warning yet (the set of those that had one is
+        cleared when it reaches 1,024 sources)."""
+        if source in self._warned:
+            return False
+        if len(self._warned) >= 1024:
+            self._warned.clear()
+        self._warned.add(source)
+        return True
+
     def _drop(self, key: Key) -> None:
         """Ignore the later chunks of transfer ``key``."""
         self._dropped[key] = None
-        while len(self._dropped) > max(self.limits.remember_completed, 1):
+        while len(self._dropped) > max(self.limits.remember_dropped, 1):
             self._dropped.popitem(last=False)
 
     def _complete(self, key: tuple[str, bytes], transfer: _Transfer) -> bytes:
@@ -389,7 +498,10 @@ class Reassembler:
         frame = b"".join(transfer.parts[i] for i in range(transfer.header.count))
         if hashlib.sha256(frame).digest() != transfer.header.sha256:
             raise DecodeError("reassembled frame fails its SHA-256 check")
-        self._remember(key)
+        source = key[0]
+        self._newest[source] = max(_sent(key), self._newest.pop(source, 0))
+        while len(self._newest) > SOURCES_REMEMBERED:
+            self._newest.popitem(last=False)
         return frame
 
     def _forget(self, key: tuple[str, bytes], transfer: _Transfer) -> None:
@@ -400,13 +512,6 @@ class Reassembler:
         self._source_transfers[source] -= 1
         if self._source_transfers[source] == 0:
             del self._source_transfers[source], self._source_bytes[source]
-
-    def _remember(self, key: tuple[str, bytes]) -> None:
-        if self.limits.remember_completed == 0:
-            return
-        self._done[key] = None
-        while len(self._done) > self.limits.remember_completed:
-            self._done.popitem(last=False)
 
     def expire(self) -> int:
         """Drop incomplete transfers idle for longer than the timeout; return how many."""

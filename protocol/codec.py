@@ -4,7 +4,7 @@ A *frame* is what travels as one MQTT payload. Four frame types share a 4-byte h
 
     offset  size  field
     0       2     magic b"FL" (0x46 0x4C)
-    2       1     version (PROTOCOL_VERSION, 6)
+    2       1     version (PROTOCOL_VERSION, 7)
     3       1     type: 0x01 message, 0x02 chunk (see protocol.chunking), 0x03 signed
                   message, 0x04 signed chunk
     4       32    types 0x01, 0x02: authentication tag (HMAC-SHA256, see protocol.auth;

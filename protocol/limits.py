@@ -70,6 +70,12 @@ class ReassemblyLimits(BaseModel):
     older transfers, or is refused (its transfer dropped) when its own is too big."""
     timeout_s: float = Field(120.0, gt=0)
     """An incomplete transfer with no new chunk for this long is dropped (seconds)."""
-    remember_completed: int = Field(1024, ge=0)
-    """How many completed transfer ids are remembered, so redelivered chunks of a
-    finished transfer are ignored instead of starting it again."""
+    max_transfer_age_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """A new transfer whose id says it was sent longer ago than this, by the receiver's
+    clock, is ignored (a replay); None: no such window (a device, whose clock may not be
+    the coordinator's). The coordinator sets its replay window."""
+    remember_dropped: int = Field(1024, ge=1)
+    """How many dropped transfers (refused, evicted, replayed) are remembered, so their
+    later chunks are ignored, one error per transfer. (Chunks of a completed transfer
+    need no such memory: its send time is at most the newest completed from its
+    source.)"""

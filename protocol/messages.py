@@ -55,7 +55,7 @@ __all__ = [
     "WeightFormat",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Version of the message schemas and of the frame layout; decoders reject others.
 docs/protocol.md (section 11) lists what each version changed."""
 

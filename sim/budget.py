@@ -549,6 +549,9 @@ class _Device:
     def trained_model(self) -> Classifier:
         return self._emulation.trainer.model(self.device_id)
 
+    def learning_state(self) -> Mapping[str, Any]:
+        return self._emulation.trainer.trainer(self.device_id).learning_state
+
     def stop(self) -> None:
         if not self.stopped:
             self.stopped = True

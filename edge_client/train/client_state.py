@@ -10,6 +10,19 @@
   of docs/protocol.md (section 3): written before it is sent, removed when its ack
   comes, so a device killed in between sends the very same message again at its restart
   (the coordinator answers a duplicate ``duplicate``).
+- ``learning_state.npz``: what the device's strategies keep in memory across rounds
+  besides the model (FedKF's local image generator and its Adam moments), written with
+  ``model.npz`` every time it is, so a restarted device's next update is bit-identical
+  to an uninterrupted one's (:class:`SavedLearningState`). A numpy ``.npz``, no pickle:
+  one array per tensor, named ``KEY/NAME`` (``KEY`` the piece of state, e.g.
+  ``fedkf_generator/module/project.weight``, ``fedkf_generator/exp_avg/project.weight``),
+  and ``meta.json``, a 0-d string array holding a JSON object: ``format`` (1),
+  ``model`` (the fingerprint of the model saved with it, :func:`model_fingerprint`) and
+  ``entries``, each key's small typed settings (e.g. the generator's build signature and
+  its Adam step counts). A file that cannot be read, or that was saved with another
+  model than ``model.npz`` (a crash between the two writes), is ignored with a warning
+  and that state starts fresh. The uplink residual and the held base are
+  :class:`~edge_client.train.transfer.TransferState`'s (``residual.npz``, ``base.npz``).
 
 All are written atomically: a temporary file, fsync, rename, fsync of the directory.
 :class:`DeviceStore` is a device's folder: what every shell of the device session (the
@@ -20,12 +33,14 @@ its failures logged, never raised. Numpy only; no torch.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import uuid
 import zipfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -40,13 +55,19 @@ from protocol.errors import DecodeError, EncodeError
 from protocol.messages import Message
 
 __all__ = [
+    "LEARNING_STATE_FILE",
     "MODEL_FILE",
     "STATE_FILE",
     "UNACKED_FILE",
     "DeviceStore",
+    "LearningStateEntry",
+    "SavedLearningState",
     "SavedState",
+    "model_fingerprint",
+    "read_learning_state",
     "read_model",
     "read_state",
+    "write_learning_state",
     "write_model",
     "write_state",
 ]
@@ -59,6 +80,15 @@ MODEL_FILE = "model.npz"
 """Name of the persisted model inside ``ClientConfig.state_dir``."""
 UNACKED_FILE = "unacked.msgpack"
 """Name of the persisted unacknowledged update inside ``ClientConfig.state_dir``."""
+LEARNING_STATE_FILE = "learning_state.npz"
+"""Name of the persisted learning state (kept with the model) inside ``state_dir``."""
+LEARNING_STATE_FORMAT = 1
+"""The ``format`` of ``learning_state.npz`` this version writes and reads."""
+_META = "meta.json"
+"""The entry of ``learning_state.npz`` holding its JSON metadata."""
+
+Setting = int | float | str | list[int] | list[float]
+"""A typed scalar (or a short list of them) of a learning-state entry, stored as JSON."""
 
 
 class SavedState(BaseModel):
@@ -71,6 +101,8 @@ class SavedState(BaseModel):
     device_id: str
     rounds_done: int = Field(ge=0)
     handled_tasks: list[str]
+    newest_task_ms: int = Field(default=0, ge=0)
+    """Send time (Unix ms) of the newest task the device took: it refuses older ones."""
 
 
 def write_state(path: Path, saved: SavedState, *, fsync: bool = True) -> None:
@@ -104,6 +136,92 @@ def read_model(path: Path) -> dict[str, npt.NDArray[Any]]:
         raise ValueError(f"{path} is not a model file: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class LearningStateEntry:
+    """One piece of a device's learning state as stored: numpy arrays and JSON values."""
+
+    settings: Mapping[str, Setting]
+    """Small typed values it is rebuilt from (build signature, step counts, ...)."""
+    arrays: Mapping[str, npt.NDArray[Any]]
+    """Its tensors by name (a name may hold ``/``, never start with it)."""
+
+
+@dataclass(frozen=True)
+class SavedLearningState:
+    """The content of ``learning_state.npz``: the entries, and the model they go with."""
+
+    model: str
+    """:func:`model_fingerprint` of the model saved with this state."""
+    entries: Mapping[str, LearningStateEntry]
+    """The pieces of state by key (e.g. ``fedkf_generator``)."""
+
+
+def model_fingerprint(arrays: Mapping[str, npt.NDArray[Any]]) -> str:
+    """SHA-256 (hex) of a model's arrays: names, dtypes, shapes and bytes, by name."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        header = json.dumps([name, value.dtype.str, list(value.shape)])
+        digest.update(header.encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def write_learning_state(path: Path, saved: SavedLearningState, *, fsync: bool = True) -> None:
+    """Replace ``path`` with ``saved`` (an ``.npz``, see the module docstring) atomically.
+
+    Raises:
+        OSError: the file cannot be written (the old one is left as it was).
+        ValueError: a key or an array name has no place in the file's naming.
+    """
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for key, entry in saved.entries.items():
+        if not key or "/" in key:
+            raise ValueError(f"learning-state key {key!r} is empty or holds '/'")
+        for name, value in entry.arrays.items():
+            if not name or name.startswith("/"):
+                raise ValueError(f"array name {name!r} of {key!r} is empty or starts with '/'")
+            arrays[f"{key}/{name}"] = np.asarray(value)
+    meta = {
+        "format": LEARNING_STATE_FORMAT,
+        "model": saved.model,
+        "entries": {key: dict(entry.settings) for key, entry in saved.entries.items()},
+    }
+    arrays[_META] = np.array(json.dumps(meta))
+    _atomic_write(path, lambda f: np.savez(f, **arrays), fsync)  # type: ignore[arg-type]
+
+
+def read_learning_state(path: Path) -> SavedLearningState:
+    """The learning state of a file written by :func:`write_learning_state` (never
+    unpickles).
+
+    Raises:
+        OSError: unreadable; ValueError: not a learning-state file of this format.
+    """
+    arrays = read_model(path)
+    raw = arrays.pop(_META, None)
+    if raw is None or raw.shape != () or raw.dtype.kind != "U":
+        raise ValueError(f"{path} has no {_META}")
+    meta = json.loads(str(raw))  # JSONDecodeError is a ValueError
+    if not isinstance(meta, dict) or meta.get("format") != LEARNING_STATE_FORMAT:
+        raise ValueError(f"{path} is not of format {LEARNING_STATE_FORMAT}")
+    model, settings = meta.get("model"), meta.get("entries")
+    if not isinstance(model, str) or not isinstance(settings, dict):
+        raise ValueError(f"{path}: {_META} lacks its model or its entries")
+    grouped: dict[str, dict[str, npt.NDArray[Any]]] = {key: {} for key in settings}
+    for full_name, value in arrays.items():
+        key, _, name = full_name.partition("/")
+        if key not in grouped or not name:
+            raise ValueError(f"{path}: array {full_name!r} belongs to no entry")
+        grouped[key][name] = value
+    entries = {}
+    for key, values in settings.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: the settings of {key!r} are not an object")
+        entries[key] = LearningStateEntry(values, grouped[key])
+    return SavedLearningState(model, entries)
+
+
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], fsync: bool) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -135,7 +253,8 @@ def read_state(path: Path) -> SavedState:
 
 
 class DeviceStore:
-    """A device's state folder: its handled tasks and rounds done, and its trained model.
+    """A device's state folder: its handled tasks and rounds done, its trained model and
+    the learning state saved with it, and its unacknowledged update.
 
     Reads and writes never raise: a file that cannot be read is ignored and one that
     cannot be written left as it was, with a warning, and ``on_error`` (if given) is told
@@ -208,6 +327,34 @@ class DeviceStore:
             return None
 
     @property
+    def learning_state_path(self) -> Path:
+        """Where the learning state saved with the model lives."""
+        return self.state_dir / LEARNING_STATE_FILE
+
+    def load_learning_state(
+        self, model: Mapping[str, npt.NDArray[Any]]
+    ) -> SavedLearningState | None:
+        """The learning state an earlier run saved with the model ``model`` (the arrays
+        of :meth:`load_model`); None if there is none, or it is unreadable or was saved
+        with another model (a warning says which)."""
+        path = self.learning_state_path
+        if not path.exists():
+            return None
+        try:
+            saved = read_learning_state(path)
+        except (OSError, ValueError) as exc:
+            logger.warning("ignored the saved learning state %s: %s", path, exc)
+            return None
+        if saved.model != model_fingerprint(model):
+            logger.warning(
+                "ignored the saved learning state %s: it goes with another model than %s",
+                path,
+                self.model_path,
+            )
+            return None
+        return saved
+
+    @property
     def unacked_path(self) -> Path:
         """Where the unacknowledged update lives."""
         return self.state_dir / UNACKED_FILE
@@ -251,12 +398,28 @@ class DeviceStore:
             logger.warning("could not save the client state to %s: %s", self.state_path, exc)
             self._failed(exc)
 
-    def save_model(self, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
-        """Persist the trained model's state ``arrays``."""
+    def save_model(
+        self,
+        arrays: Mapping[str, npt.NDArray[Any]],
+        learning_state: Mapping[str, LearningStateEntry] | None = None,
+    ) -> None:
+        """Persist the trained model's state ``arrays`` and then, once it is saved, the
+        device's ``learning_state`` with it (none or empty: the file is removed)."""
         try:
             write_model(self.model_path, arrays, fsync=self._fsync)
         except OSError as exc:
             logger.warning("could not save the model to %s: %s", self.model_path, exc)
+            self._failed(exc)
+            return
+        path = self.learning_state_path
+        try:
+            if not learning_state:
+                path.unlink(missing_ok=True)
+                return
+            saved = SavedLearningState(model_fingerprint(arrays), learning_state)
+            write_learning_state(path, saved, fsync=self._fsync)
+        except OSError as exc:
+            logger.warning("could not save the learning state to %s: %s", path, exc)
             self._failed(exc)
 
     def _failed(self, error: OSError) -> None:

@@ -38,9 +38,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,7 +75,12 @@ from edge_client.train.exchange import (
 from edge_client.train.retry import RetrySchedule
 from edge_client.train.session import DeviceSession
 from edge_client.train.shell import DeviceShell, Retry, Upload, publish_once
-from edge_client.train.trainer import CancelHook, LocalTrainer, build_device_model
+from edge_client.train.trainer import (
+    CancelHook,
+    LocalTrainer,
+    build_device_model,
+    resumed_learning_state,
+)
 from edge_client.train.transfer import TransferState
 from models import Classifier, ModelError, load_state_arrays
 from protocol.channel import Channel
@@ -195,7 +201,7 @@ class EdgeClient:
         )
         self._shell = DeviceShell(self._session, _Effects(self), store=store, lock=self._lock)
         if self._session.restored and store is not None:
-            self._load_model(store)
+            self._load_model(store, device)
 
     # ------------------------------------------------------------------ public API
 
@@ -419,8 +425,9 @@ class EdgeClient:
 
     # ------------------------------------------------------------------ persistence
 
-    def _load_model(self, store: DeviceStore) -> None:
-        """Start from the model saved by the last run of this device, if it fits."""
+    def _load_model(self, store: DeviceStore, device: torch.device) -> None:
+        """Start from the model saved by the last run of this device, if it fits, and
+        from the learning state saved with it, if that fits too."""
         arrays = store.load_model()
         if arrays is None:
             return
@@ -430,6 +437,13 @@ class EdgeClient:
             logger.warning("ignored the saved model %s: %s", store.model_path, exc)
             return
         logger.info("resumed the local model from %s", store.model_path)
+        saved = store.load_learning_state(arrays)
+        if saved is not None:
+            trainer = self._trainer
+            restored = resumed_learning_state(saved, trainer.model, device)
+            trainer.learning_state.update(restored)
+            if restored:
+                logger.info("resumed the learning state %s", sorted(restored))
 
 
 class _Effects:
@@ -469,6 +483,9 @@ class _Effects:
 
     def trained_model(self) -> Classifier:
         return self._client._trainer.model
+
+    def learning_state(self) -> Mapping[str, Any]:
+        return self._client._trainer.learning_state
 
     def stop(self) -> None:
         # not on the handler thread: stop() disconnects the transport that runs it

@@ -22,7 +22,10 @@ Task rules:
   for its model up to ``task_timeout_s`` (at most ``max_pending_tasks`` wait).
 * Duplicate tasks (handled, queued, running or waiting) are ignored; a duplicate of the
   task whose update is unacknowledged sends that update again. Tasks for a round older
-  than the last one done since the coordinator last said ``starting`` are ignored.
+  than the last one done since the coordinator last said ``starting`` are ignored, and
+  so are tasks sent (envelope ``ts``) before the newest task taken, which is persisted
+  (a replay, of this run or an earlier one), and tasks whose deadline passed more than
+  ``stale_task_s`` ago.
 * Resend rule: an update sent waits ``ack_timeout_s`` for the coordinator's ack. An ack
   accepting it (``ok``, ``late``, ``duplicate``) or rejecting it for good ends the wait;
   a nack with a retryable reason (``malformed``, ``oversize``, ``internal``: the update
@@ -203,6 +206,8 @@ class DeviceSession:
         self._upload: Update | None = None  # the update of the running job, being sent
         self._rounds_done = 0
         self._last_round = -1  # latest round done in this coordinator run (not persisted)
+        self._newest_task_ms = 0
+        """Send time of the newest task taken (persisted): an older one is a replay."""
         self._unacked: Message | None = None  # the last update sent, until its Ack arrives
         self._awaiting_ack = False  # _unacked was published: its ack is awaited
         self._ack_due: float | None = None  # when it is sent again (set at the next tick)
@@ -325,6 +330,13 @@ class DeviceSession:
                 overdue,
             )
             return []
+        if message.sent_at_ms < self._newest_task_ms:
+            logger.warning(
+                "ignored task %s for round %d: it was sent before the newest task taken (a replay)",
+                task_id,
+                message.round,
+            )
+            return []
         if message.round < self._last_round:
             logger.warning(
                 "ignored task %s for round %d: round %d is already done",
@@ -333,6 +345,7 @@ class DeviceSession:
                 self._last_round,
             )
             return []
+        self._newest_task_ms = message.sent_at_ms
         model_id = task.model_message
         if model_id is None:
             return self._enqueue(DecodeJob(message, task))
@@ -595,6 +608,7 @@ class DeviceSession:
                 device_id=self.config.device_id,
                 rounds_done=self._rounds_done,
                 handled_tasks=list(self._handled),
+                newest_task_ms=self._newest_task_ms,
             )
         )
 
@@ -608,5 +622,6 @@ class DeviceSession:
             return
         self._handled = OrderedDict.fromkeys(saved.handled_tasks[-self.config.remember_tasks :])
         self._rounds_done = saved.rounds_done
+        self._newest_task_ms = saved.newest_task_ms
         self.restored = True
         logger.info("resumed: %d rounds done", saved.rounds_done)

@@ -28,10 +28,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 from edge_client.train.client_state import DeviceStore
 from edge_client.train.exchange import (
@@ -51,6 +51,7 @@ from edge_client.train.exchange import (
 )
 from edge_client.train.retry import RetrySchedule
 from edge_client.train.session import DeviceSession
+from edge_client.train.strategies import learning_state_entries
 from models import Classifier, state_arrays
 from protocol.channel import Channel
 from protocol.errors import EncodeError, TransportError
@@ -93,6 +94,11 @@ class DeviceEffects(Protocol):
 
     def trained_model(self) -> Classifier:
         """The device's model, as its last training left it."""
+        ...
+
+    def learning_state(self) -> Mapping[str, Any]:
+        """The device's learning state across rounds, as its last training left it
+        (persisted with the model)."""
         ...
 
     def stop(self) -> None:
@@ -159,7 +165,10 @@ class DeviceShell:
                     self._store.save_unacked(message)
             case SaveModel():
                 if self._store is not None:
-                    self._store.save_model(state_arrays(self._effects.trained_model()))
+                    self._store.save_model(
+                        state_arrays(self._effects.trained_model()),
+                        learning_state_entries(self._effects.learning_state()),
+                    )
             case CommitUpload():
                 self._effects.commit_upload()
             case Stop():

@@ -6,12 +6,15 @@ A :class:`Trainer` runs the :class:`~edge_client.train.session.DecodeJob` and
 them; it never raises for a job that goes wrong. :class:`LocalTrainer` is the per-device
 one (:func:`~edge_client.train.local_update.local_update` on the device's model and data,
 the transfers through a :class:`~edge_client.train.transfer.TransferState`); the threaded
-edge client runs it on its worker thread, the sim's budget tool inline.
+edge client runs it on its worker thread, the sim's budget tool inline. Its learning
+state (what strategies keep across rounds) is persisted with the model by the device's
+shell and given back at a restart (:func:`resumed_learning_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -23,6 +26,7 @@ from torch import nn
 
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError, TaskError
+from edge_client.train.client_state import LEARNING_STATE_FILE, SavedLearningState
 from edge_client.train.data import DeviceData
 from edge_client.train.exchange import (
     Cancelled,
@@ -37,6 +41,7 @@ from edge_client.train.exchange import (
     TrainJob,
 )
 from edge_client.train.local_update import local_update, validate_task
+from edge_client.train.strategies import restore_learning_state
 from edge_client.train.task import LocalResult, LocalTask
 from edge_client.train.training import TrainHook
 from edge_client.train.transfer import TransferState
@@ -46,7 +51,15 @@ from protocol.errors import DecodeError
 from protocol.sets import WEIGHTS_SET
 from protocol.tensors import Precision
 
-__all__ = ["CancelHook", "LocalTrainer", "Trainer", "build_device_model"]
+__all__ = [
+    "CancelHook",
+    "LocalTrainer",
+    "Trainer",
+    "build_device_model",
+    "resumed_learning_state",
+]
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer(Protocol):
@@ -93,6 +106,18 @@ def build_device_model(config: ClientConfig, data: DeviceData) -> Classifier:
         raise ConfigError(f"cannot build model {config.model!r} for the data: {exc}") from exc
 
 
+def resumed_learning_state(
+    saved: SavedLearningState, model: Classifier, device: torch.device
+) -> dict[str, Any]:
+    """The learning state a device saved with its model, restored for ``model`` on
+    ``device``; empty (it starts fresh), with one warning, when it does not fit."""
+    try:
+        return restore_learning_state(saved.entries, model, device)
+    except ValueError as exc:  # StateMismatchError and ValidationError too
+        logger.warning("ignored the saved learning state %s: %s", LEARNING_STATE_FILE, exc)
+        return {}
+
+
 class LocalTrainer:
     """Runs jobs with :func:`local_update` on ``model`` and ``data``.
 
@@ -103,6 +128,9 @@ class LocalTrainer:
         hooks: training hooks (e.g. a :class:`CancelHook`).
         gate: a context manager held while training; None: no gate.
         device: where to train.
+        learning_state: the device's learning state across rounds, kept (not copied)
+            and updated by training (a resumed device's, see
+            :func:`resumed_learning_state`); None: it starts empty.
     """
 
     def __init__(
@@ -114,6 +142,7 @@ class LocalTrainer:
         hooks: Sequence[TrainHook] = (),
         gate: AbstractContextManager[object] | None = None,
         device: torch.device = torch.device("cpu"),  # noqa: B008
+        learning_state: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.data = data
@@ -121,7 +150,7 @@ class LocalTrainer:
         self._hooks = tuple(hooks)
         self._gate = gate
         self._device = device
-        self._learning_state: dict[str, Any] = {}
+        self._learning_state: dict[str, Any] = {} if learning_state is None else learning_state
 
     def run(self, job: Job) -> JobResult:
         if isinstance(job, DecodeJob):
@@ -174,7 +203,8 @@ class LocalTrainer:
 
     @property
     def learning_state(self) -> dict[str, Any]:
-        """The device's learning state across rounds (FedKF's generator lives here)."""
+        """The device's learning state across rounds (FedKF's generator lives here),
+        persisted with the model."""
         return self._learning_state
 
     def _train(self, job: TrainJob) -> JobResult:

@@ -2,7 +2,8 @@
 
 A device with a state dir (``state_dir/devices/ID`` in the sim) keeps what its real
 shell keeps there, in its :class:`~edge_client.train.client_state.DeviceStore`: the
-handled tasks and rounds done, its trained model, and (through its
+handled tasks and rounds done, its trained model and the learning state saved with
+it, and (through its
 :class:`TransferState`) the model it holds and its uplink residual; a fleet built again
 on the same folders resumes from them.
 """
@@ -50,7 +51,9 @@ def build_device(
         held_base=transfer.held_fingerprint,
         saved=None if store is None else store.load_state(),
     )
-    saved_model = None
+    saved_model = saved_learning = None
     if session.restored and store is not None:
         saved_model = store.load_model()
-    return FleetDevice(config, data, transfer, saved_model), session, store
+        if saved_model is not None:
+            saved_learning = store.load_learning_state(saved_model)
+    return FleetDevice(config, data, transfer, saved_model, saved_learning), session, store

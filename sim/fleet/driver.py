@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -150,7 +150,9 @@ class Fleet:
                 raise ValueError(f"two devices named {config.device_id!r}")
             spec, session, store = build_device(config, data, memory, fingerprints)
             specs.append(spec)
-            self._devices[config.device_id] = _Device(self, config.device_id, session, store)
+            self._devices[config.device_id] = _Device(
+                self, config.device_id, session, store, spec.learning_state
+            )
         self._trainer: FleetTrainer = trainer(specs)
         self._events: queue.SimpleQueue[PoolEvent | _Tick | None] = queue.SimpleQueue()
         self._cohorts = CohortQueue(options.max_cohort, options.linger_s)
@@ -388,12 +390,18 @@ class _Device:
     :class:`~edge_client.train.shell.DeviceEffects`), on the event thread."""
 
     def __init__(
-        self, fleet: Fleet, device_id: str, session: DeviceSession, store: DeviceStore | None
+        self,
+        fleet: Fleet,
+        device_id: str,
+        session: DeviceSession,
+        store: DeviceStore | None,
+        learning_state: Mapping[str, Any],
     ) -> None:
         self.device_id = device_id
         self.shell = DeviceShell(session, self, store=store)
         self.stopped = False
         self._fleet = fleet
+        self._learning_state = learning_state  # its trainer's (FleetDevice.learning_state)
 
     @property
     def session(self) -> DeviceSession:
@@ -418,6 +426,9 @@ class _Device:
 
     def trained_model(self) -> Classifier:
         return self._fleet._trainer.model(self.device_id)
+
+    def learning_state(self) -> Mapping[str, Any]:
+        return self._learning_state
 
     def stop(self) -> None:
         self._fleet._stopped(self)

@@ -10,7 +10,8 @@ against it.
 
 A trainer is built by a :data:`TrainerFactory` from the fleet's :class:`FleetDevice`
 list: each device's configuration, data and :class:`TransferState` (the model it holds
-and its uplink residual), and the model a resumed device saved.
+and its uplink residual), the model a resumed device saved and the learning state saved
+with it, and the device's learning state (which its shell persists with the model).
 """
 
 from __future__ import annotations
@@ -18,16 +19,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy.typing as npt
 import torch
 
 from edge_client.config import ClientConfig
+from edge_client.train.client_state import SavedLearningState
 from edge_client.train.data import DeviceData
 from edge_client.train.exchange import Cancelled, Failed, Job, JobResult
-from edge_client.train.trainer import CancelHook, LocalTrainer, build_device_model
+from edge_client.train.trainer import (
+    CancelHook,
+    LocalTrainer,
+    build_device_model,
+    resumed_learning_state,
+)
 from edge_client.train.transfer import TransferState
 from models import Classifier, ModelError, load_state_arrays
 
@@ -48,6 +55,10 @@ class FleetDevice:
     """The model it holds and its uplink residual (kept in ``config.state_dir`` if set)."""
     saved_model: Mapping[str, npt.NDArray[Any]] | None = None
     """The model a resumed device saved after its last training; it starts from it."""
+    saved_learning_state: SavedLearningState | None = None
+    """The learning state saved with ``saved_model``; it starts from it too."""
+    learning_state: dict[str, Any] = field(default_factory=dict)
+    """The device's learning state across rounds: its trainer's, its shell persists it."""
 
 
 class FleetTrainer(Protocol):
@@ -172,22 +183,28 @@ class LoopTrainer:
                 return trainer
             spec = self._devices[device_id]
             model = build_device_model(spec.config, spec.data)
-            if spec.saved_model is not None:
-                _resume(model, spec.saved_model, device_id)
+            resumed = spec.saved_model is not None and _resume(model, spec.saved_model, device_id)
+            if resumed and spec.saved_learning_state is not None:
+                saved = spec.saved_learning_state
+                spec.learning_state.update(resumed_learning_state(saved, model, self._device))
             trainer = LocalTrainer(
                 model,
                 spec.data,
                 spec.transfer,
                 hooks=(CancelHook(self._closed.is_set),),
                 device=self._device,
+                learning_state=spec.learning_state,
             )
             self._trainers[device_id] = trainer
             return trainer
 
 
-def _resume(model: Classifier, arrays: Mapping[str, npt.NDArray[Any]], device_id: str) -> None:
-    """Load a resumed device's saved weights into ``model``, if they fit."""
+def _resume(model: Classifier, arrays: Mapping[str, npt.NDArray[Any]], device_id: str) -> bool:
+    """Load a resumed device's saved weights into ``model``, if they fit; whether they
+    did."""
     try:
         load_state_arrays(model, arrays)
     except (ValueError, ModelError) as exc:
         logger.warning("device %s: ignored its saved model: %s", device_id, exc)
+        return False
+    return True

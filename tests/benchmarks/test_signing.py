@@ -15,9 +15,9 @@ def test_a_chunked_broadcast_is_signed_per_chunk_and_as_a_whole() -> None:
     sets = {"global": encode_tensors(sample_weights("resnet8"), "fp32")}
     frame = Codec().encode(Message(fleet="lab", sender="c", body=ModelPayload(sets=sets)))
     signed, parts = signed_parts(key, BROADCAST, frame)
-    assert len(parts) > 1 and signed[:4] == b"FL\x06\x03"
+    assert len(parts) > 1 and signed[:4] == b"FL\x07\x03"
     for part in parts:
-        assert part[:4] == b"FL\x06\x04"
+        assert part[:4] == b"FL\x07\x04"
         key.verify(BROADCAST, part)
     key.verify(BROADCAST, signed)
 

@@ -110,6 +110,22 @@ def test_offline_devices_are_not_selected() -> None:
     assert sorted(tasks_by_device(actions)) == ["dev-1", "dev-2"]
 
 
+def test_an_update_brings_a_device_marked_offline_back_online() -> None:
+    # Prepare: round 1 with two devices; dev-0's offline status taken while it trains
+    # (a stale one replayed, or a broker that lost its connection for a moment)
+    engine, _, actions = started(2, participation=1.0)
+    w = global_weights(actions)
+    tasks = tasks_by_device(actions)
+    engine.handle(received(status("dev-0", "offline"), 2.0))
+    assert engine.registry.online_count() == 1
+    # Execute: its update arrives
+    engine.handle(received(update("dev-0", 1, shifted(w, 1.0), 100, tasks["dev-0"]), 3.0))
+    # Assert: it is online again, so the next round selects it
+    assert engine.registry.online() == ["dev-0", "dev-1"]
+    closing = engine.handle(received(update("dev-1", 1, shifted(w, 1.0), 200, tasks["dev-1"]), 4.0))
+    assert sorted(tasks_by_device(closing)) == ["dev-0", "dev-1"]
+
+
 def test_fedavg_round_is_the_sample_weighted_average() -> None:
     engine, _, actions = started(2)
     w = global_weights(actions)

@@ -51,7 +51,7 @@ def test_malformed_and_foreign_messages_change_nothing() -> None:
     good_hello = hello(engine, "dev-0")
 
     attacker.publish(topics.device("dev-0", "update"), b"\x00garbage")
-    attacker.publish(topics.device("dev-0", "hello"), b"FL\x06\x01" + b"\xff" * 72)
+    attacker.publish(topics.device("dev-0", "hello"), b"FL\x07\x01" + b"\xff" * 72)
     channel.send(topics.device("dev-1", "hello"), good_hello)  # sender != topic device
     channel.send(
         topics.device("dev-0", "hello"),

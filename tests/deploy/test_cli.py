@@ -315,7 +315,7 @@ def test_every_device_gets_the_public_half_of_the_coordinators_signing_key(kit: 
     for device_id in ("dev-1", "dev-2"):
         public = VerifyKey.load(kit / "devices" / device_id / "coordinator.pub")
         assert public.public == signing.verify_key.public
-        frame = signing.sign("fl/lab/coordinator/status", signed_twin(b"FL\x06\x01" + bytes(40)))
+        frame = signing.sign("fl/lab/coordinator/status", signed_twin(b"FL\x07\x01" + bytes(40)))
         public.verify("fl/lab/coordinator/status", frame)
     assert VerifyKey.load(kit / "coordinator/signing.key.pub").public == signing.verify_key.public
 

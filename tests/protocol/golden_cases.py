@@ -46,7 +46,9 @@ GOLDEN_SIGNING_SEED = bytes(range(0x40, 0x60))
 """The coordinator's signing key (an Ed25519 private key) of the golden signed frames."""
 BROADCAST_TOPIC = "fl/lab/broadcast/model"
 """The topic of the golden signed chunks: the golden model as a broadcast."""
-TRANSFER_ID = bytes(range(16))
+TRANSFER_SENT_MS = 1_798_761_600_000
+"""The golden chunks' send time, 2027-01-01 00:00 UTC in Unix milliseconds."""
+TRANSFER_ID = TRANSFER_SENT_MS.to_bytes(8, "big") + bytes(range(8))
 STUDENT_FINGERPRINT = "2e2182719fad8974"
 """Content fingerprint (docs/protocol.md, section 6) of the golden model's ``student`` set
 as decoded: the ``base`` of the golden update, a delta against it (section 9, step 5)."""

@@ -23,7 +23,7 @@ import zstandard
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-VERSION = 6  # section 2: the version byte; section 3: the envelope's "v"
+VERSION = 7  # section 2: the version byte; section 3: the envelope's "v"
 MAGIC = b"FL"
 MESSAGE_FRAME, CHUNK_FRAME, SIGNED_MESSAGE_FRAME, SIGNED_CHUNK_FRAME = 0x01, 0x02, 0x03, 0x04
 AUTH_SIZE = {0x01: 32, 0x02: 32, 0x03: 64, 0x04: 64}  # section 2: a tag or a signature
@@ -67,6 +67,11 @@ class Chunk(NamedTuple):
     total_size: int
     sha256: bytes
     data: bytes
+
+    @property
+    def sent_ms(self) -> int:
+        """Section 2.2: the transfer's send time, the id's first 8 bytes (u64 BE, Unix ms)."""
+        return struct.unpack(">Q", self.transfer_id[:8])[0]  # type: ignore[no-any-return]
 
 
 # -- frames (section 2) -------------------------------------------------------------------

@@ -233,7 +233,7 @@ def test_fleet_wide_frames_are_signed_by_the_coordinator_and_checked_by_devices(
     assert device.messages.get(timeout=5).kind == "model"
     assert sent.frames > 1 and device.errors.empty()
     frame = coordinator.encode(STATUS, coordinator_status())
-    assert frame[:4] == b"FL\x06\x03" and frame[4:68] != bytes(64)
+    assert frame[:4] == b"FL\x07\x03" and frame[4:68] != bytes(64)
 
 
 def test_forged_fleet_wide_frames_are_refused_before_any_buffer() -> None:

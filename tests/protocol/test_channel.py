@@ -70,7 +70,7 @@ def test_bad_payloads_go_to_on_error_and_never_to_the_handler() -> None:
     Channel(receiver_t).subscribe(
         "fl/lab/to/dev-1/#", lambda _t, m: good.put(m), on_error=lambda t, e: bad.put((t, e))
     )
-    sender_t.publish(TOPIC, b"FL\x06\x01" + bytes(32) + b"not zstd")
+    sender_t.publish(TOPIC, b"FL\x07\x01" + bytes(32) + b"not zstd")
     sender_t.publish(TOPIC, b"")
     status = Message(fleet="lab", sender="coordinator", body=DeviceStatus(state="online"))
     Channel(sender_t).send(TOPIC, status)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from protocol.chunking import CHUNK_HEADER_SIZE, Reassembler, read_chunk_header, split_frame
 from protocol.errors import DecodeError, EncodeError
 
-HEADER = b"FL\x06\x01"
+HEADER = b"FL\x07\x01"
 
 
 def frame_of(size: int, seed: int = 0) -> bytes:

@@ -89,7 +89,7 @@ def test_inspect_reassembles_chunks_given_in_any_order() -> None:
     assert single["frame"] == "chunk" and single["index"] == 1 and single["count"] == 5
 
 
-@pytest.mark.parametrize("payload", [b"", b"hello", b"FL\x06\x01" + b"\0" * 72, b"FL\x07\x01xx"])
+@pytest.mark.parametrize("payload", [b"", b"hello", b"FL\x07\x01" + b"\0" * 72, b"FL\x07\x01xx"])
 def test_bad_input_exits_2_with_one_line_and_no_traceback(payload: bytes) -> None:
     done = run("inspect", "-", stdin=payload)
     assert done.returncode == 2

@@ -19,7 +19,7 @@ CASES = cases()
 def frame_of(envelope: dict[str, object]) -> bytes:
     raw = msgpack.packb(envelope, use_bin_type=True)
     return (
-        b"FL\x06\x01"
+        b"FL\x07\x01"
         + bytes(32)
         + zstandard.ZstdCompressor(level=3, write_checksum=True).compress(raw)
     )

@@ -56,7 +56,7 @@ def decode_or_decode_error(frame: bytes) -> Message | None:
 @given(st.binary(max_size=2048))
 def test_random_bytes(data: bytes) -> None:
     decode_or_decode_error(data)
-    decode_or_decode_error(b"FL\x06\x01" + bytes(32) + data)
+    decode_or_decode_error(b"FL\x07\x01" + bytes(32) + data)
 
 
 @FUZZ
@@ -72,7 +72,7 @@ def test_mutated_envelopes_behind_a_valid_zstd_frame(
 ) -> None:
     raw = mutate(ENVELOPES[index], edits)
     decode_or_decode_error(
-        b"FL\x06\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+        b"FL\x07\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
     )
 
 
@@ -102,7 +102,7 @@ def test_arbitrary_msgpack_values_as_bodies(body: object) -> None:
             else {k: v for k, v in env["body"].items() if k != "kind"}
         )
         frame = (
-            b"FL\x06\x01"
+            b"FL\x07\x01"
             + bytes(32)
             + zstandard.ZstdCompressor(write_checksum=True).compress(msgpack.packb(env))
         )

@@ -51,7 +51,7 @@ def test_golden_frames_still_decode(name: str) -> None:
     assert message == CASES[name]
     assert codec.decompress(frame) == (GOLDEN_DIR / f"{name}.msgpack").read_bytes()
     signed = topic_device(GOLDEN_TOPICS[name]) is None  # fleet-wide: type 0x03
-    assert frame[:4] == (b"FL\x06\x03" if signed else b"FL\x06\x01")
+    assert frame[:4] == (b"FL\x07\x03" if signed else b"FL\x07\x01")
     body = 68 if signed else 36  # after the 64-byte signature or the 32-byte tag
     # the zstd frame: magic, then a descriptor with Frame_Content_Size present (bits 6-7
     # or Single_Segment), Content_Checksum_flag (bit 2) set and no Dictionary_ID (bits 0-1)
@@ -108,7 +108,7 @@ def test_chunk_frames_are_frozen_and_reassemble() -> None:
     assert [p.read_bytes() for p in golden] == chunks
     count = len(chunks)
     assert count == -(-len(frame) // (200 - 100))
-    assert chunks[1][:4] == b"FL\x06\x02"
+    assert chunks[1][:4] == b"FL\x07\x02"
     assert (
         chunks[1][36:100]
         == TRANSFER_ID
@@ -137,7 +137,7 @@ def test_signed_chunk_frames_are_frozen_and_reassemble() -> None:
     assert [p.read_bytes() for p in golden] == chunks
     signed_length = len(frame) + 32  # a 64-byte signature in place of the 32-byte tag
     assert len(chunks) == -(-signed_length // (200 - 132))
-    assert chunks[1][:4] == b"FL\x06\x04"
+    assert chunks[1][:4] == b"FL\x07\x04"
     assert chunks[1][68:84] == TRANSFER_ID
     assert chunks[1][84:100] == bytes.fromhex(f"00000001{len(chunks):08x}{signed_length:016x}")
     for chunk in chunks:
@@ -146,7 +146,7 @@ def test_signed_chunk_frames_are_frozen_and_reassemble() -> None:
     outputs = [reassembler.feed("t", c) for c in chunks]
     whole = outputs[-1]
     assert outputs[:-1] == [None] * (len(chunks) - 1) and whole is not None
-    assert whole[:4] == b"FL\x06\x03" and hashlib.sha256(whole).digest() == chunks[0][100:132]
+    assert whole[:4] == b"FL\x07\x03" and hashlib.sha256(whole).digest() == chunks[0][100:132]
     public.verify(BROADCAST_TOPIC, whole)
     assert Codec().decode(whole) == CASES["model"]
 

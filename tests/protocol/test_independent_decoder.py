@@ -32,6 +32,7 @@ from tests.protocol.golden_cases import (
     GOLDEN_TOPICS,
     STUDENT_FINGERPRINT,
     TRANSFER_ID,
+    TRANSFER_SENT_MS,
     cases,
 )
 
@@ -145,6 +146,7 @@ def test_golden_chunks_reassemble_in_any_order_with_duplicates() -> None:
     # Assert
     assert rebuilt == frame
     assert {(h.transfer_id, h.count, h.total_size) for h in heads} == {(TRANSFER_ID, 5, len(frame))}
+    assert {h.sent_ms for h in heads} == {TRANSFER_SENT_MS}  # 2027-01-01, UTC
     assert [h.index for h in heads] == [0, 1, 2, 3, 4]
     # the maximum (200 here) includes the 100-byte chunk header (section 2.2)
     assert [len(c) for c in chunks] == [200, 200, 200, 200, len(frame) - 4 * 100 + 100]
@@ -237,7 +239,7 @@ def _with_tensor_data(data: bytes, tensor: list[object]) -> bytes:
     )
     env["body"]["sets"]["m"]["tensors"] = [[*tensor[:5], data, *tensor[6:]]]  # type: ignore[index]
     raw = msgpack.packb(env, use_bin_type=True)
-    return b"FL\x06\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    return b"FL\x07\x01" + bytes(32) + zstandard.ZstdCompressor(write_checksum=True).compress(raw)
 
 
 def _streamed(raw: bytes) -> bytes:
@@ -256,9 +258,9 @@ def _bad_frames() -> dict[str, bytes]:
     return {
         "version 3": b"FL\x03\x01" + ack[36:],
         "version 5": b"FL\x05\x01" + ack[4:],
-        "frame type 5": b"FL\x06\x05" + ack[4:],
-        "no checksum": b"FL\x06\x01" + bytes(32) + zstandard.ZstdCompressor().compress(raw),
-        "no content size": b"FL\x06\x01" + bytes(32) + _streamed(raw),
+        "frame type 5": b"FL\x07\x05" + ack[4:],
+        "no checksum": b"FL\x07\x01" + bytes(32) + zstandard.ZstdCompressor().compress(raw),
+        "no content size": b"FL\x07\x01" + bytes(32) + _streamed(raw),
         "corrupt checksum": ack[:-1] + bytes([ack[-1] ^ 1]),
         # Dictionary_ID_flag 1 with a 1-byte Dictionary_ID of 0: zstd itself would accept it
         "dictionary flag": ack[:40] + bytes([ack[40] | 1, 0]) + ack[41:],

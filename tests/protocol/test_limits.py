@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import numpy as np
 import pytest
 import zstandard
 
-from protocol.chunking import Reassembler, split_frame
+from protocol.chunking import Reassembler, split_frame, transfer_sent_ms
 from protocol.codec import Codec
 from protocol.errors import DecodeError, QuotaError
 from protocol.limits import DecodeLimits, ReassemblyLimits
@@ -15,7 +17,7 @@ from protocol.messages import Message, ModelPayload
 from protocol.tensors import encode_array
 from protocol.tensorset import TensorSet, encode_tensors
 
-HEADER = b"FL\x06\x01" + bytes(32)
+HEADER = b"FL\x07\x01" + bytes(32)
 
 
 def model_frame(arrays: dict[str, np.ndarray], sets: int = 1, precision: str = "fp32") -> bytes:
@@ -269,11 +271,81 @@ def test_timeout_drops_stalled_transfers() -> None:
     assert outs[-1] == frame
 
 
-def test_remember_completed_bounds_the_redelivery_memory() -> None:
-    r = Reassembler(ReassemblyLimits(remember_completed=1))
-    first = chunks_of(2500, seed=1)[1]
-    second = chunks_of(2500, seed=2)[1]
-    assert [r.feed("a", c) for c in first][-1] is not None
-    assert r.feed("a", first[0]) is None and r.pending_transfers == 0  # remembered
-    assert [r.feed("a", c) for c in second][-1] is not None
-    assert r.feed("a", first[0]) is None and r.pending_transfers == 1  # forgotten: restarts
+def test_remember_dropped_bounds_the_memory_of_dropped_transfers() -> None:
+    # Prepare: room for one byte of chunk data per source, so each transfer is dropped
+    r = Reassembler(ReassemblyLimits(remember_dropped=1, max_source_bytes=1))
+    first, second = chunks_of(2500, seed=1)[1], chunks_of(2500, seed=2)[1]
+    for transfer in (first, second):
+        with pytest.raises(QuotaError):
+            r.feed("a", transfer[0])
+    # Execute / Assert: the newest dropped transfer is remembered (its chunk ignored), the
+    # one before it forgotten (its chunk is refused again: one error more, no buffer)
+    assert r.feed("a", second[1]) is None and r.pending_transfers == 0
+    with pytest.raises(QuotaError):
+        r.feed("a", first[1])
+
+
+def test_chunks_of_a_completed_transfer_are_ignored_by_their_send_time() -> None:
+    # Prepare: two transfers of one source completed, a third in flight
+    r = Reassembler()
+    old, done = chunks_of(2500, seed=1)[1], chunks_of(2500, seed=2)[1]
+    live_frame, live = chunks_of(2500, seed=3)
+    assert [r.feed("a", c) for c in old][-1] is not None
+    assert [r.feed("a", c) for c in done][-1] is not None
+    assert r.feed("a", live[0]) is None and r.pending_transfers == 1
+    # Execute: the completed transfers replayed whole, then the rest of the live one
+    replays = [r.feed("a", c) for c in [*old, *done, *reversed(old)]]
+    rest = [r.feed("a", c) for c in live[1:]]
+    # Assert: nothing of the replays took a buffer or completed; another source's
+    # transfers are not ordered by this one's
+    assert replays == [None] * len(replays)
+    assert rest[-1] == live_frame and r.pending_transfers == 0
+    assert [r.feed("b", c) for c in old][-1] is not None
+
+
+def test_replayed_transfers_never_evict_a_newer_one_in_flight() -> None:
+    # Prepare: a source's quota of 2 transfers; earlier genuine transfers recorded
+    r = Reassembler(ReassemblyLimits(max_source_transfers=2))
+    recorded = [chunks_of(2500, seed=s)[1] for s in range(4)]
+    live_frame, live = chunks_of(2500, seed=9)
+    r.feed("a", live[0])
+    # Execute: the first chunks of every recorded transfer (sent before the live one)
+    replays = [r.feed("a", t[0]) for t in recorded]
+    rest = [r.feed("a", c) for c in live[1:]]
+    # Assert: each was refused room (never stored), the live transfer completes
+    assert replays == [None] * 4
+    assert rest[-1] == live_frame and r.pending_transfers == 0
+
+
+def test_a_newer_transfer_evicts_the_one_sent_first() -> None:
+    # Prepare: a quota of 2, filled by two transfers
+    r = Reassembler(ReassemblyLimits(max_source_transfers=2))
+    first, second, third = (chunks_of(2500, seed=s) for s in range(3))
+    r.feed("a", first[1][0])
+    r.feed("a", second[1][0])
+    # Execute: a third, newer transfer
+    r.feed("a", third[1][0])
+    # Assert: the one sent first was evicted (its chunks now ignored)
+    assert r.feed("a", first[1][1]) is None and r.pending_transfers == 2
+    assert [r.feed("a", c) for c in second[1][1:]][-1] == second[0]
+    assert [r.feed("a", c) for c in third[1][1:]][-1] == third[0]
+
+
+def test_max_transfer_age_ignores_transfers_sent_before_the_window() -> None:
+    # Prepare: a receiver whose clock is 11 s past the transfers' send time
+    frame, chunks = chunks_of(2500)
+    sent_s = transfer_sent_ms(chunks[0][36:52]) / 1000
+    late = Reassembler(ReassemblyLimits(max_transfer_age_s=10), wall_clock=lambda: sent_s + 11)
+    on_time = Reassembler(ReassemblyLimits(max_transfer_age_s=10), wall_clock=lambda: sent_s + 9)
+    # Execute / Assert
+    assert [late.feed("a", c) for c in chunks] == [None] * len(chunks)
+    assert late.pending_transfers == 0
+    assert [on_time.feed("a", c) for c in chunks][-1] == frame
+
+
+def test_transfer_ids_carry_strictly_increasing_send_times() -> None:
+    frame = HEADER + bytes(3000)
+    ids = [split_frame(frame, 1000)[0][36:52] for _ in range(50)]
+    times = [transfer_sent_ms(i) for i in ids]
+    assert times == sorted(set(times))  # strictly increasing, even within a millisecond
+    assert abs(times[0] / 1000 - time.time()) < 60

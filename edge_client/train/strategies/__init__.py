@@ -52,24 +52,38 @@ fedavg and fedgen need exactly one of ``"global"`` and ``"head"``. A task withou
 trains the model as it is. The upload
 (:attr:`~edge_client.train.task.LocalTask.upload`) is the full state or, for fedavg and
 fedgen, the head alone.
+
+What a strategy keeps in the device's learning state across rounds (the ``state`` of
+:meth:`~.strategy.DeviceStrategy.prepare`) is persisted with the device's model:
+:func:`learning_state_entries` turns it into what
+:class:`~edge_client.train.client_state.DeviceStore` writes, :func:`restore_learning_state`
+turns that back. Only FedKF keeps anything (its image generator and its Adam state,
+:data:`~.fedkf.GENERATOR_STATE_KEY`); the other strategies start every round from the
+received sets, the device's model and the round's seed alone. A new piece of learning
+state is its key in :data:`_PERSISTED`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
+
+import torch
 
 from edge_client.errors import TaskError
+from edge_client.train.client_state import LearningStateEntry
 from edge_client.train.strategies.dense import Dense
 from edge_client.train.strategies.fedavg import FedAvg
 from edge_client.train.strategies.fedavg_oca import FedAvgOCA
 from edge_client.train.strategies.feddf import FedDF
 from edge_client.train.strategies.fedgen import FedGen
-from edge_client.train.strategies.fedkf import FedKF
+from edge_client.train.strategies.fedkf import GENERATOR_STATE_KEY, FedKF, LocalImageGenerator
 from edge_client.train.strategies.fedprox import FedProx
 from edge_client.train.strategies.strategy import DeviceStrategy
+from models import Classifier
 
-__all__ = ["device_strategy", "strategy_names"]
+__all__ = ["device_strategy", "learning_state_entries", "restore_learning_state", "strategy_names"]
 
 _STRATEGIES: Mapping[str, DeviceStrategy] = MappingProxyType(
     {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedDF, Dense, FedProx, FedKF, FedGen)}
@@ -93,3 +107,44 @@ def device_strategy(name: str) -> DeviceStrategy:
     except KeyError:
         known = ", ".join(strategy_names())
         raise TaskError(f"unknown strategy {name!r}; known: {known}") from None
+
+
+_PERSISTED: Mapping[str, type[LocalImageGenerator]] = MappingProxyType(
+    {GENERATOR_STATE_KEY: LocalImageGenerator}
+)
+"""Every key of the learning state and the type of what it holds, which stores itself
+(``entry()``) and is restored from what it stored (``from_entry(entry, model, device)``)."""
+
+
+def learning_state_entries(state: Mapping[str, Any]) -> dict[str, LearningStateEntry]:
+    """The device's learning ``state`` as its store keeps it, by key.
+
+    Raises:
+        TypeError: a key, or the type of what it holds, is not in :data:`_PERSISTED` (a
+            strategy keeps state that would not survive a restart).
+    """
+    entries = {}
+    for key, value in state.items():
+        kind = _PERSISTED.get(key)
+        if kind is None or not isinstance(value, kind):
+            raise TypeError(
+                f"the learning state {key!r} ({type(value).__name__}) has no stored form"
+            )
+        entries[key] = value.entry()
+    return entries
+
+
+def restore_learning_state(
+    entries: Mapping[str, LearningStateEntry], model: Classifier, device: torch.device
+) -> dict[str, Any]:
+    """The learning state stored as ``entries``, for ``model``, on ``device``.
+
+    Raises:
+        ValueError: a key is unknown, or an entry does not fit ``model`` or is damaged.
+    """
+    state: dict[str, Any] = {}
+    for key, entry in entries.items():
+        if key not in _PERSISTED:
+            raise ValueError(f"unknown learning state {key!r}; known: {sorted(_PERSISTED)}")
+        state[key] = _PERSISTED[key].from_entry(entry, model, device)
+    return state

@@ -19,7 +19,10 @@ Step 1 runs in :meth:`FedKFHook.before_batch`, step 2's distillation term in
 batched engine) takes each device's generator step with its own Adam state and adds the
 same :func:`~models.losses.distillation_kl`, and groups the devices of a step by batch
 size (G's BatchNorm sees the whole batch). G is never uploaded: it stays in the device's
-learning state across rounds together with its Adam moments (:func:`local_image_generator`).
+learning state across rounds together with its Adam moments (:func:`local_image_generator`),
+and is persisted with the device's model (:meth:`LocalImageGenerator.entry`,
+:meth:`LocalImageGenerator.from_entry`; ``learning_state.npz``,
+:mod:`edge_client.train.client_state`), so a restarted device goes on with the same G.
 
 Sets (:class:`FedKF`): ``"student"`` (required), ``"teacher"`` (optional; absent, the
 teacher is a frozen copy of the received student: FedKF-). ``gamma`` 0: FedAvg on the
@@ -46,8 +49,10 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import numpy.typing as npt
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from edge_client.errors import TaskError
@@ -61,6 +66,7 @@ from edge_client.train.batched import (
     unprefixed,
     write_back,
 )
+from edge_client.train.client_state import LearningStateEntry
 from edge_client.train.strategies.strategy import (
     DeviceStrategy,
     SetSpec,
@@ -77,6 +83,7 @@ from models import (
     build_generator,
     load_state_arrays,
     seeded,
+    state_arrays,
     state_shapes,
 )
 from models.classifiers import FEATURES_PREFIX, HEAD_PREFIX
@@ -133,6 +140,27 @@ def _noise_dim(config: TrainConfig) -> int:
     return config.generator_noise_dim or DEFAULT_NOISE_DIM
 
 
+_MODULE, _EXP_AVG, _EXP_AVG_SQ = "module/", "exp_avg/", "exp_avg_sq/"
+"""Prefixes of a stored generator's arrays: G's state (BatchNorm buffers included) and
+its Adam moments, by G's parameter names."""
+
+
+class _StoredGenerator(BaseModel):
+    """The settings of a stored :class:`LocalImageGenerator`: its build signature (the
+    device left out: it is the one it is restored on) and its Adam optimizer's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    noise_dim: int
+    image_size: int
+    channels: int
+    width: int
+    lr: float
+    betas: list[float] = Field(min_length=2, max_length=2)
+    eps: float
+    steps: list[int]
+
+
 @dataclass(eq=False)
 class LocalImageGenerator:
     """The device's image generator G with its Adam optimizer, kept across rounds."""
@@ -141,14 +169,93 @@ class LocalImageGenerator:
     """G: noise (B, noise_dim) -> images (B, C, H, W) in [0, 1]; always in train mode."""
     optimizer: Adam
     """Adam over G's parameters; its moments persist with G."""
-    signature: tuple[object, ...]
-    """What G was built for (noise width, image shape, width, device); a round whose
+    signature: tuple[int, int, int, int, str]
+    """What G was built for (noise width, image size, channels, width, device); a round whose
     config or model differs in any of them rebuilds G."""
 
     @property
     def device(self) -> torch.device:
         """Where G's parameters are."""
         return self.module.project.weight.device
+
+    def entry(self) -> LearningStateEntry:
+        """G's state, its Adam moments and step counts and its build signature, as the
+        device's store keeps them (:class:`~edge_client.train.client_state.DeviceStore`)."""
+        noise_dim, image_size, channels, width, _device = self.signature
+        optimizer = self.optimizer
+        arrays = {_MODULE + name: value for name, value in state_arrays(self.module).items()}
+        names = [name for name, _ in self.module.named_parameters()]
+        for index, name in enumerate(names):
+            arrays[_EXP_AVG + name] = _numpy(optimizer.exp_avg[index])
+            arrays[_EXP_AVG_SQ + name] = _numpy(optimizer.exp_avg_sq[index])
+        settings = _StoredGenerator(
+            noise_dim=noise_dim,
+            image_size=image_size,
+            channels=channels,
+            width=width,
+            lr=optimizer.lr,
+            betas=list(optimizer.betas),
+            eps=optimizer.eps,
+            steps=list(optimizer.steps),
+        )
+        return LearningStateEntry(settings.model_dump(), arrays)
+
+    @classmethod
+    def from_entry(
+        cls, entry: LearningStateEntry, model: Classifier, device: torch.device
+    ) -> LocalImageGenerator:
+        """The generator :meth:`entry` stored, on ``device``, for ``model``'s images.
+
+        Raises:
+            ValueError: the entry is not a generator for ``model``'s image size and
+                channels, or its arrays do not fit the generator its settings describe.
+        """
+        try:
+            stored = _StoredGenerator.model_validate(dict(entry.settings))
+        except ValidationError as exc:
+            raise ValueError(f"not the settings of a FedKF image generator: {exc}") from None
+        wanted = (model.config.image_size, model.config.in_channels)
+        if (stored.image_size, stored.channels) != wanted:
+            raise ValueError(
+                f"the FedKF image generator makes {stored.channels}x{stored.image_size}"
+                f"x{stored.image_size} images, the model takes {wanted[1]}x{wanted[0]}x{wanted[0]}"
+            )
+        with torch.device("meta"):  # every tensor comes from the entry: no RNG used
+            module = build_generator(
+                "image",
+                noise_dim=stored.noise_dim,
+                image_size=stored.image_size,
+                channels=stored.channels,
+                base_channels=stored.width,
+            )
+        module = module.to_empty(device=device)
+        load_state_arrays(module, _prefixed(entry.arrays, _MODULE))  # StateMismatchError
+        betas = (stored.betas[0], stored.betas[1])
+        optimizer = Adam(module.parameters(), lr=stored.lr, betas=betas, eps=stored.eps)
+        names = [name for name, _ in module.named_parameters()]
+        moments = (_prefixed(entry.arrays, _EXP_AVG), _prefixed(entry.arrays, _EXP_AVG_SQ))
+        if any(set(values) != set(names) for values in moments) or len(stored.steps) != len(names):
+            raise ValueError("the FedKF generator's Adam state does not name its parameters")
+        for index, (name, param) in enumerate(zip(names, optimizer.params, strict=True)):
+            for values, kept in zip(
+                moments, (optimizer.exp_avg, optimizer.exp_avg_sq), strict=True
+            ):
+                value = values[name]
+                if value.shape != tuple(param.shape) or value.dtype != np.float32:
+                    raise ValueError(
+                        f"Adam moment of {name!r}: {value.dtype} {value.shape}, "
+                        f"expected float32 {tuple(param.shape)}"
+                    )
+                kept[index] = torch.from_numpy(value.copy()).to(device=device, dtype=param.dtype)
+        optimizer.steps = list(stored.steps)
+        signature = (
+            stored.noise_dim,
+            stored.image_size,
+            stored.channels,
+            stored.width,
+            str(device),
+        )
+        return cls(module, optimizer, signature)
 
     def noise(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """Noise ``z ~ N(0, I)`` of shape (batch_size, noise_dim), drawn on the CPU from
@@ -188,6 +295,16 @@ class LocalImageGenerator:
         self.module.train()
         with torch.no_grad():
             return self.module(self.noise(batch_size, generator))  # type: ignore[no-any-return]
+
+
+def _numpy(tensor: torch.Tensor) -> npt.NDArray[Any]:
+    """A CPU numpy copy of ``tensor``."""
+    return tensor.detach().cpu().numpy().copy()
+
+
+def _prefixed(arrays: Mapping[str, npt.NDArray[Any]], prefix: str) -> dict[str, npt.NDArray[Any]]:
+    """The arrays whose names start with ``prefix``, by the rest of their names."""
+    return {name[len(prefix) :]: v for name, v in arrays.items() if name.startswith(prefix)}
 
 
 def local_image_generator(

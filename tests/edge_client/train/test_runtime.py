@@ -275,7 +275,7 @@ def test_bad_and_foreign_input_changes_nothing(
     caplog.set_level(logging.WARNING, logger="edge_client")
 
     coordinator.transport.publish(task_topic, b"garbage bytes")
-    coordinator.transport.publish(task_topic, b"FL\x06\x01" + b"\0" * 72)
+    coordinator.transport.publish(task_topic, b"FL\x07\x01" + b"\0" * 72)
     foreign_task = Message(
         fleet="other",
         sender="coordinator",

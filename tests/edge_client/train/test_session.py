@@ -280,6 +280,33 @@ def test_a_task_whose_deadline_passed_long_ago_is_refused_and_changes_nothing() 
     assert of(deliver(session, late_but_close.model_copy(update={"body": body})), RunJob)
 
 
+def test_a_task_sent_before_the_newest_task_taken_is_refused_also_after_a_restart() -> None:
+    # Prepare: a genuine task recorded earlier (round 9 of an earlier run, its deadline
+    # still close), then the device takes this run's round-1 task and handles it
+    session = make_session()
+    old_model, model = model_message(9), model_message(1)
+    recorded = task_message(old_model, 9)
+    time.sleep(0.002)
+    current = task_message(model, 1)
+    deliver(session, model)
+    send = train_to_update(session, current, model)
+    (save,) = of(session.handle(UpdateSent(current.message_id, ok=True)), SaveState)
+    deliver(session, inbox(Ack(accepted=True, ref=send.message.message_id)))
+    # Execute: the recorded task replayed, to the device and to its restarted self
+    deliver(session, old_model)
+    refused = deliver(session, recorded)
+    restarted = make_session(saved=save.saved)
+    deliver(restarted, old_model)
+    refused_after_restart = deliver(restarted, recorded)
+    # Assert: neither trains it nor remembers it; the send time was persisted
+    assert save.saved.newest_task_ms == current.sent_at_ms
+    assert refused == [] and refused_after_restart == []
+    assert recorded.message_id not in restarted.handled
+    newer_model = model_message(2)
+    deliver(restarted, newer_model)
+    assert of(deliver(restarted, task_message(newer_model, 2)), RunJob)  # a newer one runs
+
+
 def test_one_job_at_a_time_and_stale_tasks_are_skipped() -> None:
     session = make_session()
     first, second = model_message(0), model_message(0)

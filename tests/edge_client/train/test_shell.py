@@ -106,6 +106,9 @@ class Recorder:
         self._record("trained_model")
         return self.model
 
+    def learning_state(self) -> dict[str, Any]:
+        return {}  # read with the trained model, not recorded apart
+
     def stop(self) -> None:
         self._record("stop")
 
