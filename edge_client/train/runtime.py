@@ -175,6 +175,8 @@ class EdgeClient:
         self._stopped = threading.Event()
         self._last_error: Exception | None = None
         transfer = TransferState(config.state_dir, fsync=config.fsync_state)
+        unacked = None if store is None else store.load_unacked(config.fleet, config.device_id)
+        transfer.recover(unacked)
         self._trainer = LocalTrainer(
             model,
             data,
@@ -197,7 +199,7 @@ class EdgeClient:
             memory_bytes=total_memory_bytes(),
             held_base=transfer.held_fingerprint,
             saved=None if store is None else store.load_state(),
-            unacked=None if store is None else store.load_unacked(config.fleet, config.device_id),
+            unacked=unacked,
         )
         self._shell = DeviceShell(self._session, _Effects(self), store=store, lock=self._lock)
         if self._session.restored and store is not None:

@@ -10,7 +10,14 @@
 * **Error feedback.** A lossy upload is ``trained - received`` plus the residual the
   previous upload's quantization lost; the new residual is kept (``residual.npz``), so
   the sum of what the coordinator receives tracks the sum of the true deltas within one
-  quantization step, however many rounds pass.
+  quantization step, however many rounds pass. The new residual is staged
+  (``residual.staged.npz``, with the content fingerprint of the upload it belongs to)
+  until the update is sent, then takes the old one's place (a rename: ``residual.npz``
+  keeps that ``__upload__`` entry, which reading it drops). A device killed
+  in between restarts with that update unacknowledged and sends it again
+  (:meth:`TransferState.recover`): the staged residual is kept when it belongs to that
+  very update, dropped otherwise, so the next upload is the one an uninterrupted device
+  would send.
 
 Numpy only; no torch.
 """
@@ -18,6 +25,7 @@ Numpy only; no torch.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +37,10 @@ from edge_client.train.client_state import read_model, write_model
 from protocol.arrays import content_fingerprint
 from protocol.deltas import decode_sets, encode_delta
 from protocol.errors import EncodeError
-from protocol.messages import UploadSpec
+from protocol.messages import Message, Update, UploadSpec
 from protocol.tensorset import TensorSet, encode_tensors
 
-__all__ = ["BASE_FILE", "RESIDUAL_FILE", "TransferState"]
+__all__ = ["BASE_FILE", "RESIDUAL_FILE", "STAGED_FILE", "TransferState"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,10 @@ BASE_FILE = "base.npz"
 """The model the device holds from its last task (the base of downlink deltas)."""
 RESIDUAL_FILE = "residual.npz"
 """The uplink quantization residual (error feedback)."""
+STAGED_FILE = "residual.staged.npz"
+"""The residual of the last lossy upload encoded, until that upload is sent."""
+_UPLOAD_KEY = "__upload__"
+"""The staged file's entry naming its upload (the content fingerprint of its values)."""
 
 
 class TransferState:
@@ -117,6 +129,9 @@ class TransferState:
         self._staged = encoded.residual
         if commit:
             self.commit_upload()
+        elif self._dir is not None:
+            key = np.array(_upload_key(encoded.tensors))
+            self._write(STAGED_FILE, {**encoded.residual, _UPLOAD_KEY: key})
         return encoded.tensors
 
     def commit_upload(self) -> None:
@@ -124,7 +139,50 @@ class TransferState:
         if self._staged is None:
             return
         self._residual, self._staged = self._staged, None
-        self._write(RESIDUAL_FILE, self._residual)
+        if self._dir is not None and (self._dir / STAGED_FILE).exists():
+            self._promote()
+        else:
+            self._write(RESIDUAL_FILE, self._residual)
+
+    def recover(self, unacked: Message | None) -> None:
+        """At a restart: keep the staged residual if it belongs to ``unacked``, the update
+        the device will send again (it was encoded, perhaps sent, never acknowledged);
+        drop it otherwise (its upload was never persisted, so it is never sent)."""
+        if self._dir is None or not (self._dir / STAGED_FILE).exists():
+            return
+        staged = self._read(STAGED_FILE)
+        key = None if staged is None else staged.pop(_UPLOAD_KEY, None)
+        body = None if unacked is None else unacked.body
+        weights = body.sets.get("weights") if isinstance(body, Update) else None
+        if (
+            staged is not None
+            and key is not None
+            and weights is not None
+            and str(key) == _upload_key(weights)
+        ):
+            self._residual = staged
+            self._promote()
+            logger.info("kept the residual of the unacknowledged update, sent again")
+            return
+        try:
+            (self._dir / STAGED_FILE).unlink()
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", self._dir / STAGED_FILE, exc)
+
+    def _promote(self) -> None:
+        """The staged file becomes the residual file (atomic rename, then the folder's
+        fsync)."""
+        assert self._dir is not None
+        try:
+            os.replace(self._dir / STAGED_FILE, self._dir / RESIDUAL_FILE)
+            if self._fsync:
+                fd = os.open(self._dir, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            logger.warning("could not keep the residual in %s: %s", self._dir, exc)
 
     # -- persistence -------------------------------------------------------------------
 
@@ -134,10 +192,13 @@ class TransferState:
         if not path.exists():
             return None
         try:
-            return read_model(path)
+            arrays = read_model(path)
         except (OSError, ValueError) as exc:
             logger.warning("ignored the unreadable %s: %s", path, exc)
             return None
+        if name == RESIDUAL_FILE:
+            arrays.pop(_UPLOAD_KEY, None)  # a promoted staged file names its upload
+        return arrays
 
     def _write(self, name: str, arrays: Mapping[str, Array]) -> None:
         if self._dir is None:
@@ -146,6 +207,11 @@ class TransferState:
             write_model(self._dir / name, arrays, fsync=self._fsync)
         except OSError as exc:
             logger.warning("could not save %s: %s", self._dir / name, exc)
+
+
+def _upload_key(tensors: TensorSet) -> str:
+    """What names an upload in the staged file: the content fingerprint of its values."""
+    return content_fingerprint(tensors.to_arrays())
 
 
 def _fits(residual: Mapping[str, Array] | None, weights: Mapping[str, Array]) -> bool:
