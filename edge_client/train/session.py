@@ -214,6 +214,7 @@ class DeviceSession:
         self._resends = 0  # times _unacked was sent again for want of an ack
         self._seen_live_coordinator = False  # a starting / waiting / running status came
         self._newest_status_ms = -1  # send time of the newest coordinator status taken
+        self._newest_will_ms = -1  # send time of the newest coordinator's will (stopped)
         self.restored = False
         """Whether ``saved`` was taken (the shell then resumes the saved model too)."""
         if saved is not None:
@@ -435,6 +436,15 @@ class DeviceSession:
         if message.fleet != self.config.fleet or not isinstance(status, CoordinatorStatus):
             logger.warning("ignored a %s (fleet %r) on %s", message.kind, message.fleet, topic)
             return []
+        if status.state == "stopped":
+            # the coordinator's last will, signed when it connected: older than the
+            # statuses that followed, so it is ordered only among the wills
+            if message.sent_at_ms <= self._newest_will_ms:
+                logger.debug("ignored a coordinator's last will seen before (a replay)")
+                return []
+            self._newest_will_ms = message.sent_at_ms
+            logger.info("the coordinator stopped (or crashed); waiting for it to come back")
+            return []
         if message.sent_at_ms < self._newest_status_ms:
             logger.warning(
                 "ignored a coordinator status %s sent before the newest one (a replay)",
@@ -448,9 +458,7 @@ class DeviceSession:
         if status.state == "starting":  # perhaps a new run, numbering rounds from 0 again
             self._last_round = -1
             return self._announce() + self._resend_unacked()
-        if status.state == "stopped":
-            logger.info("the coordinator stopped (or crashed); waiting for it to come back")
-        elif status.state == "finished" and self.config.exit_when_finished:
+        if status.state == "finished" and self.config.exit_when_finished:
             if not self._seen_live_coordinator:
                 logger.info("a run finished before this device started; waiting for a new one")
                 return []

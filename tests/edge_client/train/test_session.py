@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import numpy as np
+import pytest
 
 from edge_client.config import ClientConfig
 from edge_client.train.client_state import SavedState
@@ -473,4 +475,27 @@ def test_a_coordinator_status_older_than_the_newest_is_a_replay_and_ignored() ->
     actions = session.handle(CoordinatorStatusReceived(TOPICS.coordinator_status, stale))
     # Assert: the device does not stop; the real "finished" stops it
     assert actions == []
+    assert of(coordinator(session, "finished"), Stop)
+
+
+def test_the_coordinators_last_will_is_taken_though_older_than_its_statuses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Prepare: the coordinator's will ("stopped") is signed when it connects, so it is
+    # older than the "running" that follows; then the coordinator crashes
+    session = make_session(exit_when_finished=True)
+    will = inbox(CoordinatorStatus(state="stopped"))
+    will = will.model_copy(update={"sent_at_ms": will.sent_at_ms - 5_000})
+    coordinator(session, "running")
+    # Execute: the broker publishes the will, then someone replays it
+    with caplog.at_level(logging.DEBUG, logger="edge_client.train.session"):
+        taken = session.handle(CoordinatorStatusReceived(TOPICS.coordinator_status, will))
+        replayed = session.handle(CoordinatorStatusReceived(TOPICS.coordinator_status, will))
+    # Assert: the crash is reported as such (no replay warning), the replay only at
+    # DEBUG; neither changes what the device does next: a later "finished" stops it
+    assert taken == [] and replayed == []
+    assert [r.levelno for r in caplog.records if "stopped (or crashed)" in r.message] == [
+        logging.INFO
+    ]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert of(coordinator(session, "finished"), Stop)
