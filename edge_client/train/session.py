@@ -18,7 +18,8 @@ turn comes.
 Task rules:
 
 * A :class:`RoundTask` names the model message holding its sets; the two may arrive in
-  either order. The last ``max_buffered_models`` model messages are kept; a task waits
+  either order. The ``max_buffered_models`` model messages sent last (by their envelope
+  ``ts``: a replayed older one never evicts a newer one) are kept; a task waits
   for its model up to ``task_timeout_s`` (at most ``max_pending_tasks`` wait).
 * Duplicate tasks (handled, queued, running or waiting) are ignored; a duplicate of the
   task whose update is unacknowledged sends that update again. Tasks for a round older
@@ -198,7 +199,8 @@ class DeviceSession:
         self._label_counts = label_counts
         self._memory_bytes = memory_bytes
         self._held_base = held_base
-        self._models: OrderedDict[str, ModelPayload] = OrderedDict()
+        self._models: dict[str, tuple[int, ModelPayload]] = {}
+        """The model messages buffered: id -> (send time, payload)."""
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._handled: OrderedDict[str, None] = OrderedDict()
         self._queue: deque[DecodeJob] = deque()  # tasks waiting for the trainer
@@ -351,7 +353,7 @@ class DeviceSession:
         if model_id is None:
             return self._enqueue(DecodeJob(message, task))
         if model_id in self._models:
-            return self._enqueue(DecodeJob(message, task, dict(self._models[model_id].sets)))
+            return self._enqueue(DecodeJob(message, task, dict(self._models[model_id][1].sets)))
         self._pending[task_id] = _Pending(message, task, now + self.config.task_timeout_s)
         while len(self._pending) > self.config.max_pending_tasks:
             _, dropped = self._pending.popitem(last=False)
@@ -364,11 +366,16 @@ class DeviceSession:
         if model_id in self._models:
             logger.debug("ignored duplicate model message %s", model_id)
             return []
-        self._models[model_id] = payload
-        while len(self._models) > self.config.max_buffered_models:
-            self._models.popitem(last=False)
-        actions: list[Action] = []
+        sent = message.sent_at_ms
         ready = [p for p in self._pending.values() if p.task.model_message == model_id]
+        full = len(self._models) >= self.config.max_buffered_models
+        if not ready and full and sent < min(t for t, _ in self._models.values()):
+            logger.debug("ignored model message %s: older than every one buffered", model_id)
+            return []
+        self._models[model_id] = (sent, payload)
+        while len(self._models) > self.config.max_buffered_models:
+            del self._models[min(self._models, key=lambda k: self._models[k][0])]
+        actions: list[Action] = []
         for pending in ready:
             del self._pending[pending.message.message_id]
             actions += self._enqueue(DecodeJob(pending.message, pending.task, dict(payload.sets)))

@@ -499,3 +499,27 @@ def test_the_coordinators_last_will_is_taken_though_older_than_its_statuses(
     ]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert of(coordinator(session, "finished"), Stop)
+
+
+def test_replayed_older_models_never_evict_the_round_s_model_from_the_buffer() -> None:
+    # Prepare: model messages of earlier rounds, recorded; this round's model buffered
+    session = make_session(max_buffered_models=2)
+    recorded = [model_message(r).model_copy(update={"sent_at_ms": r}) for r in range(1, 6)]
+    current = model_message(6)
+    deliver(session, current)
+    # Execute: the attacker replays every recorded model before the task arrives
+    replays = [deliver(session, m) for m in recorded]
+    # Assert: the round's model is still there: its task runs at once
+    assert replays == [[]] * len(recorded)
+    assert of(deliver(session, task_message(current, 6)), RunJob)
+
+
+def test_newer_models_evict_the_one_sent_first() -> None:
+    session = make_session(max_buffered_models=2)
+    first, second, third = (
+        model_message(r).model_copy(update={"sent_at_ms": 1_000 * r}) for r in (1, 2, 3)
+    )
+    for model in (second, first, third):  # the first arrives after the second
+        deliver(session, model)
+    assert not of(deliver(session, task_message(first, 1)), RunJob)  # evicted: it waits
+    assert of(deliver(session, first), RunJob)  # ... for its model, sent again
