@@ -243,11 +243,12 @@ class ReplayGuard:
         self._devices.move_to_end(message.sender)
         if isinstance(body, DeviceStatus) and body.state == "offline":
             # a last will is made at connect time, so it is older than what followed it:
-            # only the same offline message again, or one older than an offline taken
-            # before, is known to be a replay
+            # only the same offline message again, or one not newer than an offline
+            # taken before (also after a restart, when the ids seen are forgotten), is
+            # known to be a replay
             if message.message_id in seen.ids:
                 return Replayed(ReasonCode.REPLAYED, f"offline status {message.message_id} seen")
-            if ts < seen.newest.get("offline", -1):
+            if ts <= seen.newest.get("offline", -1):
                 return Replayed(
                     ReasonCode.REPLAYED, "offline status older than the device's newest one"
                 )

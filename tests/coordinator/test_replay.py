@@ -54,6 +54,12 @@ def test_a_replayed_offline_status_is_refused() -> None:
         assert refused is not None and refused.reason == ReasonCode.REPLAYED
     # a newer one (the next session's will) is taken
     assert guard.check(will.model_copy(update={"sent_at_ms": 6, "message_id": "3" * 32}), 0) is None
+    # after a restart (the ids seen are forgotten) the last one taken is still a replay
+    restarted = ReplayGuard(600)
+    restarted.restore(guard.snapshot())
+    again = will.model_copy(update={"sent_at_ms": 6, "message_id": "3" * 32})
+    refused = restarted.check(again, 0)
+    assert refused is not None and refused.reason == ReasonCode.REPLAYED
 
 
 def test_the_offline_of_an_earlier_session_replayed_later_is_refused() -> None:
