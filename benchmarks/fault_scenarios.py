@@ -170,9 +170,10 @@ class Monitor:
             seen.add(head.index)
 
     def tasked(self, device: str) -> list[int]:
-        """Rounds ``device`` got a task in, in order."""
+        """Rounds ``device`` got a task in, in order, each once (a task sent again in its
+        round, to a device that said hello twice, is the same round's)."""
         with self._lock:
-            return [r for d, r in self.tasks if d == device]
+            return list(dict.fromkeys(r for d, r in self.tasks if d == device))
 
     def update_acks(self, device: str | None = None) -> list[tuple[str, int, bool, ReasonCode]]:
         """(device, round of the update, accepted, reason) of every ack of an update."""
