@@ -107,10 +107,22 @@ def report_path(out: Path, run: str, seed: int) -> Path:
     return out / f"{run}-s{seed}.json"
 
 
+def finished_report(path: Path) -> bool:
+    """Whether ``path`` holds the report of a whole run (not of a run interrupted with
+    Ctrl-C, which reports its finished rounds with ``final.interrupted``)."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    final = report.get("final") if isinstance(report, dict) else None
+    return isinstance(final, dict) and final.get("interrupted") is not True
+
+
 def run_sim(path: Path, seed: int, arguments: Sequence[str]) -> None:
     """Run ``python -m sim ARGUMENTS --seed SEED --json-out PATH`` unless ``path``
-    exists, printing the command (the reports of a study survive an interrupted run)."""
-    if path.exists():
+    holds a whole run's report, printing the command (the reports of a study survive an
+    interrupted study; an interrupted run is run again)."""
+    if finished_report(path):
         print(f"# {path} exists, skipped", file=sys.stderr)
         return
     command = [

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paper_studies import LAST, _curve, _mean
+from benchmarks.paper_studies import LAST, _curve, _mean, finished_report
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 COMMON = [
@@ -89,7 +89,7 @@ def run_study(args: argparse.Namespace) -> None:
     for strategy in args.strategies:
         for precision in args.precisions:
             path = report_path(args.out, strategy, precision, args.seed)
-            if path.exists():
+            if finished_report(path):
                 print(f"# {path} exists, skipped", file=sys.stderr)
                 continue
             cmd = command(strategy, precision, args, path)

@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EMBEDDED_PORT_HINT = (
+    "pass --embedded-port 0 for a free one (its URL is logged at start), or "
+    "--broker mqtt://HOST:PORT to use that broker"
+)
+"""What to do when the embedded broker's port is taken (an installed Mosquitto on 1883)."""
+
 _BROKER: dict[str, Any] = {
     "flags": {"url": "--broker", "embedded": "--embedded-broker"},
     "metavars": {"url": "URL"},
@@ -158,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 def run(config: CoordinatorConfig) -> int:
     """Run the job described by ``config``; returns the exit code."""
-    from coordinator.proxy import read_proxy_data
+    from coordinator.proxy import check_proxy_use, read_proxy_data
     from coordinator.runtime import STATUS_FILE, Coordinator, RunStatus
     from coordinator.store import FileStore, MemoryStore, Store
     from protocol.errors import BrokerError, TransportError
@@ -182,12 +188,16 @@ def run(config: CoordinatorConfig) -> int:
                 log.warning("no saved run in %s: starting a fresh run", config.state_dir)
         proxy = None
         if config.proxy_data is not None:
+            check_proxy_use(config.strategy, config.distill_data)  # before reading them
             proxy = read_proxy_data(config.proxy_data, size=config.proxy_size, seed=config.seed)
         url = settings.url
         if settings.embedded:
-            from protocol.transport.broker import EmbeddedBroker
+            from protocol.transport.broker import EmbeddedBroker, PortInUseError
 
-            embedded = EmbeddedBroker(host="127.0.0.1", port=settings.embedded_port).start()
+            try:
+                embedded = EmbeddedBroker(host="127.0.0.1", port=settings.embedded_port).start()
+            except PortInUseError as exc:
+                raise BrokerError(f"{exc}: {EMBEDDED_PORT_HINT}") from exc
             url = embedded.url
             log.info("embedded broker at %s", url)
         assert url is not None

@@ -305,10 +305,11 @@ class CoordinatorConfig(FleetSettings):
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
     proxy_data: Path | None = None
-    """Unlabeled images for server-side distillation (feddf): a .npy file of (N, C, H, W)
-    or (N, H, W) images, uint8 or floats in [0, 1], or a folder holding a dataset's
-    official train files (MNIST, Fashion-MNIST, EMNIST letters, CIFAR-10; labels never
-    read). No device data reaches the server."""
+    """Unlabeled images for server-side distillation (feddf with distill_data proxy; every
+    other strategy refuses them): a .npy file of (N, C, H, W) or (N, H, W) images, uint8
+    or floats in [0, 1], or a folder holding a dataset's official train files (MNIST,
+    Fashion-MNIST, EMNIST letters, CIFAR-10; labels never read), itself or in the
+    dataset's usual subfolder, as data_dir. No device data reaches the server."""
     proxy_size: int | None = Field(default=None, ge=2)
     """Proxy images to use, drawn at random (seeded by the run's seed) from proxy_data
     (unset: all of them)."""

@@ -3,9 +3,11 @@
 The coordinator never sees device data. A run may give it public, unlabeled images of the
 same shape as the devices' (``--proxy-data PATH``: a ``.npy`` array, or a folder holding
 the official train files of any dataset :mod:`models.datafiles` reads, such as EMNIST
-letters; ``--proxy-size N`` draws N of them, seeded by the run's seed): strategies find
-them in :attr:`~coordinator.context.ServerContext.proxy_data`. Labels, where the source
-has them, are never read.
+letters, itself or in the dataset's usual subfolder, as ``--data-dir`` takes them;
+``--proxy-size N`` draws N of them, seeded by the run's seed): strategies find them in
+:attr:`~coordinator.context.ServerContext.proxy_data`. Only strategies that distil on
+the server read them (FedDF with ``--distill-data proxy``); any other refuses them.
+Labels, where the source has them, are never read.
 """
 
 from __future__ import annotations
@@ -26,19 +28,29 @@ if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
     from coordinator.strategies.base import Strategy
 
-__all__ = ["proxy_digest", "proxy_tensor", "read_proxy_data", "server_proxy"]
+__all__ = [
+    "check_proxy_use",
+    "proxy_digest",
+    "proxy_readers",
+    "proxy_tensor",
+    "read_proxy_data",
+    "server_proxy",
+]
 
 
 def read_proxy_data(path: Path, *, size: int | None = None, seed: int = 0) -> npt.NDArray[Any]:
     """The proxy images at ``path``: a ``.npy`` file (``np.save`` of one array; no
-    pickle), or a folder holding a dataset's official train files (its labels are never
-    read). With ``size``: that many of them, drawn at random by ``seed`` (all of them
-    where there are fewer).
+    pickle), or a folder holding a dataset's official train files, itself or in the
+    dataset's usual subfolder (``mnist/``, ``emnist-letters/`` ...: a folder that
+    ``--data-dir`` takes; its labels are never read). With ``size``: that many of them,
+    drawn at random by ``seed`` (all of them where there are fewer).
 
     Raises:
-        ConfigError: nothing readable there: not a plain ``.npy`` array, no dataset the
-            readers know in the folder, or corrupt files.
+        ConfigError: nothing there, or nothing readable: not a plain ``.npy`` array, no
+            dataset the readers know in the folder (or several), or corrupt files.
     """
+    if not path.exists():
+        raise ConfigError(f"--proxy-data: no such file or folder: {path}")
     if path.is_dir():
         try:
             return load_proxy_images(path, size=size, seed=seed)
@@ -63,21 +75,58 @@ def server_proxy(
 
     Raises:
         ConfigError: images that do not fit the models, none for a strategy that
-            distils on them, or some for one that distils on generated images.
+            distils on them, or some for one that would not read them
+            (:func:`check_proxy_use`).
     """
+    if images is not None:
+        check_proxy_use(type(strategy), config.distill_data)
     proxy = None if images is None else proxy_tensor(images, config.in_channels, config.image_size)
     if strategy.needs_proxy_data and proxy is None:
         raise ConfigError(
             f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data "
             "(or --distill-data generator, to distil on generated images instead)"
         )
-    if strategy.refuses_proxy_data and proxy is not None:
+    return proxy
+
+
+def proxy_readers() -> list[str]:
+    """The registry names of the strategies that can distil on proxy data (those with
+    :attr:`~coordinator.strategies.base.Strategy.distills_on_proxy`)."""
+    from coordinator.strategies.registry import STRATEGIES
+
+    return [name for name, cls in STRATEGIES.items() if cls.distills_on_proxy]
+
+
+def check_proxy_use(strategy: str | type[Strategy], distill_data: str) -> None:
+    """Refuse proxy data that a run of ``strategy`` (a registry name or a strategy
+    class) with ``distill_data`` would not read: a strategy that does not distil on
+    the server, or FedDF told to distil on generated images. Cheap: called before the
+    images are read, and again by :func:`server_proxy`. An unknown strategy name passes
+    (building the strategy refuses it).
+
+    Raises:
+        ConfigError: the proxy data would go unused; the message names the strategies
+            that read it.
+    """
+    if isinstance(strategy, str):
+        from coordinator.strategies.registry import STRATEGIES
+
+        if strategy not in STRATEGIES:
+            return
+        strategy = STRATEGIES[strategy]
+    if not strategy.distills_on_proxy:
+        readers = " or ".join(proxy_readers())
         raise ConfigError(
-            f"strategy {strategy.name!r} with --distill-data {config.distill_data} distils on "
+            f"strategy {strategy.name!r} would not read the proxy data: only server-side "
+            f"distillation reads it ({readers}, with --distill-data proxy); leave out "
+            "--proxy-data"
+        )
+    if distill_data != "proxy":
+        raise ConfigError(
+            f"strategy {strategy.name!r} with --distill-data {distill_data} distils on "
             "generated images and would not read the proxy data: leave out --proxy-data, or "
             "use --distill-data proxy"
         )
-    return proxy
 
 
 def proxy_tensor(images: npt.NDArray[Any], channels: int, side: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ Commands:
               the model the coordinator broadcasts after each round (``--broadcast-model``).
     infer     classify images from a ``.npy`` file with an ONNX model; prints one JSON
               object ``{"predictions": [...], "batch": N, "latency_ms": ...}`` to stdout
-              and optionally saves the predictions (or logits) as ``.npy``.
+              and optionally saves the predictions (or logits) as ``.npy``; warns on
+              stderr where the model is a template never filled with trained weights.
     template  write the ONNX template (fp32 or int8) a device renders the fleet's model
               into (needs torch and onnx: the ``server`` extra).
     bundle    build an offline install bundle for a board (see edge_client.bundle.builder).
@@ -431,6 +432,7 @@ def _run_infer(args: argparse.Namespace) -> int:
         raise _CliError(f"input {args.input} is not a single .npy array")
     try:
         classifier = OnnxClassifier(args.model, threads=args.threads)
+        _warn_if_never_trained(args.model)
         start = time.perf_counter()
         logits = classifier.predict_logits(x)
         latency_ms = (time.perf_counter() - start) * 1000.0
@@ -449,6 +451,28 @@ def _run_infer(args: argparse.Namespace) -> int:
     }
     print(json.dumps(result))
     return EXIT_OK
+
+
+NEVER_TRAINED = (
+    "%s: this model was never trained: predictions are meaningless; run `edge_client "
+    "follow` or fill it with trained weights first"
+)
+
+
+def _warn_if_never_trained(model: Path) -> None:
+    """Warn, once, where ``model`` is a template still holding the untrained weights it
+    was exported with (``python -m edge_client template`` writes one; ``follow`` fills
+    it): its predictions are those of a random model, often one class for every input."""
+    from edge_client.serve.template import MAX_TEMPLATE_BYTES, never_trained
+
+    try:
+        if model.stat().st_size > MAX_TEMPLATE_BYTES:
+            return  # larger than any template
+        data = model.read_bytes()
+    except OSError:
+        return  # onnxruntime has read it: a file removed since says nothing of it
+    if never_trained(data):
+        logging.getLogger("edge_client").warning(NEVER_TRAINED, model)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

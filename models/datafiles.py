@@ -4,7 +4,8 @@ IDX files (MNIST, Fashion-MNIST, EMNIST letters; gzip-compressed or plain) and C
 python batches, the latter loaded with an unpickler that resolves only numpy array
 reconstruction, so a crafted file cannot run code. :data:`RELEASES` says where each
 release's files sit and how to decode them; :func:`read_release` reads one split,
-:func:`find_release` names the release whose train files sit in a folder, and
+:func:`find_release` names the release whose train files sit in a folder
+(:func:`find_release_folder` also looks in its usual subfolders), and
 :func:`load_proxy_images` gives a folder's train images, unlabeled, as the server's
 distillation data (the coordinator reads ``--proxy-data DIR`` with it; the emulator's
 datasets are built on :func:`read_release`).
@@ -33,6 +34,7 @@ __all__ = [
     "Release",
     "find_file",
     "find_release",
+    "find_release_folder",
     "load_proxy_images",
     "read_cifar_batch",
     "read_idx_images",
@@ -282,22 +284,65 @@ def find_release(folder: Path) -> str | None:
     return None
 
 
+def find_release_folder(folder: Path) -> tuple[str, Path] | None:
+    """The release whose train images sit in ``folder`` itself or, as a data folder
+    holds them (``--data-dir``), in one of the releases' usual subfolders of it
+    (``mnist``, ``EMNIST/raw``, ``cifar-10-batches-py`` ...), and the folder holding
+    them; None where there is none. A release found in several of its own subfolders
+    is taken from the first, in :attr:`Release.subdirs` order, as :func:`find_file`
+    takes it.
+
+    Raises:
+        DataFileError: ``folder`` does not exist, is not a folder, or holds the files
+            of several releases in their subfolders (the message names them: give one).
+    """
+    if not folder.exists():
+        raise DataFileError(f"no such file or folder: {folder}")
+    if not folder.is_dir():
+        raise DataFileError(f"{folder}: not a folder (give the folder of a dataset's files)")
+    name = find_release(folder)
+    if name is not None:
+        return name, folder
+    found: dict[Path, str] = {}
+    for release in RELEASES.values():
+        for sub in release.subdirs:
+            name = find_release(folder / sub)
+            if name is not None:
+                found.setdefault(folder / sub, name)
+                break
+    if len(found) > 1:
+        where = ", ".join(str(path) for path in found)
+        raise DataFileError(
+            f"{folder} holds the train images of several datasets ({where}): give one of "
+            "these folders"
+        )
+    return next(((name, path) for path, name in found.items()), None)
+
+
 def load_proxy_images(
     folder: str | os.PathLike[str], *, size: int | None = None, seed: int = 0
 ) -> np.ndarray:
-    """The train images of the release whose official files sit in ``folder`` itself,
-    as unlabeled proxy data: float32 ``(N, C, H, W)`` in [0, 1]. Their labels are never
-    used. With ``size``: that many of them, drawn at random (seeded by ``seed``) without
-    replacement, in file order; all of them where the files hold fewer.
+    """The train images of the release whose official files sit in ``folder``, or in
+    one of its usual subfolders (:func:`find_release_folder`: what ``--data-dir``
+    takes), as unlabeled proxy data: float32 ``(N, C, H, W)`` in [0, 1]. Their labels
+    are never used. With ``size``: that many of them, drawn at random (seeded by
+    ``seed``) without replacement, in file order; all of them where the files hold
+    fewer.
 
     Raises:
-        DataFileError: ``folder`` holds no known release, or its files are corrupt.
+        DataFileError: ``folder`` does not exist, holds no known release or several, or
+            its files are corrupt.
     """
     data_dir = Path(folder)
-    name = find_release(data_dir)
-    if name is None:
+    found = find_release_folder(data_dir)
+    if found is None:
         wanted = ", ".join(sorted({r.train[0] for r in RELEASES.values()}))
-        raise DataFileError(f"{data_dir}: no dataset's train images in it (looked for {wanted})")
+        subdirs = ", ".join(sorted({s for r in RELEASES.values() for s in r.subdirs}))
+        raise DataFileError(
+            f"{data_dir}: no dataset's train images in it or in its subfolders {subdirs} "
+            f"(looked for {wanted})"
+        )
+    name, data_dir = found
     pixels = read_release(name, data_dir, "train", subdirs=False, pixels=True)[0]
     return _unit_floats(subsample(pixels, size, seed))  # drawn before the float copy
 

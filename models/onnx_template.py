@@ -11,6 +11,7 @@ metadata says which ``state_dict`` tensor each of them quantizes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import tempfile
@@ -129,7 +130,9 @@ def export_template(
     ``MatMulInteger`` node in graph order, the ``state_dict`` name of the weight it
     quantizes, and ``edgefl.transposed`` = a JSON list of the weights stored
     transposed (the Gemm weights), which a device cannot tell from shapes alone
-    (square matrices).
+    (square matrices); last ``edgefl.exported_graph``, the SHA-256 of the serialized
+    graph, by which a device tells a template never filled with trained weights
+    (:data:`protocol.template_meta.EXPORTED_GRAPH`).
 
     The device side checks the finished template as it will use it
     (:func:`edge_client.serve.template.verify_template`, which ``python -m edge_client
@@ -486,6 +489,8 @@ def _set_template_metadata(
         entries.append((meta.QUANTIZATION, meta.INT8_SCHEME))
         entries.append((meta.INT8_WEIGHTS, json.dumps(int8_weights)))
         entries.append((meta.TRANSPOSED, json.dumps(transposed)))
+    graph = proto.graph.SerializeToString()  # the graph is final: only metadata changes
+    entries.append((meta.EXPORTED_GRAPH, hashlib.sha256(graph).hexdigest()))
     del proto.metadata_props[:]
     for key, value in entries:
         entry = proto.metadata_props.add()

@@ -53,7 +53,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         payloads = [_read(name) for name in args.files]
-        summary = summarize(payloads, values=args.values)
+        names = ["stdin" if name == "-" else name for name in args.files]
+        summary = summarize(payloads, values=args.values, names=names)
     except OSError as exc:
         print(f"error: cannot read input: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -8,6 +8,7 @@ A template carries these ``metadata_props`` entries. Plain constants: no onnx, n
 from __future__ import annotations
 
 __all__ = [
+    "EXPORTED_GRAPH",
     "INT8_SCHEME",
     "INT8_WEIGHTS",
     "MODEL",
@@ -32,6 +33,12 @@ INT8_WEIGHTS = "edgefl.int8_weights"
 node quantizes, one per node in graph order."""
 TRANSPOSED = "edgefl.transposed"
 """JSON list of the weights stored transposed (Gemm rewritten as MatMul)."""
+EXPORTED_GRAPH = "edgefl.exported_graph"
+"""The SHA-256 (hex) of the template's serialized ``GraphProto`` as exported, with the
+untrained weights it was exported with. Rendering keeps the metadata and replaces the
+weights, so a model whose graph still has this digest was never filled with trained
+weights (``python -m edge_client infer`` warns); templates made before the key existed
+lack it, and nothing is said of them."""
 
 INT8_SCHEME = "ort-dynamic-int8-symmetric-minmax/1"
 """onnxruntime's ``quantize_dynamic`` with int8 symmetric min/max weights, no reduced

@@ -23,7 +23,11 @@ Commands:
 
 Exit codes: 0 success; 1 an output file could not be written, or the run failed (broker
 unreachable: one line, at once; a device or the coordinator failed); 2 bad arguments, a
-dataset that cannot be loaded or a partition that cannot be made (one line on stderr).
+dataset that cannot be loaded or a partition that cannot be made (one line on stderr);
+for ``run``, an output path (``--json-out``, ``--report-dir``, ``--save-models``,
+``--state-dir``) that cannot be written is such an argument, found before the run
+starts; 130 interrupted (Ctrl-C): ``run`` stops its fleet and writes the report of the
+rounds it finished (a second Ctrl-C exits at once), without a traceback.
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ from sim.datasets import dataset_names, load_dataset
 from sim.devices import add_devices_parser
 from sim.errors import SimError
 from sim.partition import label_counts, mean_label_entropy, partition_dataset, save_device_file
+from sim.run import SimConfig
 from sim.run_cli import BrokerUnreachableError, add_run_parser
 from sim.synthetic import synthetic_size
 
 PROG = "python -m sim"
-EXIT_OK, EXIT_IO, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_IO, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--data-dir", type=Path, help="folder with the dataset's official files")
     part.add_argument("--download", action="store_true", help="fetch missing files (torchvision)")
     part.add_argument("--devices", type=int, required=True, help="number of devices K")
+    alpha = SimConfig.model_fields["alpha"].default  # the run's default, said once
     part.add_argument(
-        "--alpha", type=float, required=True, help="Dirichlet concentration; 'inf' for IID"
+        "--alpha",
+        type=float,
+        default=alpha,
+        help=f"Dirichlet concentration; 'inf' for IID (default {alpha}, as python -m sim)",
     )
     part.add_argument("--out", type=Path, required=True, help="output folder (created)")
     part.add_argument("--seed", type=int, default=0)
@@ -232,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_IO
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

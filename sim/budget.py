@@ -79,6 +79,7 @@ from sim.run import SimConfig, build_federation, device_data
 
 __all__ = [
     "LINK_PROFILES",
+    "RATE_SYNTAX",
     "Budget",
     "Bytes",
     "LinkProfile",
@@ -128,6 +129,8 @@ class LinkProfile:
 #                                           ~26 k down; 3GPP latency target 10 s
 # lte-m   250 k       300 k        0.2 s    Cat-M1 half-duplex FDD: peak ~375 k up, ~300 k
 #                                           down; 100-200 ms round trips in the field
+# 3g      1 M         3 M          0.1 s    HSPA (UMTS): peak ~5.7 M up (HSUPA Cat 6), ~14 M
+#                                           down (HSDPA Cat 10); 100-200 ms round trips
 # 4g      5 M         20 M         50 ms    LTE, typical user throughput in operator reports
 # 5g      20 M        100 M        20 ms    5G NR sub-6 GHz, typical user throughput
 # wifi    20 M        50 M         20 ms    802.11n/ac behind a consumer broadband uplink
@@ -138,6 +141,7 @@ LINK_PROFILES: Mapping[str, LinkProfile] = MappingProxyType(
         for p in (
             LinkProfile("nb-iot", 20e3, 25e3, 2.0),
             LinkProfile("lte-m", 250e3, 300e3, 0.2),
+            LinkProfile("3g", 1e6, 3e6, 0.1),
             LinkProfile("4g", 5e6, 20e6, 0.05),
             LinkProfile("5g", 20e6, 100e6, 0.02),
             LinkProfile("wifi", 20e6, 50e6, 0.02),
@@ -146,30 +150,56 @@ LINK_PROFILES: Mapping[str, LinkProfile] = MappingProxyType(
 )
 """Named links of ``--link`` (see the table above)."""
 
-_ALIASES = {"catnb1": "nbiot", "catm1": "ltem", "lte": "4g", "wlan": "wifi"}
-_RATE = re.compile(r"^(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmg]?)(?:bit/s|bps|b/s)?$", re.IGNORECASE)
+_ALIASES = {
+    "catnb1": "nbiot",
+    "catm1": "ltem",
+    "umts": "3g",
+    "hspa": "3g",
+    "lte": "4g",
+    "nr": "5g",
+    "wlan": "wifi",
+}
+_RATE = re.compile(
+    r"^(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmg]?)(bit/s|bits/s|bps|b/s|bit)?$", re.IGNORECASE
+)
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+_BYTES = re.compile(r"(B/s|Bps)$")
+RATE_SYNTAX = "a rate in bit/s both ways (250000, 250k, 1.5M, 2Gbit/s, 2Gbps)"
+"""How ``--link`` reads a rate, for its help and its errors."""
 
 
 def link_profile(text: str) -> LinkProfile:
-    """The link named ``text`` (a :data:`LINK_PROFILES` name, case and ``-`` ignored), or
-    a rate in bits per second both ways with no latency (``250000``, ``250k``, ``1.5M``).
+    """The link named ``text`` (a :data:`LINK_PROFILES` name or alias, case, spaces, ``_``
+    and ``-`` ignored), or a rate in bits per second both ways with no latency
+    (``250000``, ``250k``, ``1.5M``, ``2Gbit/s``, ``2Gbps``; the unit is optional except
+    after ``G``).
+
+    A number with a bare ``g``/``G`` (``3g``, ``6G``) is a mobile generation, never a rate:
+    a profile where there is one (``3g``, ``4g``, ``5g``), refused otherwise, so that
+    ``3g`` is not read as 3 Gbit/s. Bytes per second (``B/s``, ``Bps``) are refused too.
 
     Raises:
-        SimError: neither a known name nor a positive rate.
+        SimError: neither a known name nor a positive rate in bits per second.
     """
     key = _normal(text)
     key = _ALIASES.get(key, key)
     for profile in LINK_PROFILES.values():
         if key == _normal(profile.name):
             return profile
-    match = _RATE.match(text.strip())
-    if match is not None:
+    stripped = text.strip()
+    match = _RATE.match(stripped)
+    why = ""
+    if match is not None and _BYTES.search(stripped):
+        why = " (bytes per second: give bits, e.g. 8Mbit/s for 1 MB/s)"
+    elif match is not None and match.group(2).lower() == "g" and not match.group(3):
+        number = match.group(1)
+        why = f" (a bare G names a mobile generation, not Gbit/s: {number}Gbit/s is a rate)"
+    elif match is not None:
         rate = float(match.group(1)) * _SCALE[match.group(2).lower()]
         if math.isfinite(rate) and rate > 0:
-            return LinkProfile(text.strip(), rate, rate, 0.0)
+            return LinkProfile(stripped, rate, rate, 0.0)
     names = ", ".join(LINK_PROFILES)
-    raise SimError(f"unknown link {text!r}: give one of {names}, or bits per second (250k)")
+    raise SimError(f"unknown link {text!r}{why}: give one of {names}, or {RATE_SYNTAX}")
 
 
 def _normal(name: str) -> str:

@@ -10,6 +10,7 @@ from coordinator.cli_flags import add_fleet_flags, add_training_flags
 from protocol.flags import ModelFlags
 from sim.budget import (
     LINK_PROFILES,
+    RATE_SYNTAX,
     Budget,
     LinkProfile,
     estimate,
@@ -74,7 +75,7 @@ def add_budget_parser(sub: Any) -> None:
     budget.add_argument(
         "--link",
         metavar="NAME|BITS_PER_S",
-        help=f"add transfer times over a link: {', '.join(LINK_PROFILES)}, or a rate (250k)",
+        help=f"add transfer times over a link: {', '.join(LINK_PROFILES)}, or {RATE_SYNTAX}",
     )
     budget.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -55,6 +55,7 @@ from sim.fleet import (
     FleetTrainer,
     WrappedTrainer,
 )
+from sim.output_paths import check_file
 from sim.partition import partition_dataset
 from sim.synthetic import SAMPLES_PER_DEVICE, synthetic_size
 
@@ -336,6 +337,8 @@ def devices_from_args(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise SimError(f"invalid settings: {problems}") from exc
+    if args.json_out is not None:
+        check_file("--json-out", args.json_out)  # not after the run: its report would be lost
     load_keyring(config.device_keys)  # bad input fails before anything connects
     coordinator_key(config)
     _check_data_options(config)

@@ -154,6 +154,12 @@ class TerminalProgress:
             mean = self._wall_s / self._rounds
             self.write(round_line(record, self._total_rounds, self._up, self._down, mean))
 
+    @property
+    def rounds_closed(self) -> int:
+        """Rounds reported so far through :meth:`round_closed`."""
+        with self._lock:
+            return self._rounds
+
     def write(self, line: str) -> None:
         """A permanent line (above the live bar on a terminal)."""
         with self._lock:

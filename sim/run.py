@@ -64,9 +64,20 @@ from sim.report import RunReport
 from sim.shard import RoundSync, Shard, broadcast, current_shard, training_device
 from sim.synthetic import synthetic_size
 
-__all__ = ["SimConfig", "build_federation", "device_data", "run_simulation"]
+__all__ = ["RunInterrupted", "SimConfig", "build_federation", "device_data", "run_simulation"]
 
 log = logging.getLogger(__name__)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C) once its coordinator started: it stopped the
+    coordinator, the devices and the broker, and :attr:`report` holds the rounds it
+    finished (``final["interrupted"]`` is true). A :class:`KeyboardInterrupt`, so a
+    caller that does not look for it is interrupted as before."""
+
+    def __init__(self, report: RunReport) -> None:
+        super().__init__(f"interrupted after {len(report.rounds)} rounds")
+        self.report = report
 
 
 class SimConfig(FleetSettings):
@@ -454,6 +465,10 @@ def run_simulation(
         SimError: the dataset cannot be loaded or partitioned, or the run failed.
         TransportError / BrokerError / ConnectError: the broker cannot be started or
             reached.
+        RunInterrupted: a KeyboardInterrupt (Ctrl-C) once the coordinator started; the run
+            stopped its coordinator, devices and broker, and the exception holds the
+            report of the rounds it finished (no final models are saved). One before
+            that, while the data loads, is raised as it is.
     """
     started = time.perf_counter()
     shard = current_shard()
@@ -529,12 +544,15 @@ def run_simulation(
             recorder.sync = stack.enter_context(_ranks(shard, fleet))
         coordinator.add_observer(recorder)
         outcome: dict[str, Any] = {}
+        served = threading.Event()
 
         def serve() -> None:
             try:
                 outcome["models"] = coordinator.run()
             except BaseException as exc:  # reported by the caller
                 outcome["error"] = exc
+            finally:
+                served.set()
 
         def subscribed(_device_id: str) -> None:
             if progress is not None and not recorder.round_started:
@@ -542,6 +560,7 @@ def run_simulation(
 
         thread = threading.Thread(target=serve, name="sim-coordinator", daemon=True)
         thread.start()
+        interrupted = False
         try:
             # Devices join a coordinator that is up, as in a deployed fleet: one that
             # joins while it says "starting" announces itself twice, and a selected
@@ -555,7 +574,12 @@ def run_simulation(
             fleet.start(subscribed)
             if progress is not None and not recorder.round_started:
                 progress.step("waiting for the first round")
-            thread.join()
+            # An event, not thread.join(): a join interrupted by Ctrl-C marks the thread
+            # stopped while it still runs (CPython bpo-45274), and the join below would
+            # no longer wait for it.
+            served.wait()
+        except KeyboardInterrupt:
+            interrupted = True  # stop as at the end, and report the rounds finished
         finally:
             if progress is not None:
                 progress.step("stopping")
@@ -563,15 +587,22 @@ def run_simulation(
             thread.join(timeout=10)
             fleet.close()
             recorder.finish()  # the last rounds' evaluations
-        if "error" in outcome:
+        if "error" in outcome and not interrupted:
             raise SimError(f"the coordinator failed: {outcome['error']}") from outcome["error"]
         models = outcome.get("models")
-        if final_models_dir is not None and models:
+        if final_models_dir is not None and models and not interrupted:
             save_group_models(models, scratch, final_models_dir, final=coordinator.final_model)
-        totals = recorder.totals()
-        ranks = None if recorder.sync is None else recorder.sync.ask("final")
+        records = recorder.records
+        ranks = None
+        if interrupted:  # the finished rounds' bytes; the other ranks are not asked
+            totals = tuple(
+                sum(getattr(r, key) for r in records)
+                for key in ("bytes_up", "bytes_down", "wire_bytes_up", "wire_bytes_down")
+            )
+        else:
+            totals = recorder.totals()
+            ranks = None if recorder.sync is None else recorder.sync.ask("final")
 
-    records = recorder.records
     final: dict[str, Any] = {
         "rounds": len(records),
         "wall_s": time.perf_counter() - started,
@@ -586,13 +617,17 @@ def run_simulation(
         "num_classes": federation.num_classes,
         "poisoned_devices": len(poisoned),
         "rejected_updates": recorder.rejected,
+        "interrupted": interrupted,
     }
     if ranks is not None:  # the whole fleet's footprint: every rank's peaks, summed
         final["ranks"] = ranks
         for key in ("peak_rss_bytes", "peak_gpu_bytes"):
             final[key] = sum(r[key] for r in ranks)
     config_dict = config.model_dump(mode="json")
-    return RunReport(config=config_dict, rounds=records, final=final)
+    report = RunReport(config=config_dict, rounds=records, final=final)
+    if interrupted:
+        raise RunInterrupted(report)
+    return report
 
 
 def fleet_token(shard: Shard | None = None) -> bytes:

@@ -9,10 +9,16 @@ fills it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from coordinator.cli_flags import add_fleet_flags, add_training_flags, given_settings
@@ -21,19 +27,22 @@ from protocol.errors import BrokerError, TransportError
 from protocol.flags import ModelFlags
 from sim.datasets import dataset_names
 from sim.errors import SimError
-from sim.run import SimConfig
+from sim.output_paths import check_distinct, check_file, check_folder
+from sim.report import ACCURACY_PLOT, BYTES_PLOT, CSV_NAME, RunReport
+from sim.run import RunInterrupted, SimConfig
 
 __all__ = [
     "add_engine_flags",
     "add_run_parser",
     "broker_unreachable",
+    "check_output_paths",
     "sim_config",
     "tune_process",
 ]
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED = 0, 1
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 DESCRIPTION = (
     "Run one coordinator and N emulated devices in this process, each device with its own "
@@ -208,12 +217,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Handler of ``python -m sim run``."""
     from edge_client.errors import ConnectError
     from sim.progress import TerminalProgress
-    from sim.report import human_bytes, write_csv, write_plots
+    from sim.report import human_bytes
     from sim.run import run_simulation
 
     config = sim_config(args)
     if config.transport == "inproc" and config.broker_url:
         raise SimError("--broker needs --transport mqtt")
+    check_output_paths(args, config)
     if args.report_dir is not None:
         _require_matplotlib()
     if config.transport == "mqtt" and config.broker_url is not None:
@@ -230,11 +240,20 @@ def run_from_args(args: argparse.Namespace) -> int:
     note = embedded_broker_note(config)
     if note is not None:
         print(note, file=sys.stderr)
-    with TerminalProgress(config.rounds) as progress:
+    with _second_interrupt_exits(), TerminalProgress(config.rounds) as progress:
         try:
             report = run_simulation(config, progress=progress, final_models_dir=args.save_models)
         except (TransportError, BrokerError, ConnectError) as exc:
             raise BrokerUnreachableError(f"MQTT broker: {exc}") from exc
+        except RunInterrupted as interrupted:
+            report = interrupted.report
+        except KeyboardInterrupt:  # before the coordinator started, or as the run ended
+            progress.close()
+            when = "before the first round" if progress.rounds_closed == 0 else "as the run ended"
+            print(f"interrupted {when}; no report written", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    if report.final.get("interrupted"):
+        return _write_interrupted(args, report)
     final = report.final
     if "rank" in final:  # another rank of a sharded run: rank 0 reports for the fleet
         print(
@@ -254,13 +273,89 @@ def run_from_args(args: argparse.Namespace) -> int:
         + (f", peak GPU {human_bytes(final['peak_gpu_bytes'])}" if final["peak_gpu_bytes"] else ""),
         file=sys.stderr,
     )
+    _write_outputs(args, report)
+    return EXIT_OK
+
+
+def _write_outputs(args: argparse.Namespace, report: RunReport) -> None:
+    """Write ``--json-out`` and ``--report-dir`` (where given) and say so on stderr."""
+    from sim.report import write_csv, write_plots
+
     if args.json_out is not None:
         report.write_json(args.json_out)
         print(f"wrote {args.json_out}", file=sys.stderr)
     if args.report_dir is not None:
         paths = [write_csv(report, args.report_dir), *write_plots(report, args.report_dir)]
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
-    return EXIT_OK
+
+
+def _write_interrupted(args: argparse.Namespace, report: RunReport) -> int:
+    """A run stopped by Ctrl-C: one line, then the report of its finished rounds (none
+    when no round finished: an empty report would replace an earlier run's); exit 130."""
+    done = len(report.rounds)
+    rounds = f"{done} round{'' if done == 1 else 's'}"
+    if args.json_out is None and args.report_dir is None:
+        print(f"interrupted after {rounds}", file=sys.stderr)
+    elif done == 0:
+        print(f"interrupted after {rounds}; no report written", file=sys.stderr)
+    else:
+        print(
+            f"interrupted after {rounds}; writing the report of the finished rounds",
+            file=sys.stderr,
+        )
+        _write_outputs(args, report)
+    return EXIT_INTERRUPTED
+
+
+def check_output_paths(args: argparse.Namespace, config: SimConfig) -> None:
+    """Every output path of the run can be written (:mod:`sim.output_paths`), checked
+    before the run starts: a run writes its report only when it ends.
+
+    Raises:
+        SimError: one line naming the flag, the path and what is wrong.
+    """
+    outputs: list[tuple[str, Path | None]] = [
+        ("--json-out", args.json_out),
+        ("--report-dir", args.report_dir),
+        ("--save-models", args.save_models),
+        ("--state-dir", config.state_dir),
+    ]
+    check_distinct(outputs)
+    if args.json_out is not None:
+        check_file("--json-out", args.json_out)
+    if args.report_dir is not None:
+        check_folder("--report-dir", args.report_dir, (CSV_NAME, ACCURACY_PLOT, BYTES_PLOT))
+    if args.save_models is not None:
+        check_folder("--save-models", args.save_models)
+    if config.state_dir is not None:
+        check_folder("--state-dir", config.state_dir)
+
+
+@contextlib.contextmanager
+def _second_interrupt_exits() -> Iterator[None]:
+    """The first Ctrl-C is a KeyboardInterrupt (the run stops and reports the rounds it
+    finished); a second one, while it stops, ends the process at once (exit 130, nothing
+    written). Only where Ctrl-C is Python's default (not ignored, not handled elsewhere)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def again(_signum: int, _frame: FrameType | None) -> None:
+        os.write(2, b"interrupted again: exiting without writing the report\n")
+        os._exit(EXIT_INTERRUPTED)
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, again)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _require_matplotlib() -> None:

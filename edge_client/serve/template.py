@@ -24,7 +24,9 @@ A template must carry the metadata ``edgefl.template`` = ``"1"``, ``edgefl.preci
 ``edgefl.int8_weights``, a JSON list with the ``state_dict`` name of the weight each
 ``ConvInteger`` / ``MatMulInteger`` node quantizes (one per node, in graph order), and
 ``edgefl.transposed``, a JSON list of the weights stored transposed (onnxruntime
-rewrites ``Gemm`` as ``MatMul`` on the transposed weight).
+rewrites ``Gemm`` as ``MatMul`` on the transposed weight). ``edgefl.exported_graph``,
+the digest of the graph as exported, is kept as it is by rendering: :func:`never_trained`
+tells by it a template still holding its untrained export weights.
 
 Quantized weights are found by the graph's structure, never by the names of their
 initializers (onnxruntime chooses those, and they differ between its versions). Each
@@ -77,6 +79,7 @@ is produced.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -106,6 +109,7 @@ __all__ = [
     "MAX_DIMS",
     "MAX_TEMPLATE_BYTES",
     "OnnxTemplate",
+    "never_trained",
     "verify_template",
 ]
 
@@ -398,22 +402,7 @@ class OnnxTemplate:
         self._classify(tensors, nodes, metadata)
 
     def _metadata(self) -> dict[str, str]:
-        buf = self._data
-        metadata: dict[str, str] = {}
-        for field in self._model_fields:
-            if field.number != _MODEL_METADATA:
-                continue
-            expect_wire(field, LEN, "metadata")
-            key = value = ""
-            for entry in parse_fields(buf, field.data, field.end, "metadata"):
-                if entry.number == _ENTRY_KEY:
-                    key = read_text(buf, entry, "metadata")
-                elif entry.number == _ENTRY_VALUE:
-                    value = read_text(buf, entry, "metadata")
-            if key.startswith("edgefl.") and key in metadata:
-                raise OnnxTemplateError(f"template: metadata {key!r} appears twice")
-            metadata[key] = value
-        return metadata
+        return _read_metadata(self._data, self._model_fields)
 
     def _node(self, field: Field) -> _Node:
         """op_type, inputs and outputs of a node; refuses nodes with subgraphs."""
@@ -764,6 +753,50 @@ def _checked_weight(
     return values
 
 
+def _read_metadata(buf: bytes, model_fields: list[Field]) -> dict[str, str]:
+    """The ``metadata_props`` of a model: key -> value.
+
+    Raises:
+        OnnxTemplateError: a malformed entry, or an ``edgefl.*`` key twice.
+    """
+    metadata: dict[str, str] = {}
+    for field in model_fields:
+        if field.number != _MODEL_METADATA:
+            continue
+        expect_wire(field, LEN, "metadata")
+        key = value = ""
+        for entry in parse_fields(buf, field.data, field.end, "metadata"):
+            if entry.number == _ENTRY_KEY:
+                key = read_text(buf, entry, "metadata")
+            elif entry.number == _ENTRY_VALUE:
+                value = read_text(buf, entry, "metadata")
+        if key.startswith("edgefl.") and key in metadata:
+            raise OnnxTemplateError(f"template: metadata {key!r} appears twice")
+        metadata[key] = value
+    return metadata
+
+
+def never_trained(model: bytes) -> bool:
+    """Whether the serialized ONNX ``model`` is a template that still holds the weights
+    it was exported with (:data:`protocol.template_meta.EXPORTED_GRAPH` is the digest
+    of its graph): never filled with trained weights, so its predictions mean nothing.
+
+    False for a rendered model (the weights changed), for any other ONNX model, for a
+    template made before the digest was recorded, and for bytes that are not a model
+    (loading them says what is wrong).
+    """
+    try:
+        fields = parse_fields(model, 0, len(model), "model")
+        recorded = _read_metadata(model, fields).get(meta.EXPORTED_GRAPH)
+    except OnnxTemplateError:
+        return False
+    graphs = [f for f in fields if f.number == _MODEL_GRAPH and f.wire == LEN]
+    if recorded is None or len(graphs) != 1:
+        return False
+    graph = memoryview(model)[graphs[0].data : graphs[0].end]
+    return hashlib.sha256(graph).hexdigest() == recorded
+
+
 def verify_template(template: bytes, state: Mapping[str, np.ndarray]) -> None:
     """Check a freshly exported template as a device will use it.
 
@@ -793,4 +826,10 @@ def verify_template(template: bytes, state: Mapping[str, np.ndarray]) -> None:
         raise OnnxTemplateError(
             f"{what} does not reproduce the template from the model's own weights (the "
             "quantization or the weight mapping differs from onnxruntime's)"
+        )
+    if not never_trained(template):
+        raise OnnxTemplateError(
+            f"{what} does not find the digest of the exported graph in "
+            f"{meta.EXPORTED_GRAPH!r}: a device could not tell the template's untrained "
+            "weights"
         )

@@ -17,12 +17,18 @@ subscription added meanwhile by another client raises ``RuntimeError: dictionary
 changed size during iteration`` and drops the connecting client. Where the broker has
 such a table (a plain dict), :func:`_snapshot_iteration` swaps in a dict whose iteration
 walks a snapshot of its keys; a release that renames or reshapes it is left as it is.
+
+A port another process holds (an installed Mosquitto listens on 1883) is found before
+amqtt starts, by binding it as amqtt would, and reported as :class:`PortInUseError`, one
+line; amqtt's own failure to bind, should the port be taken in between, is translated to
+the same error, and amqtt's log of it (a traceback) is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import threading
@@ -32,12 +38,13 @@ from types import TracebackType
 from typing import Any
 
 from amqtt.broker import Broker
+from amqtt.errors import BrokerError as AmqttBrokerError
 
 from protocol.errors import BrokerError, TransportError
 from protocol.transport.config import MqttConfig
 from protocol.transport.mqtt import MqttTransport
 
-__all__ = ["EmbeddedBroker"]
+__all__ = ["EmbeddedBroker", "PortInUseError"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,74 @@ LOOPBACK = "127.0.0.1"
 _NOISY_LOGGERS = ("amqtt", "transitions")
 _AUTO_PORT_ATTEMPTS = 5
 _DRAIN_TOPIC = "edgefl-broker/drain"  # + a random id: no client of a fleet subscribes there
+
+
+class PortInUseError(BrokerError):
+    """The embedded broker's port is taken by another process (another MQTT broker?).
+
+    Attributes:
+        host: the address the broker was to bind.
+        port: the port that is taken.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(
+            f"port {port} on {host} is taken (another MQTT broker, such as an installed Mosquitto?)"
+        )
+        self.host = host
+        self.port = port
+
+
+class _StartupFailureFilter(logging.Filter):
+    """Drops amqtt's log of a failed start (a traceback): `EmbeddedBroker.start` raises
+    the failure as a `BrokerError` instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "amqtt.broker" and record.msg == "Broker startup failed")
+
+
+_STARTUP_FAILURE_FILTER = _StartupFailureFilter()
+
+
+def _check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` as amqtt (asyncio's ``start_server``) will, and let it go.
+
+    ``SO_REUSEADDR`` is set, as asyncio sets it, so that connections of an earlier broker
+    on the port still in TIME_WAIT do not count as taken. A host that does not resolve is
+    left for amqtt to report.
+
+    Raises:
+        PortInUseError: another socket holds the port.
+        BrokerError: the port cannot be bound for another reason (a privileged port, an
+            address not on this machine).
+    """
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    for family, kind, proto, _name, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise PortInUseError(host, port) from exc
+                reason = exc.strerror or str(exc)
+                raise BrokerError(
+                    f"embedded broker cannot listen on {host}:{port}: {reason}"
+                ) from exc
+
+
+def _port_taken(error: BaseException | None) -> bool:
+    """Whether ``error`` (amqtt's failure to start) is its listener finding the port taken."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class _SnapshotDict(dict[Any, Any]):
@@ -144,7 +219,8 @@ class EmbeddedBroker:
         """Start serving; returns once the port accepts TCP connections.
 
         Raises:
-            BrokerError: already running, the port is taken, or not ready in time.
+            PortInUseError: the port (given, not picked) is taken by another process.
+            BrokerError: already running, the port cannot be bound, or not ready in time.
         """
         if self.is_running:
             raise BrokerError(f"embedded broker already running on {self._host}:{self._port}")
@@ -164,6 +240,7 @@ class EmbeddedBroker:
         raise BrokerError("unreachable")  # pragma: no cover
 
     def _start_on(self, port: int) -> None:
+        _check_port(self._host, port)
         self._ready.clear()
         self._error = None
         thread = threading.Thread(
@@ -174,6 +251,8 @@ class EmbeddedBroker:
         deadline = time.monotonic() + self._start_timeout
         if not self._ready.wait(self._start_timeout) or self._error is not None:
             self._halt(max(0.0, deadline - time.monotonic()))
+            if isinstance(self._error, AmqttBrokerError) and _port_taken(self._error):
+                raise PortInUseError(self._host, port) from self._error
             reason = self._error or f"not started within {self._start_timeout} s"
             raise BrokerError(f"embedded broker on {self._host}:{port}: {reason}") from self._error
 
@@ -246,6 +325,7 @@ class EmbeddedBroker:
             },
         }
         self._stop_event = asyncio.Event()
+        logging.getLogger("amqtt.broker").addFilter(_STARTUP_FAILURE_FILTER)  # added once
         broker = Broker(config, loop=asyncio.get_running_loop())
         if not _snapshot_iteration(broker):
             logger.debug("amqtt's subscription table is not a dict: left as it is")

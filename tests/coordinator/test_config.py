@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,28 @@ def test_a_model_list_gives_the_coordinator_one_group_per_architecture() -> None
         "mlp": "mlp",
     }
     assert "--model MODEL[,MODEL...]" in build_parser().format_help()
+
+
+def test_a_taken_embedded_broker_port_is_one_line_naming_the_flags() -> None:
+    # Prepare: another broker's socket on the port asked for (an installed Mosquitto on 1883)
+    with socket.create_server(("127.0.0.1", 0)) as squatter:
+        port = squatter.getsockname()[1]
+        argv = ["--embedded-broker", "--embedded-port", str(port), "--insecure-no-auth"]
+
+        # Execute
+        result = subprocess.run(
+            [sys.executable, "-m", "coordinator", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    # Assert: a runtime failure, one error line saying what to do, no traceback
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert errors == [
+        f"python -m coordinator: error: port {port} on 127.0.0.1 is taken (another MQTT broker, "
+        "such as an installed Mosquitto?): pass --embedded-port 0 for a free one (its URL is "
+        "logged at start), or --broker mqtt://HOST:PORT to use that broker"
+    ]

@@ -11,7 +11,7 @@ import torch
 
 from coordinator.__main__ import build_parser, config_from_args, run
 from coordinator.errors import ConfigError, StateMismatchError
-from coordinator.proxy import proxy_tensor, read_proxy_data
+from coordinator.proxy import proxy_readers, proxy_tensor, read_proxy_data
 from coordinator.runtime import Coordinator
 from coordinator.store import FileStore
 from protocol.transport import MemoryBroker, MemoryTransport
@@ -122,12 +122,52 @@ def test_the_coordinator_cli_takes_a_dataset_folder_and_a_size(tmp_path: Path) -
 def test_unreadable_proxy_data_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--embedded-broker", "--proxy-data", str(tmp_path / "missing.npy")]
+    missing = tmp_path / "missing.npy"
+    argv = ["--embedded-broker", "--strategy", "feddf", "--proxy-data", str(missing)]
     config = config_from_args(build_parser().parse_args(argv))
 
-    assert config.proxy_data == tmp_path / "missing.npy"
+    assert config.proxy_data == missing
     assert run(config) == 2
-    assert "--proxy-data" in capsys.readouterr().err
+    assert f"--proxy-data: no such file or folder: {missing}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=f"^--proxy-data: no such file or folder: {missing}$"):
+        read_proxy_data(missing)
+
+
+def test_a_parent_folder_of_a_dataset_folder_is_taken_as_data_dir_takes_it(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "data").mkdir()
+    _letters_folder(tmp_path / "data" / "emnist-letters", 6)
+
+    parent = read_proxy_data(tmp_path / "data")
+
+    assert np.array_equal(parent, read_proxy_data(tmp_path / "data" / "emnist-letters"))
+    assert parent.shape == (6, 1, 28, 28)
+    _letters_folder(tmp_path / "data" / "mnist", 2)  # letters files, in an mnist folder
+    with pytest.raises(ConfigError, match=r"several datasets.*give one of these folders"):
+        read_proxy_data(tmp_path / "data")
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "fedkf", "dense"])
+def test_proxy_data_is_refused_by_a_strategy_that_would_not_read_it(
+    tmp_path: Path, strategy: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    images = np.zeros((4, 28, 28), np.uint8)
+    cfg = config(strategy=strategy, rounds=1)
+    transport = MemoryTransport(MemoryBroker(), "coordinator")
+    expected = (
+        f"strategy '{strategy}' would not read the proxy data: only server-side "
+        "distillation reads it (feddf, with --distill-data proxy); leave out --proxy-data"
+    )
+
+    with pytest.raises(ConfigError) as refused:
+        Coordinator(cfg, transport, FileStore(tmp_path), proxy_data=images)
+    assert str(refused.value) == expected
+    # the command line refuses before it reads anything (the path does not even exist)
+    argv = ["--embedded-broker", "--strategy", strategy, "--proxy-data", str(tmp_path / "no")]
+    assert run(config_from_args(build_parser().parse_args(argv))) == 2
+    assert expected in capsys.readouterr().err
+    assert proxy_readers() == ["feddf"]
 
 
 def test_a_resume_distils_on_the_images_it_started_with(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 
@@ -15,10 +16,11 @@ from torch import nn
 
 import models.onnx_template as onnx_template
 from edge_client.errors import OnnxTemplateError
-from edge_client.serve.template import OnnxTemplate, verify_template
+from edge_client.serve.template import OnnxTemplate, never_trained, verify_template
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import INPUT_NAME, OUTPUT_NAME, export_onnx
 from models.onnx_template import export_template
+from protocol.template_meta import EXPORTED_GRAPH
 from protocol.template_meta import INT8_SCHEME as TEMPLATE_INT8_SCHEME
 
 # Small inputs and resnet8 at its FedDF widths keep the suite fast (lenet5 needs 28 or 32).
@@ -148,7 +150,30 @@ def test_fp32_template_keeps_every_weight_under_its_state_dict_name(
         "edgefl.template": "1",
         "edgefl.precision": "fp32",
         "edgefl.model": model.architecture,
+        "edgefl.exported_graph": hashlib.sha256(proto.graph.SerializeToString()).hexdigest(),
     }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_template_tells_it_holds_the_weights_it_was_exported_with(
+    model: Classifier, templates: dict[str, bytes], precision: str
+) -> None:
+    """edgefl.exported_graph is the digest of the graph the device reads: the exported
+    template is untrained to it, one rendered with other weights is not, and neither
+    is a template made before the key existed."""
+    data = templates[precision]
+    proto = onnx.load_from_string(data)
+    weights = {k: v.numpy() + 1.0 for k, v in model.state_dict().items()}
+    entries = [(e.key, e.value) for e in proto.metadata_props]
+    del proto.metadata_props[:]
+    for key, value in entries:
+        if key != EXPORTED_GRAPH:
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = key, value
+
+    assert never_trained(data)
+    assert not never_trained(OnnxTemplate(data).render(weights))
+    assert not never_trained(proto.SerializeToString())
 
 
 def test_fp32_template_computes_what_export_onnx_computes(

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from protocol.codec import Codec
+from protocol.errors import DecodeError
+from protocol.inspect import bytes_after_frame, summarize
 from protocol.messages import Message, ModelPayload
 from protocol.tensorset import encode_tensors
 from tests.protocol.golden_cases import GOLDEN_DIR
@@ -87,6 +89,43 @@ def test_inspect_reassembles_chunks_given_in_any_order() -> None:
     assert json.loads(done.stdout)["kind"] == "model"
     single = json.loads(run("inspect", chunks[1]).stdout)
     assert single["frame"] == "chunk" and single["index"] == 1 and single["count"] == 5
+
+
+@pytest.mark.parametrize(
+    ("files", "after"),
+    [
+        (("model.chunk0", "model.chunk1"), 200),  # two chunk files of one transfer
+        (("model.chunk3", "model.chunk4"), 145),
+        (("broadcast.chunk0", "broadcast.chunk3"), 200),  # signed chunks
+        (("update.frame", "model.frame"), None),  # two message frames
+    ],
+)
+def test_inspect_refuses_a_file_holding_two_frames(
+    tmp_path: Path, files: tuple[str, ...], after: int | None
+) -> None:
+    both = tmp_path / "both.bin"
+    both.write_bytes(b"".join((GOLDEN_DIR / name).read_bytes() for name in files))
+    after = after or len((GOLDEN_DIR / files[1]).read_bytes())
+
+    done = run("inspect", str(both))
+
+    assert done.returncode == 2 and done.stdout == b""
+    message = done.stderr.decode()
+    assert f"{both} holds {after} bytes after its frame: one payload per file" in message
+    assert message.count("\n") == 1
+
+
+def test_a_frame_with_bytes_after_it_is_refused_and_one_frame_is_not() -> None:
+    chunk = (GOLDEN_DIR / "model.chunk4").read_bytes()  # the last chunk: 45 bytes of data
+    frame = (GOLDEN_DIR / "update.frame").read_bytes()
+
+    assert [bytes_after_frame(p) for p in (chunk, frame, b"hello")] == [0, 0, 0]
+    assert bytes_after_frame(frame + b"extra") == 5
+    assert bytes_after_frame(chunk + bytes(500)) is None  # more data than its transfer
+    with pytest.raises(DecodeError, match="more than its whole transfer"):
+        summarize([chunk + bytes(500)])
+    with pytest.raises(DecodeError, match=r"^cap\.bin holds 5 bytes after its frame"):
+        summarize([frame + b"extra"], names=["cap.bin"])
 
 
 @pytest.mark.parametrize("payload", [b"", b"hello", b"FL\x07\x01" + b"\0" * 72, b"FL\x07\x01xx"])

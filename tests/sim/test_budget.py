@@ -215,9 +215,22 @@ def test_link_time_adds_the_latency_once_per_direction() -> None:
         ("LTE-M", "lte-m", LINK_PROFILES["lte-m"].up_bps),
         ("lte", "4g", LINK_PROFILES["4g"].up_bps),
         ("Wi-Fi", "wifi", LINK_PROFILES["wifi"].up_bps),
+        ("3g", "3g", LINK_PROFILES["3g"].up_bps),
+        ("3G", "3g", LINK_PROFILES["3g"].up_bps),
+        ("UMTS", "3g", LINK_PROFILES["3g"].up_bps),
+        ("4g", "4g", LINK_PROFILES["4g"].up_bps),
+        ("4G", "4g", LINK_PROFILES["4g"].up_bps),
+        ("5g", "5g", LINK_PROFILES["5g"].up_bps),
+        ("5G", "5g", LINK_PROFILES["5g"].up_bps),
         ("250k", "250k", 250e3),
         ("1.5M", "1.5M", 1.5e6),
         ("2e6", "2e6", 2e6),
+        ("250kbit/s", "250kbit/s", 250e3),
+        ("8Mbps", "8Mbps", 8e6),
+        ("3Gbit/s", "3Gbit/s", 3e9),
+        ("3Gbps", "3Gbps", 3e9),
+        ("3gbit", "3gbit", 3e9),
+        ("1.5 Gb/s", "1.5 Gb/s", 1.5e9),
     ],
 )
 def test_link_names_and_rates(text: str, name: str, up_bps: float) -> None:
@@ -226,10 +239,45 @@ def test_link_names_and_rates(text: str, name: str, up_bps: float) -> None:
     assert (profile.name, profile.up_bps) == (name, up_bps)
 
 
+def test_3g_is_a_profile_not_3_gbit_per_s(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli([*QUICK_CLI, "--link", "3G", "--json"], capsys)
+
+    assert code == 0
+    assert json.loads(out)["link"] == {
+        "name": "3g",
+        "up_bps": 1e6,
+        "down_bps": 3e6,
+        "latency_s": 0.1,
+    }
+    assert list(LINK_PROFILES) == ["nb-iot", "lte-m", "3g", "4g", "5g", "wifi"]
+
+
 @pytest.mark.parametrize("text", ["lora", "0", "-5", "fast", "inf", ""])
 def test_bad_links_are_refused(text: str) -> None:
     with pytest.raises(SimError, match="unknown link"):
         link_profile(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("2g", "a bare G names a mobile generation, not Gbit/s: 2Gbit/s is a rate"),
+        ("6G", "a bare G names a mobile generation, not Gbit/s: 6Gbit/s is a rate"),
+        ("1.5g", "1.5Gbit/s is a rate"),
+        ("1MB/s", "bytes per second: give bits"),
+        ("1MBps", "bytes per second: give bits"),
+    ],
+)
+def test_ambiguous_rates_are_refused_with_the_profiles_and_the_rate_syntax(
+    text: str, why: str
+) -> None:
+    with pytest.raises(SimError) as raised:
+        link_profile(text)
+
+    message = str(raised.value)
+    assert message.startswith(f"unknown link {text!r}") and why in message
+    assert "nb-iot, lte-m, 3g, 4g, 5g, wifi" in message
+    assert "2Gbit/s, 2Gbps" in message and "\n" not in message
 
 
 def test_table_shows_config_reference_ratio_and_link_times(
@@ -255,6 +303,7 @@ def test_table_shows_config_reference_ratio_and_link_times(
         (["budget", "--uplink-precision", "fp64"], "invalid choice"),
         ([*QUICK_CLI, "--strategy", "fedkf", "--sharing", "head"], "does not support sharing"),
         ([*QUICK_CLI, "--link", "carrier-pigeon"], "unknown link"),
+        ([*QUICK_CLI, "--link", "2g"], "2Gbit/s is a rate"),
         ([*QUICK_CLI, "--devices", "0"], "devices"),
         ([*QUICK_CLI, "--device-precisions", "int8,int2"], "invalid settings"),
     ],

@@ -418,8 +418,31 @@ def test_proxy_images_are_the_train_images_of_the_dataset_in_the_folder(tmp_path
     assert mnist.shape == (12, 1, 28, 28) and mnist.dtype == np.float32
     np.testing.assert_allclose(mnist[:, 0] * 255, arrays["train"][0], atol=1e-4)
     np.testing.assert_allclose(letters[2, 0] * 255, images[2].T, atol=1e-4)  # as read for training
-    with pytest.raises(DatasetError, match="no dataset's train images"):
-        load_proxy_images(tmp_path)  # the files sit in subfolders, not in the folder itself
+    (tmp_path / "empty" / "letters").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="no dataset's train images in it or in its subf"):
+        load_proxy_images(tmp_path / "empty")
+
+
+def test_proxy_data_takes_a_parent_folder_as_data_dir_does(tmp_path: Path) -> None:
+    write_mnist_like(tmp_path / "data" / "mnist", n_train=12, n_test=3)
+    write_mnist_like(tmp_path / "torchvision" / "MNIST" / "raw", n_train=4, n_test=1)
+
+    parent = load_proxy_images(tmp_path / "data")
+
+    assert np.array_equal(parent, load_proxy_images(tmp_path / "data" / "mnist"))
+    assert load_proxy_images(tmp_path / "torchvision").shape == (4, 1, 28, 28)
+    base = tmp_path / "data" / "emnist-letters" / "emnist-letters-train"
+    images = RNG.integers(0, 256, (5, 28, 28), dtype=np.uint8)
+    write(Path(f"{base}-images-idx3-ubyte"), idx_bytes(2051, images), False)
+    write(Path(f"{base}-labels-idx1-ubyte"), idx_bytes(2049, np.ones(5)), False)
+    with pytest.raises(DatasetError, match=r"several datasets \(.*mnist, .*emnist-letters\)"):
+        load_proxy_images(tmp_path / "data")  # which one: the message names both
+    assert load_proxy_images(tmp_path / "data" / "emnist-letters").shape == (5, 1, 28, 28)
+
+
+def test_a_missing_proxy_folder_is_said_to_be_missing(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=f"^no such file or folder: {tmp_path / 'nope'}$"):
+        load_proxy_images(tmp_path / "nope")
 
 
 def test_a_proxy_size_draws_that_many_distinct_images_by_seed(tmp_path: Path) -> None:

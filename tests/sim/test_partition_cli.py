@@ -14,6 +14,7 @@ import pytest
 
 from sim.__main__ import main
 from sim.partition import load_device_file
+from sim.run import SimConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,3 +119,13 @@ def test_infinite_alpha_is_written_as_string(
     assert code == 0 and summary["alpha"] == "inf"
     assert summary["mean_label_entropy_nats"] == pytest.approx(math.log(10), abs=0.01)
     assert "2 devices, alpha=inf" in capsys.readouterr().out
+
+
+def test_alpha_left_out_takes_the_runs_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["partition", "--dataset", "synthetic", "--devices", "2", "--out", str(tmp_path)])
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert code == 0 and summary["alpha"] == SimConfig().alpha == 0.5
+    assert f"alpha={SimConfig().alpha}" in capsys.readouterr().out

@@ -97,6 +97,14 @@ def test_feddf_fuses_a_fleet_of_several_architectures_on_proxy_data(tmp_path: Pa
         run_simulation(quick(strategy="feddf", transport="inproc"))
 
 
+def test_proxy_data_is_refused_by_a_strategy_that_would_not_read_it(tmp_path: Path) -> None:
+    write_mnist_like(tmp_path / "proxy", n_train=20, n_test=1)
+    config = quick(strategy="fedavg", transport="inproc", proxy_data=tmp_path / "proxy")
+
+    with pytest.raises(SimError, match=r"would not read the proxy data: .*\(feddf, with"):
+        run_simulation(config)
+
+
 def test_feddf_distils_on_generated_images_end_to_end_without_proxy_data(
     tmp_path: Path,
 ) -> None:
@@ -195,6 +203,7 @@ def test_cli_default_command_writes_json_and_report(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert set(data) == {"config", "rounds", "final"}
     assert [r["round"] for r in data["rounds"]] == [1, 2]
+    assert data["final"]["interrupted"] is False
     assert set(data["rounds"][0]) == {
         "round",
         "wall_s",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -14,10 +15,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from edge_client.__main__ import main
 from edge_client.errors import EdgeClientError, InferenceError
 from edge_client.serve.infer import OnnxClassifier
+from edge_client.serve.template import OnnxTemplate, never_trained
 from models import build_classifier
 from models.onnx_export import export_onnx
+from models.onnx_template import export_template
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -237,3 +241,44 @@ def test_the_infer_path_never_imports_torch(tmp_path: Path, model_file: Path) ->
 
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["batch"] == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_cli_warns_once_on_a_template_never_filled_with_trained_weights(
+    tmp_path: Path,
+    model_file: Path,
+    precision: str,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    torch.manual_seed(0)
+    model = build_classifier("lenet5")
+    template = tmp_path / "template.onnx"
+    template.write_bytes(export_template(model, model.input_shape, precision=precision))
+    weights = {
+        name: tensor.numpy() * 0.5  # other weights, as a round would bring
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point()
+    }
+    served = tmp_path / "served.onnx"
+    served.write_bytes(OnnxTemplate.read(template).render(weights))
+    np.save(tmp_path / "x.npy", np.zeros((2, 1, 28, 28), dtype=np.float32))
+
+    def warnings(path: Path) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="edge_client"):
+            assert main(["infer", "--model", str(path), "--input", str(tmp_path / "x.npy")]) == 0
+        assert json.loads(capsys.readouterr().out)["batch"] == 2  # it still answers
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert warnings(template) == [
+        f"{template}: this model was never trained: predictions are meaningless; run "
+        "`edge_client follow` or fill it with trained weights first"
+    ]
+    assert warnings(served) == []  # filled with the fleet's weights
+    assert warnings(model_file) == []  # an ONNX model that is no template
+    rendered_as_exported = OnnxTemplate.read(template).render(
+        {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    )
+    assert never_trained(rendered_as_exported)  # the same weights: still untrained
+    assert not never_trained(b"not a model")
