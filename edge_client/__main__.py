@@ -354,7 +354,7 @@ def _serve(service: _Service) -> int:
 
 def _run_template(args: argparse.Namespace) -> int:
     from edge_client.errors import OnnxTemplateError
-    from edge_client.serve.template import verify_template
+    from edge_client.serve.checks import verify_template
 
     try:
         from models import ModelError, build_classifier, seeded

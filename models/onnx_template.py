@@ -135,7 +135,7 @@ def export_template(
     (:data:`protocol.template_meta.EXPORTED_GRAPH`).
 
     The device side checks the finished template as it will use it
-    (:func:`edge_client.serve.template.verify_template`, which ``python -m edge_client
+    (:func:`edge_client.serve.checks.verify_template`, which ``python -m edge_client
     template`` runs on every export; ``models`` may not import the device's code): it
     must load, need only ``model``'s float ``state_dict`` tensors (with their shapes),
     and render ``model``'s own weights back into the same bytes (for int8: the device's

@@ -110,7 +110,6 @@ __all__ = [
     "MAX_TEMPLATE_BYTES",
     "OnnxTemplate",
     "never_trained",
-    "verify_template",
 ]
 
 MAX_TEMPLATE_BYTES = 256 * 1024 * 1024
@@ -795,41 +794,3 @@ def never_trained(model: bytes) -> bool:
         return False
     graph = memoryview(model)[graphs[0].data : graphs[0].end]
     return hashlib.sha256(graph).hexdigest() == recorded
-
-
-def verify_template(template: bytes, state: Mapping[str, np.ndarray]) -> None:
-    """Check a freshly exported template as a device will use it.
-
-    ``state`` holds the float weights the template was exported from (the model's
-    floating ``state_dict`` tensors as numpy arrays). The template must parse, need
-    exactly tensors of ``state`` with their shapes, and render ``state`` back into the
-    very same bytes: for int8, the device's quantization reproduces onnxruntime's bit for
-    bit and every quantized weight maps to the right tensor. ``python -m edge_client
-    template`` runs this on every export, so a change of onnxruntime that breaks the
-    template fails there rather than on a device.
-
-    Raises:
-        OnnxTemplateError: the renderer refuses the template, needs other tensors, or
-            does not reproduce it.
-    """
-    what = "the device-side renderer (edge_client.serve.template)"
-    try:
-        device = OnnxTemplate.from_bytes(template)
-        needed = {name: shape for name, (shape, _) in device.weights.items()}
-        rendered = device.render(state)
-    except OnnxTemplateError as exc:
-        raise OnnxTemplateError(f"{what} refuses the template: {exc}") from exc
-    expected = {name: tuple(state[name].shape) for name in needed if name in state}
-    if needed != expected:
-        raise OnnxTemplateError(f"{what} needs tensors {sorted(needed)}, not {sorted(state)}")
-    if rendered != template:
-        raise OnnxTemplateError(
-            f"{what} does not reproduce the template from the model's own weights (the "
-            "quantization or the weight mapping differs from onnxruntime's)"
-        )
-    if not never_trained(template):
-        raise OnnxTemplateError(
-            f"{what} does not find the digest of the exported graph in "
-            f"{meta.EXPORTED_GRAPH!r}: a device could not tell the template's untrained "
-            "weights"
-        )

@@ -16,7 +16,8 @@ from torch import nn
 
 import models.onnx_template as onnx_template
 from edge_client.errors import OnnxTemplateError
-from edge_client.serve.template import OnnxTemplate, never_trained, verify_template
+from edge_client.serve.checks import verify_template
+from edge_client.serve.template import OnnxTemplate, never_trained
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import INPUT_NAME, OUTPUT_NAME, export_onnx
 from models.onnx_template import export_template

@@ -24,7 +24,8 @@ from torch import nn
 
 import edge_client.serve.template as onnx_model
 from edge_client.errors import EdgeClientError, OnnxTemplateError
-from edge_client.serve.template import OnnxTemplate, verify_template
+from edge_client.serve.checks import verify_template
+from edge_client.serve.template import OnnxTemplate
 from models import Classifier, ModelError, build_classifier, classifier_names
 from models.onnx_export import INPUT_NAME, export_onnx
 from models.onnx_template import export_template
