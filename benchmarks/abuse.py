@@ -53,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,13 +96,13 @@ CATEGORIES = (
     "stale_offline",
     "stale_task",
 )
-DEVICE_SIDE = {
-    "forged_fleet": f"dropped a bad payload on fl/{FLEET}/coordinator/status",
-    "stale_task": "ignored task ",
+DEVICE_SIDE: dict[str, tuple[str, Callable[[list[int]], int]]] = {
+    "forged_fleet": (f"dropped a bad payload on fl/{FLEET}/coordinator/status", min),
+    "stale_task": ("ignored task ", sum),
 }
-"""Categories the devices refuse, with the refusal line each device's log holds: a
-forged fleet-wide frame reaches (and is refused by) every device, a replayed task only
-the device it names."""
+"""Categories the devices refuse: the refusal line each device's log holds, and how the
+devices' counts add up (a forged fleet-wide frame reaches, and is refused by, every
+device: the fewest lines of any; a replayed task only the device it names: the sum)."""
 # the refusal lines of the coordinator's log (``-v``), the thing this benchmark counts
 _REFUSAL = re.compile(
     r"^\S+ \S+ (WARNING|DEBUG) (?:coordinator|protocol)[\w.]*: "
@@ -418,14 +419,12 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     report.reference_peak_rss_mb = reference.coordinator_peak_rss_mb
     report.reference_wall_s = reference.wall_s
     report.held_at_end = _held_at_end(report)
-    for name, needle in DEVICE_SIDE.items():
+    for name, (needle, combine) in DEVICE_SIDE.items():
         entry = report.categories.get(name)
         if entry is None:
             continue
         refused = _device_refusals(work / "abuse" / "devices", [f.stem for f in files], needle)
-        # a forged fleet-wide frame is refused by every device: the fewest lines of any
-        total = min(refused, default=0) if name == "forged_fleet" else sum(refused)
-        entry.rejected = entry.logged = total
+        entry.rejected = entry.logged = combine(refused) if refused else 0
     report.categories = {n: report.categories[n] for n in CATEGORIES if n in report.categories}
     for entry in report.categories.values():
         report.tried += entry.tried

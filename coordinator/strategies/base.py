@@ -165,12 +165,6 @@ class Strategy(abc.ABC):
         """Whether the server step distils on proxy data (the run must give some)."""
         return self.distills_on_proxy and self.config.distill_data == "proxy"
 
-    @property
-    def refuses_proxy_data(self) -> bool:
-        """Whether proxy data would go unused by a run that asked for another source of
-        distillation images (FedDF's ``distill_data generator``): it is refused."""
-        return self.distills_on_proxy and self.config.distill_data != "proxy"
-
     def hyperparameters(self, round_number: int) -> dict[str, Scalar]:
         """What the task tells a device to do in ``round_number`` (1-based): the keys of
         :meth:`task_settings`, validated by the task's schema

@@ -63,6 +63,7 @@ __all__ = [
     "LearningStateEntry",
     "SavedLearningState",
     "SavedState",
+    "fsync_dir",
     "model_fingerprint",
     "read_learning_state",
     "read_model",
@@ -236,11 +237,20 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], fsync: bool)
         raise
     if fsync:
         with contextlib.suppress(OSError):  # make the rename durable where supported
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (fsync of the folder).
+
+    Raises:
+        OSError: the folder cannot be opened or synced.
+    """
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_state(path: Path) -> SavedState:

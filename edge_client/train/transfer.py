@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edge_client.train.client_state import read_model, write_model
+from edge_client.train.client_state import fsync_dir, read_model, write_model
 from protocol.arrays import content_fingerprint
 from protocol.deltas import decode_sets, encode_delta
 from protocol.errors import EncodeError
@@ -176,11 +176,7 @@ class TransferState:
         try:
             os.replace(self._dir / STAGED_FILE, self._dir / RESIDUAL_FILE)
             if self._fsync:
-                fd = os.open(self._dir, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_dir(self._dir)
         except OSError as exc:
             logger.warning("could not keep the residual in %s: %s", self._dir, exc)
 
