@@ -1,16 +1,37 @@
 """Whether a hello may register its device: the checks of docs/protocol.md, section 9,
-step 3, in their order. Pure: the engine answers the refusal and changes nothing."""
+step 3, in their order. Pure: the engine answers the refusal and changes nothing.
+
+A refusal's detail is written for the person at the device, who reads it in the
+device's log: a fingerprint mismatch names the fleet's models in human terms (their
+architecture, classes and input shape; never a key) and, where the device's fingerprint
+is the fleet's architecture with another number of classes, that number (26-class data
+in a 10-class fleet says so).
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from coordinator.config import CoordinatorConfig
 from coordinator.groups import ArchitectureGroup
 from coordinator.strategies.base import Strategy
+from protocol.arrays import architecture_fingerprint
 from protocol.messages import Hello, ReasonCode
 
-__all__ = ["hello_refusal", "unsupported_precision"]
+__all__ = [
+    "describe_group",
+    "fingerprint_refusal",
+    "guess_classes",
+    "hello_refusal",
+    "unsupported_precision",
+]
+
+HEAD_PREFIX = "head."
+"""The classifier head's tensors (models.classifiers): the only ones whose shape
+depends on the number of classes."""
+MAX_GUESSED_CLASSES = 1024
+"""The largest number of classes a refused fingerprint is tried against."""
 
 
 def hello_refusal(
@@ -24,11 +45,7 @@ def hello_refusal(
     None when it can. ``registered``: the device's registration so far, if any."""
     group = groups.get(hello.architecture)
     if group is None or hello.fingerprint != group.fingerprint:
-        runs = ", ".join(f"{g.name} ({g.fingerprint})" for g in groups.values())
-        return (
-            ReasonCode.FINGERPRINT_MISMATCH,
-            f"fleet runs {runs}; device announced {hello.architecture} ({hello.fingerprint})",
-        )
+        return ReasonCode.FINGERPRINT_MISMATCH, fingerprint_refusal(hello, groups, config)
     if registered is not None and registered.architecture != group.name:
         return (
             ReasonCode.FINGERPRINT_MISMATCH,
@@ -55,3 +72,62 @@ def unsupported_precision(hello: Hello, config: CoordinatorConfig) -> str | None
             fleet = f"this fleet's {direction} precision is {default.value}"
             return f"{fleet}; the device speaks {speaks}"
     return None
+
+
+def describe_group(group: ArchitectureGroup, config: CoordinatorConfig) -> str:
+    """``lenet5 (10 classes, input 1x28x28, fingerprint ...)``: a fleet's model as a
+    person at a device can compare it with the device's."""
+    side = config.image_size
+    return (
+        f"{group.name} ({group.num_classes} classes, input {config.in_channels}x{side}x{side}, "
+        f"fingerprint {group.fingerprint})"
+    )
+
+
+def fingerprint_refusal(
+    hello: Hello, groups: Mapping[str, ArchitectureGroup], config: CoordinatorConfig
+) -> str:
+    """The detail of a ``fingerprint_mismatch`` refusal of ``hello``: what the fleet runs,
+    what the device announced and, where it can be told, how the two differ."""
+    runs = ", ".join(describe_group(g, config) for g in groups.values())
+    announced = f"{hello.architecture} (fingerprint {hello.fingerprint})"
+    group = groups.get(hello.architecture)
+    if group is None:
+        names = ", ".join(groups)
+        why = f"this fleet runs no {hello.architecture}: start the device with --model {names}"
+    elif (classes := guess_classes(group, hello.fingerprint)) is not None:
+        why = (
+            f"that is {group.name} with {classes} classes: the device's data have {classes} "
+            f"classes, the fleet's model {group.num_classes}"
+        )
+    else:
+        why = (
+            f"its {group.name} differs from the fleet's: other data (classes, channels or "
+            "image size) or other model options"
+        )
+    return f"fleet runs {runs}; device announced {announced}: {why}"
+
+
+def guess_classes(group: ArchitectureGroup, fingerprint: str) -> int | None:
+    """The number of classes ``group``'s architecture has when its fingerprint is
+    ``fingerprint`` (the same input shape, only the head resized), None when no number
+    up to :data:`MAX_GUESSED_CLASSES` gives it."""
+    shapes = tuple(sorted(group.shapes.items()))
+    return _classes_by_fingerprint(shapes, group.num_classes).get(fingerprint)
+
+
+@functools.lru_cache(maxsize=16)
+def _classes_by_fingerprint(
+    shapes: tuple[tuple[str, tuple[int, ...]], ...], num_classes: int
+) -> dict[str, int]:
+    """Fingerprint -> number of classes, for the architecture of ``shapes`` (whose head
+    has ``num_classes`` outputs) with every other number of classes: a thousand hashes
+    of a few lines each, once per architecture."""
+    head = {n for n, shape in shapes if n.startswith(HEAD_PREFIX) and shape[:1] == (num_classes,)}
+    if not head:
+        return {}
+    found: dict[str, int] = {}
+    for classes in range(2, MAX_GUESSED_CLASSES + 1):
+        resized = {name: (classes, *shape[1:]) if name in head else shape for name, shape in shapes}
+        found.setdefault(architecture_fingerprint(resized), classes)
+    return found

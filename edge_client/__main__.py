@@ -4,7 +4,8 @@ Commands:
     run       (the default when the first argument is an option) run a training device:
               connect to the broker, announce, train the coordinator's tasks on the local
               data file and upload the updates until stopped (SIGTERM / SIGINT) or, with
-              ``--exit-when-finished``, until the coordinator's run is finished::
+              ``--exit-when-finished``, until the coordinator's run is finished (or it
+              refuses the device, or none answers its hello: exit 3 or 4)::
 
                   python -m edge_client --broker mqtt://127.0.0.1:1883 --fleet f \
                       --device-id dev-000 --data dev-000.npz --state-dir st
@@ -33,6 +34,14 @@ Exit codes:
     2   usage error, a bad data file / configuration / model name, not enough memory for
         training, or (``infer``) the model / input could not be read or did not match;
         one line on stderr, no traceback (systemd units do not restart on it)
+    3   ``run --exit-when-finished``: the coordinator refused the device's hello (an
+        authenticated nack: another model or number of classes, a precision the fleet
+        does not run, no consent to share label counts, no training samples); the
+        reason and what to do are logged at ERROR
+    4   ``run --exit-when-finished``: no coordinator answered the hello within
+        ``--hello-timeout`` seconds (default 60): the device key is wrong or not
+        registered (the fleet's coordinator was seen up), or the fleet name or the
+        broker is wrong (no coordinator status on the fleet); the hint is logged at ERROR
 """
 
 from __future__ import annotations
@@ -57,6 +66,10 @@ from protocol.flags import ModelFlags
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_REFUSED = 3
+"""The coordinator refused the device's hello (``run --exit-when-finished``)."""
+EXIT_UNANSWERED = 4
+"""No coordinator answered the device's hello in time (``run --exit-when-finished``)."""
 COMMANDS = ("run", "follow", "infer", "template", "bundle")
 KEYS = {"run": RUN_KEYS, "follow": FOLLOW_KEYS}
 """The device commands (they take ``--config``) and the settings each takes."""
@@ -138,7 +151,12 @@ def _add_device_parser(
 
 
 _FLAGS: dict[str, str | tuple[str, ...]] = {"verbose": ("-v", "--verbose")}
-_METAVARS = {"connect_retry": "SECONDS", "password_env": "NAME", "memory_budget_mb": "MB"}
+_METAVARS = {
+    "connect_retry": "SECONDS",
+    "hello_timeout": "SECONDS",
+    "password_env": "NAME",
+    "memory_budget_mb": "MB",
+}
 
 
 def _device_settings(args: argparse.Namespace) -> DeviceSettings:
@@ -296,7 +314,11 @@ def _run_device(settings: DeviceSettings) -> int:
     logging.getLogger("edge_client").info(
         "memory check passed: %s; %d torch thread(s)", estimate.describe(), config.threads
     )
-    return _serve(client)
+    _serve(client)
+    refusal = client.refusal
+    if refusal is None:
+        return EXIT_OK
+    return EXIT_REFUSED if refusal.kind == "refused" else EXIT_UNANSWERED
 
 
 def _run_follow(settings: DeviceSettings) -> int:

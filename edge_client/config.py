@@ -194,6 +194,10 @@ class DeviceSettings(DeviceOptions):
     memory_budget_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Memory the client may use, MB; refuse to start when training cannot fit
     (default: the cgroup limit, such as systemd's MemoryMax, or the free memory)."""
+    hello_timeout: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    """Seconds the device waits for the coordinator to answer its hello before it logs
+    why none came (the fleet name, the broker or the key is likely wrong) and, with
+    --exit-when-finished, exits with status 4; 0: wait silently forever."""
 
     def client_config(self, device_id: str) -> ClientConfig:
         """The runtime config of device ``device_id`` (its own, or the data file's):
@@ -225,6 +229,8 @@ class DeviceSettings(DeviceOptions):
         options = {name: getattr(self, name) for name in DeviceOptions.model_fields}
         options["downlink_precision"] = self.downlink_precision or self.precision
         options["uplink_precision"] = self.uplink_precision or self.precision
+        options["hello_timeout_s"] = self.hello_timeout or None
+        options["exit_when_refused"] = self.exit_when_finished
         return ClientConfig.from_broker_url(
             self.broker,
             device_id=device_id,
@@ -316,6 +322,7 @@ RUN_KEYS: tuple[str, ...] = (
     "weight_format",
     "share_label_counts",
     "exit_when_finished",
+    "hello_timeout",
     "memory_budget_mb",
 )
 """The settings of ``run``: those of ``follow`` and training's."""
@@ -425,6 +432,17 @@ class ClientConfig(DeviceOptions):
     """How long an update is re-published while the broker is unreachable, seconds."""
     ack_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     """How long a sent update waits for the coordinator's ack before it is sent again, s."""
+    hello_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """How long a hello waits for the coordinator's ack before the device logs why none
+    came and says hello again (or, with ``exit_when_refused``, stops), seconds; the wait
+    doubles after each hint, up to 10 minutes. None: no watch (the emulator's devices).
+    The command line sets it from ``--hello-timeout`` (default 60)."""
+    exit_when_refused: bool = False
+    """Stop (:attr:`~edge_client.train.runtime.EdgeClient.refusal` says why) when the
+    coordinator refuses the hello (an authenticated nack), or when no coordinator
+    answers it within ``hello_timeout_s`` while the fleet's coordinator is not known to
+    be stopped or finished. The command line sets it with ``--exit-when-finished``;
+    else a refused device stays up, logging why, and says hello again as before."""
     max_resends: int = Field(default=3, ge=0)
     """Times one update is sent again (no ack in time, or a retryable nack) before
     giving up."""

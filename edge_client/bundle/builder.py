@@ -445,8 +445,9 @@ Group=edgefl
 ExecStart=@PREFIX@/venv/bin/python -m edge_client @COMMAND@ --config @CONFIG_DIR@/edgefl.toml
 Restart=on-failure
 RestartSec=10s
-# exit 2: bad configuration or not enough memory; restarting would not help
-RestartPreventExitStatus=2
+# exit 2: bad configuration or not enough memory; 3: the coordinator refused this device
+# (its model or data do not fit the fleet): restarting would not help
+RestartPreventExitStatus=2 3
 # SIGTERM: the client finishes its current training step, abandons an upload cleanly
 KillSignal=SIGTERM
 TimeoutStopSec=60s

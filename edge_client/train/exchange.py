@@ -240,7 +240,8 @@ class CommitUpload:
 
 @dataclass(frozen=True)
 class Stop:
-    """The coordinator finished its run: stop the device."""
+    """Stop the device: the coordinator finished its run, or (``exit_when_refused``) it
+    refused the device's hello or none answered it (the session's ``refusal`` says)."""
 
 
 Action = (

@@ -26,6 +26,10 @@ flow (topics from :class:`protocol.topics.Topics`):
    (even past the deadline: the coordinator decides; retried while the broker is
    unreachable, up to ``upload_retry_s``) and status ``idle``.
 4. :class:`Ack` messages are logged; the last update is sent again until one comes.
+   The ack of a hello tells whether the device is in: a refusal is logged at ERROR with
+   what to do, and a hello left unanswered for ``hello_timeout_s`` with why it may be
+   (the session's hello rules). With ``exit_when_refused`` the client then stops, and
+   :attr:`EdgeClient.refusal` says why (the command line exits 3 or 4).
 
 Nothing a peer sends crashes the client: bad payloads, foreign fleets, unexpected kinds,
 invalid tasks and mismatched models are logged (warning) and change nothing. A failed
@@ -72,6 +76,7 @@ from edge_client.train.exchange import (
     Started,
     Tick,
 )
+from edge_client.train.refusal import Refusal
 from edge_client.train.retry import RetrySchedule
 from edge_client.train.session import DeviceSession
 from edge_client.train.shell import DeviceShell, Retry, Upload, publish_once
@@ -200,6 +205,7 @@ class EdgeClient:
             held_base=transfer.held_fingerprint,
             saved=None if store is None else store.load_state(),
             unacked=unacked,
+            model_summary=_summary(config.model, model),
         )
         self._shell = DeviceShell(self._session, _Effects(self), store=store, lock=self._lock)
         if self._session.restored and store is not None:
@@ -227,6 +233,13 @@ class EdgeClient:
     def last_error(self) -> Exception | None:
         """The last training, upload or persistence failure, or None."""
         return self._last_error
+
+    @property
+    def refusal(self) -> Refusal | None:
+        """Why the client stopped trying to join its fleet (``exit_when_refused``): the
+        coordinator refused its hello, or none answered it; None: it did not."""
+        with self._lock:
+            return self._session.refusal
 
     @property
     def is_running(self) -> bool:
@@ -304,7 +317,7 @@ class EdgeClient:
                 target=self._work, name=f"edge-client-{self.device_id}", daemon=True
             )
             self._worker.start()
-            self._handle(Started())
+            self._handle_and_wake(Started())
             logger.info(
                 "device %s online in fleet %s (%s, %d samples)",
                 self.device_id,
@@ -347,6 +360,15 @@ class EdgeClient:
         """Feed ``event`` to the session and carry out its actions."""
         self._shell.handle(event)
 
+    def _handle_and_wake(self, event: Event) -> None:
+        """:meth:`_handle` an event from outside the worker thread, then wake the worker
+        if the session now waits for something (a hello's answer), so that it ticks."""
+        self._handle(event)
+        with self._lock:
+            waiting = self._session.next_expiry is not None
+        if waiting:
+            self._queue.put(_WAKE)
+
     def _failed(self, error: Exception) -> None:
         """Remember a persistence or upload failure (``last_error``)."""
         self._last_error = error
@@ -361,7 +383,7 @@ class EdgeClient:
     # ------------------------------------------------------------------ inbound
 
     def _on_reconnect(self) -> None:
-        self._handle(Reconnected())
+        self._handle_and_wake(Reconnected())
 
     def _on_bad_payload(self, topic: str, error: DecodeError) -> None:
         logger.warning("dropped a bad payload on %s: %s", topic, error)
@@ -377,7 +399,7 @@ class EdgeClient:
             logger.exception("failed to handle a %s message", message.kind)
 
     def _on_coordinator_status(self, topic: str, message: Message) -> None:
-        self._handle(CoordinatorStatusReceived(topic, message))
+        self._handle_and_wake(CoordinatorStatusReceived(topic, message))
 
     def _on_broadcast_model(self, topic: str, message: Message) -> None:
         """Refresh the served ONNX model (on the transport's thread: a render and a file
@@ -446,6 +468,12 @@ class EdgeClient:
             trainer.learning_state.update(restored)
             if restored:
                 logger.info("resumed the learning state %s", sorted(restored))
+
+
+def _summary(name: str, model: Classifier) -> str:
+    """``lenet5, 26 classes, input 1x28x28``: the device's model for people."""
+    shape = "x".join(str(d) for d in model.input_shape)
+    return f"{name}, {model.num_classes} classes, input {shape}"
 
 
 class _Effects:

@@ -40,6 +40,26 @@ Task rules:
   base of a delta (so the coordinator resends the full model).
 * With ``exit_when_finished`` a ``finished`` coordinator stops the device once it saw
   the coordinator live; ``stopped`` never does.
+
+Hello rules (why a device is not let in, told at the device):
+
+* An ack whose ``ref`` is one of the device's last hellos answers it. Accepted: the
+  device is registered. Refused (``fingerprint_mismatch``, ``unsupported_precision``,
+  ``consent_required``, ``malformed``): the device logs the reason, the coordinator's
+  detail, its own model (architecture, classes, input shape) and what to do, at ERROR
+  (once a minute per reason at most); with ``exit_when_refused`` it stops, and
+  :attr:`DeviceSession.refusal` says why. Otherwise it stays up and says hello again as
+  before (reconnect, ``starting``).
+* With ``hello_timeout_s``, a hello left unanswered (no ack, no task) that long makes
+  the device say why it may be (:meth:`DeviceSession.no_answer_hint`: the coordinator of
+  the fleet is up but silent, so it cannot authenticate the device's key; or no
+  coordinator status was ever seen on the fleet, so the fleet name or the broker is
+  wrong). With ``exit_when_refused`` it then stops; otherwise it says hello again and
+  repeats the hint, waiting twice as long each time (10 minutes at most). A device the
+  coordinator let in before (in this run of the device) never stops for want of an
+  answer: its hello may have been lost (a broker restart), it says hello again. A
+  coordinator whose status is ``stopped`` or ``finished`` answers no hello: the device
+  waits for its ``starting`` (which makes it say hello again) without stopping.
 """
 
 from __future__ import annotations
@@ -87,6 +107,14 @@ from edge_client.train.exchange import (
     Trained,
     TrainJob,
     UpdateSent,
+)
+from edge_client.train.refusal import (
+    ADVICE,
+    HELLOS_REMEMBERED,
+    MAX_HELLO_WAIT_S,
+    REFUSAL_LOG_INTERVAL_S,
+    Refusal,
+    no_answer_hint,
 )
 from edge_client.train.retry import RetrySchedule
 from protocol import __version__ as protocol_version
@@ -169,6 +197,8 @@ class DeviceSession:
         label_counts: samples per class, sent when a task asks and the device consents.
         memory_bytes: the machine's physical memory (for the hello), 0 if unknown.
         held_base: content fingerprint of the model the device holds, None: none.
+        model_summary: the device's model for people (``lenet5, 26 classes, input
+            1x28x28``), logged beside a refusal of its hello; "": its architecture's name.
         saved: the state persisted by an earlier run of this device; ignored (with a
             warning) when it belongs to another fleet or device.
         unacked: the update an earlier run of this device sent and never saw
@@ -189,6 +219,7 @@ class DeviceSession:
         saved: SavedState | None = None,
         unacked: Message | None = None,
         wall_clock: Callable[[], float] = time.time,
+        model_summary: str = "",
     ) -> None:
         self.config = config
         self._wall = wall_clock
@@ -217,6 +248,17 @@ class DeviceSession:
         self._seen_live_coordinator = False  # a starting / waiting / running status came
         self._newest_status_ms = -1  # send time of the newest coordinator status taken
         self._newest_will_ms = -1  # send time of the newest coordinator's will (stopped)
+        self._model_summary = model_summary or config.model
+        self._hellos: deque[str] = deque(maxlen=HELLOS_REMEMBERED)  # ids of the last hellos
+        self._hello_watch = False  # a hello awaits its answer (with hello_timeout_s)
+        self._hello_since: float | None = None  # when the wait began (set at the next tick)
+        self._hello_due: float | None = None  # when the next hint is due
+        self._hello_wait = 0.0  # the current wait, seconds (doubles after each hint)
+        self._coordinator_state: str | None = None  # of the newest coordinator status taken
+        self._admitted = False  # a hello was accepted (or a task came) in this run
+        self._refusals_logged: dict[ReasonCode, float] = {}  # reason -> when logged at ERROR
+        self.refusal: Refusal | None = None
+        """Why the device stopped trying to join (``exit_when_refused``), or None."""
         self.restored = False
         """Whether ``saved`` was taken (the shell then resumes the saved model too)."""
         if saved is not None:
@@ -237,13 +279,15 @@ class DeviceSession:
 
     @property
     def next_expiry(self) -> float | None:
-        """When the next tick is due (monotonic seconds): a waiting task expires or an
-        update's ack is overdue; None: nothing waits. ``0.0``: tick now."""
-        ack = None
+        """When the next tick is due (monotonic seconds): a waiting task expires, an
+        update's ack or a hello's answer is overdue; None: nothing waits. ``0.0``: tick
+        now."""
+        timers = [p.expires for p in self._pending.values()]
         if self._awaiting_ack:
-            ack = 0.0 if self._ack_due is None else self._ack_due
-        expiries = [p.expires for p in self._pending.values()]
-        return min([*expiries, *([ack] if ack is not None else [])], default=None)
+            timers.append(0.0 if self._ack_due is None else self._ack_due)
+        if self._hello_watch:
+            timers.append(0.0 if self._hello_due is None else self._hello_due)
+        return min(timers, default=None)
 
     def handle(self, event: Event) -> list[Action]:
         """The actions ``event`` leads to, in the order to carry them out."""
@@ -258,7 +302,7 @@ class DeviceSession:
             return self._on_coordinator_status(event.topic, event.message)
         if isinstance(event, Tick):
             self._expire(event.now)
-            return self._check_ack(event.now)
+            return self._check_ack(event.now) + self._check_hello(event.now)
         if isinstance(event, JobDone):
             return self._on_result(event.result)
         return self._on_update_sent(event)
@@ -271,6 +315,13 @@ class DeviceSession:
         )
 
     def _announce(self) -> list[Action]:
+        if self.config.hello_timeout_s is not None:  # (re)start the wait for its answer
+            self._hello_watch, self._hello_since, self._hello_due = True, None, None
+            self._hello_wait = self.config.hello_timeout_s
+        return [SetStatus("online"), self._hello()]
+
+    def _hello(self) -> Publish:
+        """Publish a new hello (its id remembered, to know its ack)."""
         hello = device_hello(
             self.config,
             fingerprint=self._fingerprint,
@@ -278,8 +329,60 @@ class DeviceSession:
             held_base=self._held_base,
             memory_bytes=self._memory_bytes,
         )
-        topic = self._topics.device(self.config.device_id, "hello")
-        return [SetStatus("online"), Publish(topic, self._message(hello))]
+        message = self._message(hello)
+        self._hellos.append(message.message_id)
+        return Publish(self._topics.device(self.config.device_id, "hello"), message)
+
+    def _answered(self, *, admitted: bool = False) -> None:
+        """The coordinator answered a hello (an ack or a task): the wait is over."""
+        self._hello_watch, self._hello_since, self._hello_due = False, None, None
+        self._admitted = self._admitted or admitted
+
+    def _check_hello(self, now: float) -> list[Action]:
+        """Arm the wait of a hello just sent; when it is over, say why no answer came and
+        stop (``exit_when_refused``) or say hello again."""
+        timeout = self.config.hello_timeout_s
+        if not self._hello_watch or timeout is None or self.refusal is not None:
+            return []
+        if self._hello_since is None or self._hello_due is None:
+            self._hello_since, self._hello_due = now, now + self._hello_wait
+            return []
+        if now < self._hello_due:
+            return []
+        hint, hopeless = self.no_answer_hint(now - self._hello_since)
+        if not hopeless:  # the coordinator is down: its "starting" brings a new hello
+            logger.warning("%s", hint)
+            self._answered()
+            return []
+        if self._admitted:  # its key and fleet are right: the hello may have been lost
+            hint = (
+                f"no answer from the coordinator of fleet {self.config.fleet} in "
+                f"{now - self._hello_since:.0f} s, which let this device in before (a hello "
+                "lost in a broker restart?)"
+            )
+        elif self.config.exit_when_refused:
+            self.refusal = Refusal("unanswered", hint)
+            logger.error("%s; the device stops", hint)
+            self._answered()
+            return [Stop()]
+        self._hello_wait = min(2 * self._hello_wait, max(MAX_HELLO_WAIT_S, timeout))
+        self._hello_due = now + self._hello_wait
+        level = logging.WARNING if self._admitted else logging.ERROR
+        logger.log(level, "%s; saying hello again (next hint in %.0f s)", hint, self._hello_wait)
+        return [self._hello()]
+
+    def no_answer_hint(self, waited: float) -> tuple[str, bool]:
+        """Why no coordinator answered the device's hello in ``waited`` seconds, and
+        whether waiting on is hopeless (:func:`~edge_client.train.refusal.no_answer_hint`)."""
+        config = self.config
+        return no_answer_hint(
+            fleet=config.fleet,
+            device_id=config.device_id,
+            broker=f"{config.broker.host}:{config.broker.port}",
+            state=self._coordinator_state,
+            reads_status=config.insecure_no_auth or config.coordinator_key is not None,
+            waited=waited,
+        )
 
     def _resend_unacked(self) -> list[Action]:
         """The last update again if the coordinator never acknowledged it (it may have
@@ -316,6 +419,7 @@ class DeviceSession:
         return []
 
     def _on_task(self, message: Message, task: RoundTask, now: float) -> list[Action]:
+        self._answered(admitted=True)  # only a registered device gets tasks
         task_id = message.message_id
         if task_id in self._handled or task_id in self._active() or task_id in self._pending:
             logger.info("ignored duplicate task %s (round %d)", task_id, message.round)
@@ -383,6 +487,8 @@ class DeviceSession:
         return actions
 
     def _on_ack(self, message: Message, ack: Ack, now: float) -> list[Action]:
+        if ack.ref is not None and ack.ref in self._hellos:
+            return self._on_hello_ack(message, ack, now)
         unacked = self._unacked
         if ack.accepted:
             logger.info("coordinator accepted %s (round %d) %s", ack.ref, message.round, ack.detail)
@@ -402,6 +508,44 @@ class DeviceSession:
         if ours:
             self._unacked, self._awaiting_ack, self._ack_due = None, False, None
             return [SaveUnacked(None)]
+        return []
+
+    def _on_hello_ack(self, message: Message, ack: Ack, now: float) -> list[Action]:
+        """The coordinator's answer to one of the device's hellos."""
+        self._answered(admitted=ack.accepted)
+        fleet = self.config.fleet
+        if ack.accepted:
+            logger.info(
+                "coordinator accepted %s (round %d): device %s registered in fleet %s",
+                ack.ref,
+                message.round,
+                self.config.device_id,
+                fleet,
+            )
+            return []
+        if self.refusal is not None:  # stopping already
+            return []
+        reason = ack.reason
+        text = (
+            f"the coordinator of fleet {fleet} refused this device ({reason.value}): "
+            f"{ack.detail or 'no detail'}; this device: {self._model_summary} "
+            f"(fingerprint {self._fingerprint}); "
+            f"{ADVICE.get(reason, 'see the coordinator log')}"
+        )
+        if self.config.exit_when_refused:
+            self.refusal = Refusal("refused", text)
+            logger.error("%s; the device stops", text)
+            return [Stop()]
+        last = self._refusals_logged.get(reason)
+        if last is None or now - last >= REFUSAL_LOG_INTERVAL_S:
+            self._refusals_logged[reason] = now
+            logger.error(
+                "%s; the device stays up and says hello again when the coordinator "
+                "restarts (--exit-when-finished: it exits instead)",
+                text,
+            )
+        else:
+            logger.debug("%s", text)
         return []
 
     def _check_ack(self, now: float) -> list[Action]:
@@ -450,6 +594,7 @@ class DeviceSession:
                 logger.debug("ignored a coordinator's last will seen before (a replay)")
                 return []
             self._newest_will_ms = message.sent_at_ms
+            self._coordinator_state = "stopped"  # what the broker holds now
             logger.info("the coordinator stopped (or crashed); waiting for it to come back")
             return []
         if message.sent_at_ms < self._newest_status_ms:
@@ -459,6 +604,7 @@ class DeviceSession:
             )
             return []
         self._newest_status_ms = message.sent_at_ms
+        self._coordinator_state = status.state
         logger.info("coordinator status: %s %s", status.state, status.detail)
         if status.state in ("starting", "waiting", "running"):
             self._seen_live_coordinator = True

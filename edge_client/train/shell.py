@@ -102,7 +102,7 @@ class DeviceEffects(Protocol):
         ...
 
     def stop(self) -> None:
-        """Stop the device (the coordinator finished its run)."""
+        """Stop the device (the coordinator finished its run, or refused the device)."""
         ...
 
 

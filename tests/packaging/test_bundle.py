@@ -164,7 +164,7 @@ def test_the_bundle_describes_itself_and_its_service(
     unit = (installed.bundle / "edgefl-client.service").read_text()
     command = "run" if profile == "train" else "follow"
     assert f"-m edge_client {command} --config @CONFIG_DIR@/edgefl.toml" in unit
-    for line in ("Restart=on-failure", "RestartPreventExitStatus=2", "KillSignal=SIGTERM"):
+    for line in ("Restart=on-failure", "RestartPreventExitStatus=2 3", "KillSignal=SIGTERM"):
         assert line in unit.splitlines()
     assert "MemoryMax=" in unit and "CPUQuota=300%" in unit
     if shutil.which("systemd-analyze"):  # what install.sh writes, checked by systemd
