@@ -11,9 +11,10 @@ is derived from :class:`~coordinator.config.CoordinatorConfig`
 (:mod:`coordinator.cli_flags`, :mod:`protocol.flags`): its defaults are the model's.
 
 ``python -m coordinator revoke --state-dir DIR ID [ID ...]`` revokes devices: their ids go
-to DIR/revoked-devices.json, and the coordinator refuses them from its next start (stop
-it, revoke, start it again with --resume): their enrolled keys are dropped, and neither
-the fleet token nor --device-keys lets them back in (docs/protocol.md, section 2.4).
+to DIR/revoked-devices.json, and a running coordinator of that state dir refuses them
+within a second (one started later, from its start): their enrolled keys are dropped,
+and neither the fleet token nor --device-keys lets them back in (docs/protocol.md,
+section 2.4).
 
 Exit codes:
     0   the run finished (revoke: the ids are recorded); final models are in STATE_DIR/final
@@ -23,7 +24,10 @@ Exit codes:
 
 With ``--state-dir``, STATE_DIR/status.json holds the run's phase, every round's start
 and close and, once the process has exited, its peak RSS
-(:class:`~coordinator.runtime.RunStatus`).
+(:class:`~coordinator.runtime.RunStatus`). ``--json-out FILE`` and ``--report-dir DIR``
+write the run report when it ends (docs/report.md; stopped: its finished rounds), and
+``--eval-data FILE.npz`` evaluates every round's global models on held-out data
+(:mod:`coordinator.recording`); their paths are checked before the run starts.
 """
 
 from __future__ import annotations
@@ -121,10 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
         },
     )
     flags.add(
+        p.add_argument_group("monitoring (docs/metrics.md, docs/dashboard.md)"),
+        CoordinatorConfig,
+        include=("metrics_port", "dashboard", "dashboard_token_file"),
+        metavars=_MONITOR_METAVARS,
+    )
+    flags.add(
         p.add_argument_group("state and outputs"),
         CoordinatorConfig,
-        include=("state_dir", "resume", "export_onnx", "broadcast_model"),
+        include=(
+            "state_dir",
+            "resume",
+            "export_onnx",
+            "broadcast_model",
+            "json_out",
+            "report_dir",
+            "eval_data",
+        ),
         flags={"export_onnx": "--onnx"},
+        metavars={"json_out": "FILE", "report_dir": "DIR", "eval_data": "FILE.npz"},
     )
     return p
 
@@ -134,6 +153,12 @@ EMBEDDED_PORT_HINT = (
     "--broker mqtt://HOST:PORT to use that broker"
 )
 """What to do when the embedded broker's port is taken (an installed Mosquitto on 1883)."""
+
+_MONITOR_METAVARS = {
+    "metrics_port": "[HOST:]PORT",
+    "dashboard": "[HOST:]PORT",
+    "dashboard_token_file": "FILE",
+}
 
 _BROKER: dict[str, Any] = {
     "flags": {"url": "--broker", "embedded": "--embedded-broker"},
@@ -164,7 +189,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 def run(config: CoordinatorConfig) -> int:
     """Run the job described by ``config``; returns the exit code."""
+    from coordinator.monitor import monitoring
     from coordinator.proxy import check_proxy_use, read_proxy_data
+    from coordinator.recording import check_outputs, recording
     from coordinator.runtime import STATUS_FILE, Coordinator, RunStatus
     from coordinator.store import FileStore, MemoryStore, Store
     from protocol.errors import BrokerError, TransportError
@@ -175,6 +202,7 @@ def run(config: CoordinatorConfig) -> int:
     embedded = None
     status = None
     try:
+        held_out = check_outputs(config)  # the report's paths and data, before anything starts
         store: Store = MemoryStore()
         if config.state_dir is not None:
             store = FileStore(config.state_dir)
@@ -216,7 +244,8 @@ def run(config: CoordinatorConfig) -> int:
             config.participation,
             config.min_devices,
         )
-        models = coordinator.run()
+        with monitoring(coordinator.telemetry, config), recording(coordinator, held_out):
+            models = coordinator.run()
     except StateMismatchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

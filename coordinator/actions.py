@@ -11,9 +11,17 @@ from dataclasses import dataclass
 
 from coordinator.aggregation_phase import AggregationJob
 from coordinator.groups import GroupModels
-from protocol.messages import Message
+from protocol.messages import Message, ReasonCode
 
-__all__ = ["Action", "AggregateRequested", "Finished", "Publish", "RoundClosed", "RoundStarted"]
+__all__ = [
+    "Action",
+    "AggregateRequested",
+    "Finished",
+    "Publish",
+    "RoundClosed",
+    "RoundStarted",
+    "UpdateOutcome",
+]
 
 
 @dataclass(frozen=True)
@@ -70,4 +78,18 @@ class Finished:
     final: str = "aca"
 
 
-Action = Publish | RoundStarted | AggregateRequested | RoundClosed | Finished
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What became of an authenticated update (nothing to carry out: for observers, the
+    metrics and the dashboard). Comes with the update's acknowledgement."""
+
+    device_id: str
+    round: int
+    reason: ReasonCode
+    """``ok`` (taken on time), ``late``, ``duplicate``, or why it was rejected."""
+    screening_ratio: float | None = None
+    """An update taken on time: its distance from the model the device was sent over
+    the round's screening reference."""
+
+
+Action = Publish | RoundStarted | AggregateRequested | RoundClosed | Finished | UpdateOutcome

@@ -147,8 +147,16 @@ class RateLimitedLog:
         self._last: OrderedDict[str, float] = OrderedDict()
         self.suppressed = 0
         """Warnings logged at DEBUG only because their key was logged recently."""
+        self._listeners: list[Callable[[str, str], None]] = []
+
+    def listen(self, listener: Callable[[str, str], None]) -> None:
+        """Call ``listener(key, text)`` for every warning, rate-limited or not (the
+        coordinator's telemetry counts refusals by the key's first field)."""
+        self._listeners.append(listener)
 
     def warning(self, key: str, msg: str, *args: object) -> None:
+        for listener in self._listeners:
+            listener(key, msg % args if args else msg)
         now = self._clock()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:

@@ -44,11 +44,14 @@ __all__ = [
     "BrokerSettings",
     "CoordinatorConfig",
     "FleetSettings",
+    "MonitorSettings",
     "ServerDevice",
     "TrainingSettings",
     "load_config",
+    "parse_address",
     "participants",
     "run_weight_format",
+    "settings_problems",
 ]
 
 Identifier = Annotated[str, Field(pattern=ID_PATTERN)]
@@ -280,7 +283,45 @@ class FleetSettings(DenseOptions, FedDFOptions, FedKFOptions, _SharedFleetSettin
         return tuple(self.model.split(","))
 
 
-class CoordinatorConfig(FleetSettings):
+class MonitorSettings(_Frozen):
+    """Where an operator watches the run (the coordinator's and the sim's flags); never
+    part of the run's fingerprint. Addresses are ``[HOST:]PORT``, on 127.0.0.1 unless a
+    host is given (port 0: a free one, logged at start)."""
+
+    metrics_port: str | None = None
+    """Serve Prometheus metrics at http://[HOST:]PORT/metrics (docs/metrics.md)."""
+    dashboard: str | None = None
+    """Serve the live web dashboard at http://[HOST:]PORT/ (docs/dashboard.md): read-only;
+    a host other than loopback needs dashboard_token_file."""
+    dashboard_token_file: Path | None = None
+    """Bearer token of the dashboard (one line, 16 characters at least, mode 0600): every
+    request must carry it. Required where the dashboard listens beyond loopback."""
+
+    @field_validator("metrics_port", "dashboard")
+    @classmethod
+    def _an_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_address(value)
+        return value
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` (``[::1]:PORT`` for an IPv6 host) as (host, port); the host is
+    127.0.0.1 when left out.
+
+    Raises:
+        ValueError: not of that form, or a port outside 0-65535.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not [HOST:]PORT (a port from 0 to 65535)")
+    return host, int(port)
+
+
+class CoordinatorConfig(MonitorSettings, FleetSettings):
     """Everything one federated run needs; see ``python -m coordinator --help``."""
 
     fleet: Identifier = "default"
@@ -304,6 +345,17 @@ class CoordinatorConfig(FleetSettings):
     """Continue the run persisted in state_dir (a missing or empty one starts a fresh run)."""
     export_onnx: bool = True
     """Also save the final models as .onnx next to the .pt."""
+    json_out: Path | None = None
+    """Write the run report here as JSON (docs/report.md) when the run ends (stopped: the
+    rounds it finished); checked before the run starts"""
+    report_dir: Path | None = None
+    """Write the report's rounds.csv here when the run ends, and accuracy.png and bytes.png
+    where matplotlib is installed (the report extra); checked before the run starts"""
+    eval_data: Path | None = None
+    """Evaluate every round's global models on this held-out data, off the rounds' path:
+    an .npz with x, (N, C, H, W) or (N, H, W) images, uint8 or floats in [0, 1], and y,
+    integer labels (a device file of python -m sim partition is one); its accuracy is the
+    report's global_acc, amp and wlp (docs/report.md)"""
     proxy_data: Path | None = None
     """Unlabeled images for server-side distillation (feddf with distill_data proxy; every
     other strategy refuses them): a .npy file of (N, C, H, W) or (N, H, W) images, uint8
@@ -433,8 +485,34 @@ def build_config(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> Coord
     try:
         return CoordinatorConfig.model_validate(merged)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
-            for err in exc.errors()
-        )
+        tables: dict[str, type[BaseModel]] = {
+            "training": TrainingSettings,
+            "broker": BrokerSettings,
+        }
+        problems = settings_problems(exc, CoordinatorConfig, tables)
         raise ConfigError(f"invalid coordinator settings: {problems}") from exc
+
+
+def settings_problems(
+    exc: ValidationError, model: type[BaseModel], tables: Mapping[str, type[BaseModel]]
+) -> str:
+    """Every problem of ``exc`` (validating ``model``, whose ``tables`` are TOML tables of
+    their own), one ``where: what`` each, ``; `` between; a key in the wrong place says
+    where it belongs (``rounds is a top-level key, not a [training] one``)."""
+    homes: dict[str, list[str]] = {}
+    for name in model.model_fields:
+        if name not in tables:
+            homes.setdefault(name, []).append("a top-level key")
+    for table, settings in tables.items():
+        for name in settings.model_fields:
+            homes.setdefault(name, []).append(f"a [{table}] key")
+    problems = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        where, message = ".".join(loc) or "config", err["msg"]
+        if err["type"] == "extra_forbidden" and len(loc) <= 2:
+            here = f"a [{loc[0]}] one" if len(loc) == 2 else "a top-level one"
+            home = homes.get(loc[-1])
+            message = f"{loc[-1]} is {' or '.join(home)}, not {here}" if home else "unknown key"
+        problems.append(f"{where}: {message}")
+    return "; ".join(problems)

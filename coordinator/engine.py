@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ from coordinator.actions import (
     Publish,
     RoundClosed,
     RoundStarted,
+    UpdateOutcome,
 )
 from coordinator.admission import hello_refusal
 from coordinator.aggregation_phase import AggregationJob
@@ -113,6 +114,12 @@ the round does not wait for it to its deadline (other rejections change nothing)
 
 WAITING_LOG_S = 60.0
 """While too few devices are online, the log says why no round starts this often."""
+ONLINE_LOG_EACH = 10
+"""While a round waits for devices, each change of the online count up to this many
+devices is logged ("2 of 3 online")."""
+ONLINE_LOG_S = 1.0
+"""Beyond :data:`ONLINE_LOG_EACH` online devices, changes are logged at most this often
+(the latest count), so that thousands of devices joining give a line a second."""
 
 
 @dataclass
@@ -185,6 +192,10 @@ class RoundEngine:
         """Whom the round still waits for (the silent are dropped after the grace)."""
         self._waiting_logged_at = -WAITING_LOG_S
         """When the coordinator last said in its log why no round starts."""
+        self._online_said: tuple[int, int] | None = None
+        """(round, online count) the log last said while the round waited for devices."""
+        self._online_said_at = -ONLINE_LOG_S
+        """When it said so."""
         self._screened: set[str] = set()
         """Selected devices whose on-time update of the round was screened out (persisted
         one record each, :meth:`RunState.screen_out`)."""
@@ -200,6 +211,36 @@ class RoundEngine:
         self._models: GroupModels = {}
         self._counters = _RoundCounters()
         self._screen = NormScreen(config.max_update_norm_ratio, config.max_update_norm, None)
+        self._heard: Callable[[str, float], None] | None = None
+
+    # -- watching ----------------------------------------------------------------------
+
+    def watch(
+        self, heard: Callable[[str, float], None], refused: Callable[[str, str], None]
+    ) -> None:
+        """Call ``heard(device_id, now)`` for every fresh, authenticated frame of a
+        registered device (or hello accepted) and ``refused(key, text)`` for every
+        refusal the engine logs (:meth:`RateLimitedLog.listen`); on the engine thread."""
+        self._heard = heard
+        self._refusals.listen(refused)
+
+    def progress(self) -> tuple[int, str, float | None, int, int]:
+        """Round, phase, deadline (Unix s; None outside training), selected devices and
+        those that answered (:class:`~coordinator.telemetry.EngineView`)."""
+        run = self._require_run()
+        training = run.phase == "training"
+        selected = len(self._selected) if training else 0
+        answered = len(self._answered) if training else 0
+        return run.round, run.phase, run.deadline if training else None, selected, answered
+
+    def devices(self) -> tuple[Mapping[str, Hello], frozenset[str]]:
+        """The registered devices' hellos and the online ones (O(devices): copies)."""
+        return self.registry.entries, frozenset(self.registry.online())
+
+    def link_of(self, device_id: str) -> tuple[str, str]:
+        """The precisions ``device_id`` transfers in: down, up."""
+        link = self._link(device_id)
+        return link.downlink.value, link.uplink.value
 
     # -- properties --------------------------------------------------------------------
 
@@ -328,11 +369,16 @@ class RoundEngine:
                 replayed.detail,
             )
             if isinstance(message.body, Update) and message.sender in self.registry:
-                return [self._ack(message.sender, message, False, replayed.reason, replayed.detail)]
+                return self._answer(message, False, replayed.reason, replayed.detail)
             return []
-        if message.sender in self._selected:  # it is alive: the round waits for it
-            self._liveness.heard(message.sender, message.sender in self._answered)
+        if self._heard is not None and message.sender in self.registry:
+            self._heard(message.sender, event.now)
         body = message.body
+        if message.sender in self._selected:
+            if isinstance(body, DeviceStatus) and body.state == "offline":
+                self._liveness.gone(message.sender)  # its last will: do not wait for it
+            else:  # it is alive: the round waits for it
+                self._liveness.heard(message.sender, message.sender in self._answered)
         if isinstance(body, Hello):
             return self._on_hello(message, body, event.now)
         if isinstance(body, DeviceStatus):
@@ -364,6 +410,8 @@ class RoundEngine:
                 problem[1],
             )
             return [self._ack(device_id, message, False, *problem)]
+        if self._heard is not None:
+            self._heard(device_id, now)
         if self.registry.register(hello):
             entry = self.registry.get(device_id)
             assert entry is not None
@@ -427,7 +475,7 @@ class RoundEngine:
                 message.round,
                 detail,
             )
-            return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, detail)]
+            return self._answer(message, True, ReasonCode.DUPLICATE, detail)
         try:
             on_time = self._classify(device_id, message.round, update, now)
             if self._state.has_update(device_id, message.round):
@@ -437,7 +485,7 @@ class RoundEngine:
                     device_id,
                     message.round,
                 )
-                return [self._ack(device_id, message, True, ReasonCode.DUPLICATE, "already stored")]
+                return self._answer(message, True, ReasonCode.DUPLICATE, "already stored")
             group = self._group_of(device_id)
             entry = self.registry.get(device_id)
             announced = 0 if entry is None else entry.num_samples
@@ -457,15 +505,15 @@ class RoundEngine:
                 message.round,
                 exc,
             )
-            ack = self._ack(device_id, message, False, exc.reason, exc.detail)
+            answer = self._answer(message, False, exc.reason, exc.detail)
             if on_time and exc.reason in _ANSWERED and device_id not in self._screened:
                 # one record of its own, not the run record (O(devices) to rewrite): a
                 # resumed round does not wait for it either
                 self._state.screen_out(device_id, run.round)
                 self._screened.add(device_id)
                 self._answered_now(device_id, now)
-                return [ack, *self._close_if_answered()]
-            return [ack]
+                return [*answer, *self._close_if_answered()]
+            return answer
         stored = StoredUpdate(
             device_id=device_id,
             group=group,
@@ -495,14 +543,17 @@ class RoundEngine:
         if not on_time:
             self._counters.late += 1
             detail = "kept in the OCA cache; not averaged into the round"
-            return [self._ack(device_id, message, True, ReasonCode.LATE, detail)]
-        actions: list[Action] = [self._ack(device_id, message, True, ReasonCode.OK)]
+            return self._answer(message, True, ReasonCode.LATE, detail)
+        ratio = norm / reference if reference > 0 else math.inf
+        actions = self._answer(
+            message, True, ReasonCode.OK, ratio=ratio if math.isfinite(ratio) else None
+        )
         log.info(
             "round %d: update of %s accepted (moves the model by %.4g, %.2f x the reference)",
             run.round,
             device_id,
             norm,
-            norm / reference if reference > 0 else math.inf,
+            ratio,
         )
         return actions + self._close_if_answered()
 
@@ -573,7 +624,8 @@ class RoundEngine:
             round=round_number,
             body=body,
         )
-        return [Publish(self.topics.to_device(device_id, "ack"), message)]
+        outcome = UpdateOutcome(device_id, round_number, event.reason)
+        return [Publish(self.topics.to_device(device_id, "ack"), message), outcome]
 
     # -- rounds ------------------------------------------------------------------------
 
@@ -608,6 +660,17 @@ class RoundEngine:
             online = self.registry.online_count()
             if online >= self.config.min_devices:
                 return self._start_round(now, self.registry.online())
+            said = self._online_said or (run.round, 0)  # 0 at a start: the reminder says it
+            if said != (run.round, online) and (
+                online <= ONLINE_LOG_EACH or now >= self._online_said_at + ONLINE_LOG_S
+            ):  # as devices join (or leave): each change while few, then once a second
+                self._online_said, self._online_said_at = (run.round, online), now
+                log.info(
+                    "round %d: %d of %d online (--min-devices)",
+                    run.round,
+                    online,
+                    self.config.min_devices,
+                )
             if now >= self._waiting_logged_at + WAITING_LOG_S:
                 self._waiting_logged_at = now
                 log.info(
@@ -789,6 +852,23 @@ class RoundEngine:
         self, device_id: str, ref: Message, accepted: bool, reason: ReasonCode, detail: str = ""
     ) -> Publish:
         return self._outbox.ack(device_id, ref, accepted, reason, detail)
+
+    def _answer(
+        self,
+        update: Message,
+        accepted: bool,
+        reason: ReasonCode,
+        detail: str = "",
+        *,
+        ratio: float | None = None,
+    ) -> list[Action]:
+        """The acknowledgement of an update from a registered device, and its outcome
+        for the observers."""
+        device_id = update.sender
+        return [
+            self._ack(device_id, update, accepted, reason, detail),
+            UpdateOutcome(device_id, update.round, reason, ratio),
+        ]
 
     def _status(self, state: str, *, force: bool = False) -> list[Action]:
         """The retained coordinator status; published only when the state changes."""

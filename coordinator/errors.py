@@ -7,6 +7,8 @@
     ├── StoreError (OSError)          the state directory cannot be read or written
     │   └── StateMismatchError        --resume with a state directory of another run
     ├── AggregationError              a round's aggregation (server-side training) failed
+    ├── ReportError (coordinator.report)        a run report cannot be written or read
+    ├── MetricsError (ValueError; coordinator.evaluation)   a model cannot be evaluated
     └── UpdateRejectedError (ValueError)   an update failed validation; carries a ReasonCode
 
 ``UpdateRejectedError`` never escapes the engine: it becomes an ``Ack(accepted=False)``.

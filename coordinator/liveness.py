@@ -1,9 +1,10 @@
 """Which selected devices a round still waits for: those heard from since it started.
 
 A selected device that has sent nothing during its round (no status such as
-``training``, no hello, no update) while every other one it heard from has answered is
-*silent*: after ``--silent-grace`` seconds from the last answer the round closes without
-it (docs/protocol.md, section 9, step 7). O(1) per message and per tick.
+``training``, no hello, no update), or whose last word was that it went offline (its
+status or last will), while every other one it heard from has answered is *silent*:
+after ``--silent-grace`` seconds from the last answer the round closes without it
+(docs/protocol.md, section 9, step 7). O(1) per message and per tick.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class RoundLiveness:
             self._heard.add(device_id)
             if not answered:
                 self._waiting.add(device_id)
+
+    def gone(self, device_id: str) -> None:
+        """A selected device said it went offline (its status or last will): the round
+        no longer waits for it, as if silent, until it sends something again."""
+        self._heard.discard(device_id)
+        self._waiting.discard(device_id)
 
     def answered(self, device_id: str, now: float) -> None:
         """A selected device answered its task at ``now``."""

@@ -43,18 +43,21 @@ from coordinator.actions import (
     Publish,
     RoundClosed,
     RoundStarted,
+    UpdateOutcome,
 )
 from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import RateLimitedLog, load_keys, load_signing_key
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import RoundEngine
+from coordinator.enrolment import FleetKeys
 from coordinator.errors import AggregationError, ConfigError, CoordinatorError, StoreError
 from coordinator.events import AggregateDone, Event, Received, Reconnected, Tick, Undecodable
 from coordinator.groups import ArchitectureGroup, GroupModels, Models
 from coordinator.proxy import proxy_digest, server_proxy
 from coordinator.store import MemoryStore, Store
 from coordinator.strategies.registry import build_strategy
+from coordinator.telemetry import FleetTelemetry
 from models import Classifier, build_classifier, load_state_arrays, seeded
 from models.errors import ModelError
 from protocol.auth import AuthError, KeySource
@@ -260,6 +263,18 @@ class Coordinator:
             {name: ArchitectureGroup.of(t) for name, t in self._templates.items()},
             proxy_digest=None if self._proxy is None else proxy_digest(self._proxy),
         )
+        keys = self.keyring
+        self.telemetry = FleetTelemetry(
+            fleet=config.fleet,
+            strategy=config.strategy,
+            rounds=config.rounds,
+            engine=self.engine,
+            traffic=transport.stats,
+            enrolments=(lambda: keys.enrolments) if isinstance(keys, FleetKeys) else None,
+        )
+        """What the metrics exporter and the dashboard show (fed on the engine thread)."""
+        self.engine.watch(self.telemetry.heard, self.telemetry.refused)
+        self._refusals.listen(self.telemetry.refused)
         self._events: queue.Queue[Event | _AggregationFailed] = queue.Queue()
         self._stop = threading.Event()
         self._observers: list[Observer] = []
@@ -309,6 +324,7 @@ class Coordinator:
                 except queue.Empty:
                     event = Tick(self._clock())
                     next_tick = self._clock() + self._tick_s
+                    self.telemetry.refresh()
                 if isinstance(event, _AggregationFailed):
                     raise AggregationError(
                         f"the aggregation of round {event.round} failed: {event.error}"
@@ -370,7 +386,9 @@ class Coordinator:
             )
             return
         if info.role != "device" or info.device_id is None or info.leaf != "update":
-            self._refusals.warning(topic, "dropped undecodable payload on %s: %s", topic, error)
+            self._refusals.warning(
+                f"undecodable:{topic}", "dropped undecodable payload on %s: %s", topic, error
+            )
             return
         reason = ReasonCode.OVERSIZE if isinstance(error, QuotaError) else ReasonCode.MALFORMED
         self._events.put(
@@ -439,9 +457,12 @@ class Coordinator:
                     self._log_round(action)
                 case Finished():
                     self._finish(action)
+                case UpdateOutcome():
+                    pass  # for the observers
                 case _:  # mypy: every action type has a case above
                     unhandled: NoReturn = action
                     raise AssertionError(f"unhandled action {unhandled!r}")
+            self.telemetry(action)
             for observer in self._observers:
                 observer(action)
 

@@ -45,6 +45,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from coordinator.errors import ConfigError
+from coordinator.output_paths import check_folder
 from sim.budget_cli import add_budget_parser
 from sim.datasets import dataset_names, load_dataset
 from sim.devices import add_devices_parser
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _partition_from_args(args: argparse.Namespace) -> int:
+    # before the dataset loads: a path that cannot be written fails at once, not after it
+    check_folder("--out", args.out, ["summary.json"])
     run_partition(
         dataset=args.dataset,
         data_dir=args.data_dir,
@@ -235,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokerUnreachableError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_IO
-    except SimError as exc:
+    except (SimError, ConfigError) as exc:  # ConfigError: coordinator.output_paths' checks
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:

@@ -1,8 +1,9 @@
 """Traffic budget of a run: the bytes each device sends and receives, without the fleet.
 
 :func:`estimate` answers "how many bytes does this configuration move?" for the settings
-of a :class:`~sim.run.SimConfig`, in seconds rather than the minutes a full emulation
-takes, and with the very encoders a run uses. It drives the real
+of a :class:`~sim.run.SimConfig`, with the very encoders a run uses, in about the time
+the run's training takes (no broker: tens of seconds to minutes on 2 CPU cores,
+docs/budget.md). It drives the real
 :class:`~coordinator.engine.RoundEngine` (the strategy, the per-device transfers, the
 selection) with a fake clock and, for each device, the real
 :class:`~edge_client.train.session.DeviceSession` in the shell
@@ -74,7 +75,7 @@ from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.cohort.trainer import BatchedTrainer
 from sim.errors import SimError
 from sim.fleet import FleetDevice
-from sim.progress import Progress
+from sim.progress import Detailed, Progress
 from sim.run import SimConfig, build_federation, device_data
 
 __all__ = [
@@ -393,6 +394,7 @@ class _Emulation:
             device=device,
             max_cohort=config.max_cohort,
             workers=1,
+            progress=None if progress is None else _TrainingProgress(progress),
         )
         self._training: list[tuple[_Device, exchange.TrainJob]] = []  # deferred to the cohort
         self._joined: list[_Device] = []
@@ -468,8 +470,13 @@ class _Emulation:
             elif isinstance(action, Finished):
                 self._finished = True
             elif isinstance(action, RoundStarted):
-                rounds = self.config.rounds
-                self._step(f"round {action.round}/{rounds}: devices trained", len(action.selected))
+                rounds, selected = self.config.rounds, len(action.selected)
+                expected = self.device_rounds + selected * (rounds - action.round + 1)
+                self._step(
+                    f"round {action.round}/{rounds} ({self.device_rounds}/{expected} device-rounds "
+                    "done): devices trained",
+                    selected,
+                )
             if not isinstance(action, Publish):
                 continue
             message, topic = action.message, action.topic
@@ -519,8 +526,6 @@ class _Emulation:
                 jobs = [(device.device_id, job) for device, job in cohort]
                 for (device, job), result in zip(cohort, self.trainer.run_many(jobs), strict=True):
                     self._check(device, job, result)
-                    if isinstance(result, exchange.Trained) and self._progress is not None:
-                        self._progress.advance()
                     device.shell.handle(exchange.JobDone(result))
 
     def _check(self, device: _Device, job: exchange.Job, result: exchange.JobResult) -> None:
@@ -535,6 +540,22 @@ class _Emulation:
         body = DeviceStatus(state=state, rss_bytes=REPORTED_RSS)
         topic = self.topics.device(device.device_id, "status")
         self._publish(device, topic, self._message(device, body), selected=selected)
+
+
+class _TrainingProgress:
+    """The cohort trainer's progress as the estimate's: each device trained advances the
+    round's count, each local step of a batched computation is the step's detail."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._detailed = progress if isinstance(progress, Detailed) else None
+
+    def trained(self, devices: int) -> None:
+        self._progress.advance(devices)
+
+    def steps(self, done: int, total: int) -> None:
+        if self._detailed is not None:
+            self._detailed.detail(f"local step {done}/{total}")
 
 
 class _Device:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from coordinator.cli_flags import add_fleet_flags, add_training_flags
+from coordinator.report import human_bytes
 from protocol.flags import ModelFlags
 from sim.budget import (
     LINK_PROFILES,
@@ -19,7 +20,6 @@ from sim.budget import (
     transfer_time,
 )
 from sim.progress import TerminalProgress
-from sim.report import human_bytes
 from sim.run import SimConfig
 from sim.run_cli import DATA_CHOICES, add_engine_flags, describe, sim_config
 
@@ -78,13 +78,21 @@ def add_budget_parser(sub: Any) -> None:
         help=f"add transfer times over a link: {', '.join(LINK_PROFILES)}, or {RATE_SYNTAX}",
     )
     budget.add_argument("--json", action="store_true", help="print one JSON object")
+    budget.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="off a terminal (a pipe, a log), seconds between two progress lines on stderr "
+        "(default 10); on a terminal a live bar",
+    )
 
 
 def budget_from_args(args: argparse.Namespace) -> int:
     """Handler of ``python -m sim budget``."""
     link = None if args.link is None else link_profile(args.link)  # bad links fail first
     config = sim_config(args)
-    with TerminalProgress(config.rounds) as progress:
+    with TerminalProgress(config.rounds, every_s=args.progress_every) as progress:
         budget = estimate(config, progress=progress)
         settings = reference_config(config)
         reference = budget

@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
+from coordinator.errors import ConfigError
+from coordinator.output_paths import check_file
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
@@ -55,7 +57,6 @@ from sim.fleet import (
     FleetTrainer,
     WrappedTrainer,
 )
-from sim.output_paths import check_file
 from sim.partition import partition_dataset
 from sim.synthetic import SAMPLES_PER_DEVICE, synthetic_size
 
@@ -338,7 +339,10 @@ def devices_from_args(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise SimError(f"invalid settings: {problems}") from exc
     if args.json_out is not None:
-        check_file("--json-out", args.json_out)  # not after the run: its report would be lost
+        try:  # not after the run: its report would be lost
+            check_file("--json-out", args.json_out)
+        except ConfigError as exc:
+            raise SimError(str(exc)) from exc
     load_keyring(config.device_keys)  # bad input fails before anything connects
     coordinator_key(config)
     _check_data_options(config)

@@ -10,24 +10,20 @@ where they occur::
     │                                     unknown dataset name or option was given, or
     │                                     arrays break the ArrayDataset contract. The
     │                                     message names the file and what was expected.
-    ├── PartitionError (also ValueError)  a dataset cannot be split as asked (too few
-    │                                     samples for the devices, no Dirichlet draw
-    │                                     meets the minimum device size, bad alpha).
-    ├── MetricsError (also ValueError)    a metric cannot be computed from its inputs
-    │                                     (an empty test set, mismatched lengths,
-    │                                     accuracies outside [0, 1], no device left).
-    └── ReportError                       a run report cannot be written: an optional
-                                          dependency (matplotlib) is missing, the data
-                                          is not JSON-serialisable, or an OS error
-                                          occurred while writing (the message names
-                                          the file).
+    └── PartitionError (also ValueError)  a dataset cannot be split as asked (too few
+                                          samples for the devices, no Dirichlet draw
+                                          meets the minimum device size, bad alpha).
+
+The run report and the evaluation live in the coordinator (``coordinator.report``,
+``coordinator.evaluation``), as do their errors (``ReportError``, ``MetricsError``: both
+``CoordinatorError``); the command line turns them into ``SimError`` where it meets them.
 
 Callers can catch the package base class or the builtin one (``except ValueError``).
 """
 
 from __future__ import annotations
 
-__all__ = ["DatasetError", "MetricsError", "PartitionError", "ReportError", "SimError"]
+__all__ = ["DatasetError", "PartitionError", "SimError"]
 
 
 class SimError(Exception):
@@ -45,16 +41,3 @@ class DatasetError(SimError, ValueError):
 
 class PartitionError(SimError, ValueError):
     """A dataset cannot be partitioned across devices with the requested parameters."""
-
-
-class MetricsError(SimError, ValueError):
-    """A metric cannot be computed: empty or mismatched inputs, values out of range."""
-
-
-class ReportError(SimError):
-    """A run report (JSON, CSV or plots) cannot be written.
-
-    Raised when matplotlib is missing for plots (the message says how to install it),
-    when the report holds values JSON cannot represent, and for OS errors while
-    writing (the message names the file; the OS error is the ``__cause__``).
-    """

@@ -22,16 +22,17 @@ from typing import Protocol
 import numpy as np
 
 from coordinator.actions import Action, Publish, RoundClosed, RoundStarted
+from coordinator.evaluation import MetricsError, ModelMetrics, evaluate_models, evaluate_personal
 from coordinator.groups import Models
+from coordinator.report import RoundRecord
 from models import Classifier, load_state_arrays, state_arrays
 from models.classifiers import HEAD_PREFIX
 from models.weight_formats import run_weights_
 from protocol.messages import Ack, CoordinatorStatus, ReasonCode, WeightFormat
+from sim.errors import SimError
 from sim.fleet import Fleet
-from sim.metrics import ModelMetrics, evaluate_models, evaluate_personal
 from sim.partition import Federation
 from sim.progress import Progress
-from sim.report import RoundRecord
 from sim.shard import RoundSync
 
 __all__ = ["EVALUATIONS_QUEUED", "RoundRecorder", "RunLayout", "fleet_totals"]
@@ -66,7 +67,7 @@ def fleet_totals(fleet: Fleet) -> tuple[int, int, int, int]:
 
 class RoundRecorder:
     """A coordinator observer: after each round it evaluates every global model and
-    counts the bytes the fleet moved (a :class:`~sim.report.RoundRecord` each), and tells
+    counts the bytes the fleet moved (a :class:`~coordinator.report.RoundRecord` each), and tells
     ``progress`` which devices trained.
 
     The evaluations run on the recorder's own thread; :meth:`finish` waits for them (and
@@ -112,6 +113,9 @@ class RoundRecorder:
         self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="sim-eval")
         self._queued = threading.BoundedSemaphore(EVALUATIONS_QUEUED)
         self._evaluations: list[Future[None]] = []
+        self.evaluated: Callable[[int, dict[str, dict[str, float]]], None] | None = None
+        """Told each round's metrics as they are measured (round, model name -> metric
+        -> percent; on the evaluation thread): the coordinator's telemetry."""
 
     def totals(self) -> tuple[int, int, int, int]:
         """Bytes so far: up, down, wire up, wire down (in a sharded run, every rank's)."""
@@ -170,11 +174,14 @@ class RoundRecorder:
         """Wait for every round's evaluation; the records are then complete.
 
         Raises:
-            the first error an evaluation raised (the later ones are not run).
+            the first error an evaluation raised (the later ones are not run); a
+            :class:`~coordinator.evaluation.MetricsError` as a :class:`SimError`.
         """
         try:
             for done in self._evaluations:
                 done.result()
+        except MetricsError as exc:
+            raise SimError(str(exc)) from exc
         finally:
             self._evaluator.shutdown(wait=True, cancel_futures=True)
 
@@ -190,6 +197,14 @@ class RoundRecorder:
                 prefix = f"{group}/" if several else ""
                 record.models.update({prefix + role: m for role, m in evaluate().items()})
             self.records.append(record)
+            if self.evaluated is not None:
+                self.evaluated(
+                    record.round,
+                    {
+                        name: {k: v for k, v in m.to_dict().items() if v is not None}
+                        for name, m in record.models.items()
+                    },
+                )
             if self._progress is not None:
                 self._progress.round_closed(record)
         finally:

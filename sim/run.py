@@ -34,9 +34,16 @@ import numpy as np
 import torch
 from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
-from coordinator.config import CoordinatorConfig, FleetSettings, run_weight_format
+from coordinator.config import (
+    CoordinatorConfig,
+    FleetSettings,
+    MonitorSettings,
+    run_weight_format,
+)
 from coordinator.enrolment import FleetKeys
 from coordinator.errors import ConfigError
+from coordinator.monitor import monitoring
+from coordinator.report import RunReport
 from coordinator.runtime import Coordinator, save_group_models
 from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
@@ -60,7 +67,6 @@ from sim.partition import Federation, partition_dataset
 from sim.poison import PoisoningTrainer, PoisonKind, poisoned_devices
 from sim.progress import Progress
 from sim.recorder import RoundRecorder, fleet_totals
-from sim.report import RunReport
 from sim.shard import RoundSync, Shard, broadcast, current_shard, training_device
 from sim.synthetic import synthetic_size
 
@@ -80,7 +86,7 @@ class RunInterrupted(KeyboardInterrupt):
         self.report = report
 
 
-class SimConfig(FleetSettings):
+class SimConfig(MonitorSettings, FleetSettings):
     """Settings of one emulated run (``python -m sim --help`` lists them as flags).
 
     The fleet's settings (strategy, precisions, rounds, training ...) and their defaults
@@ -540,6 +546,11 @@ def run_simulation(
         except (ConfigError, DeviceConfigError) as exc:
             raise SimError(str(exc)) from exc
         recorder = RoundRecorder(config, federation, scratch, fleet, progress)
+        recorder.evaluated = coordinator.telemetry.evaluated
+        try:
+            stack.enter_context(monitoring(coordinator.telemetry, config))
+        except ConfigError as exc:
+            raise SimError(str(exc)) from exc
         if shard is not None:
             recorder.sync = stack.enter_context(_ranks(shard, fleet))
         coordinator.add_observer(recorder)

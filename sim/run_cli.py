@@ -16,26 +16,31 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pydantic import ValidationError
+
 from coordinator.cli_flags import add_fleet_flags, add_training_flags, given_settings
-from coordinator.config import FleetSettings
+from coordinator.config import FleetSettings, TrainingSettings, settings_problems
+from coordinator.errors import ConfigError
+from coordinator.output_paths import check_distinct, check_file, check_folder
+from coordinator.report import ACCURACY_PLOT, BYTES_PLOT, CSV_NAME, ReportError, RunReport
 from protocol.errors import BrokerError, TransportError
 from protocol.flags import ModelFlags
 from sim.datasets import dataset_names
 from sim.errors import SimError
-from sim.output_paths import check_distinct, check_file, check_folder
-from sim.report import ACCURACY_PLOT, BYTES_PLOT, CSV_NAME, RunReport
 from sim.run import RunInterrupted, SimConfig
 
 __all__ = [
     "add_engine_flags",
     "add_run_parser",
     "broker_unreachable",
+    "build_sim_config",
     "check_output_paths",
+    "load_sim_config",
     "sim_config",
     "tune_process",
 ]
@@ -78,6 +83,13 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    run.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE.toml",
+        help="TOML file of the settings below (keys: their names with _ for -, a [training] "
+        "table; docs/config.md); flags given on the command line win over it",
+    )
     flags = ModelFlags()
     run.set_defaults(handler=run_from_args, settings_flags=flags)
     fleet = run.add_argument_group("fleet")
@@ -108,6 +120,16 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         metavars={"poisoned": "FRACTION"},
     )
     flags.add(run.add_argument_group("security"), SimConfig, include=("enrol",))
+    flags.add(
+        run.add_argument_group("monitoring (docs/metrics.md, docs/dashboard.md)"),
+        SimConfig,
+        include=("metrics_port", "dashboard", "dashboard_token_file"),
+        metavars={
+            "metrics_port": "[HOST:]PORT",
+            "dashboard": "[HOST:]PORT",
+            "dashboard_token_file": "FILE",
+        },
+    )
     outputs = run.add_argument_group("outputs")
     flags.add(outputs, SimConfig, include=("state_dir",))
     outputs.add_argument("--json-out", type=Path, help="write the run's JSON report here")
@@ -148,18 +170,60 @@ def tune_process() -> None:
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
-    """The run's settings from the flags given (the others take SimConfig's defaults).
+    """The run's settings: the flags given, over the ``--config`` file where there is
+    one (the others take SimConfig's defaults).
 
     Raises:
-        SimError: invalid settings, every problem listed.
+        SimError: an unreadable file, or invalid settings, every problem listed.
     """
-    from pydantic import ValidationError
+    path: Path | None = getattr(args, "config", None)
+    if path is None:
+        return build_sim_config({}, given_settings(args))
+    return load_sim_config(path, given_settings(args))
+
+
+def load_sim_config(path: Path, overrides: Mapping[str, Any] | None = None) -> SimConfig:
+    """A TOML file of :class:`~sim.run.SimConfig`'s fields (a ``[training]`` table for
+    the training settings), with ``overrides`` (the flags given) over it.
+
+    Raises:
+        SimError: the file cannot be read, is not TOML, or has invalid settings.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10
+        import tomli as tomllib
 
     try:
-        return SimConfig(**given_settings(args))
+        data: dict[str, Any] = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise SimError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SimError(f"config file {path} is not valid TOML: {exc}") from exc
+    return build_sim_config(data, overrides or {}, source=str(path))
+
+
+def build_sim_config(
+    data: Mapping[str, Any], overrides: Mapping[str, Any], *, source: str = ""
+) -> SimConfig:
+    """``overrides`` merged into ``data`` (the ``training`` table key by key), validated.
+
+    Raises:
+        SimError: invalid settings, every problem listed (a key in the wrong table says
+            where it belongs).
+    """
+    merged = dict(data)
+    for key, value in overrides.items():
+        if key == "training" and isinstance(value, Mapping):
+            merged[key] = {**dict(merged.get(key) or {}), **value}
+        else:
+            merged[key] = value
+    try:
+        return SimConfig.model_validate(merged)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise SimError(f"invalid settings: {problems}") from exc
+        problems = settings_problems(exc, SimConfig, {"training": TrainingSettings})
+        where = f" in {source}" if source else ""
+        raise SimError(f"invalid settings{where}: {problems}") from exc
 
 
 def broker_unreachable(url: str, timeout_s: float = 5.0) -> str | None:
@@ -215,9 +279,9 @@ def embedded_broker_note(config: SimConfig) -> str | None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Handler of ``python -m sim run``."""
+    from coordinator.report import human_bytes
     from edge_client.errors import ConnectError
     from sim.progress import TerminalProgress
-    from sim.report import human_bytes
     from sim.run import run_simulation
 
     config = sim_config(args)
@@ -278,15 +342,22 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(args: argparse.Namespace, report: RunReport) -> None:
-    """Write ``--json-out`` and ``--report-dir`` (where given) and say so on stderr."""
-    from sim.report import write_csv, write_plots
+    """Write ``--json-out`` and ``--report-dir`` (where given) and say so on stderr.
 
-    if args.json_out is not None:
-        report.write_json(args.json_out)
-        print(f"wrote {args.json_out}", file=sys.stderr)
-    if args.report_dir is not None:
-        paths = [write_csv(report, args.report_dir), *write_plots(report, args.report_dir)]
-        print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    Raises:
+        SimError: a file cannot be written (:class:`~coordinator.report.ReportError`).
+    """
+    from coordinator.report import write_csv, write_plots
+
+    try:
+        if args.json_out is not None:
+            report.write_json(args.json_out)
+            print(f"wrote {args.json_out}", file=sys.stderr)
+        if args.report_dir is not None:
+            paths = [write_csv(report, args.report_dir), *write_plots(report, args.report_dir)]
+            print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    except ReportError as exc:
+        raise SimError(str(exc)) from exc
 
 
 def _write_interrupted(args: argparse.Namespace, report: RunReport) -> int:
@@ -308,8 +379,8 @@ def _write_interrupted(args: argparse.Namespace, report: RunReport) -> int:
 
 
 def check_output_paths(args: argparse.Namespace, config: SimConfig) -> None:
-    """Every output path of the run can be written (:mod:`sim.output_paths`), checked
-    before the run starts: a run writes its report only when it ends.
+    """Every output path of the run can be written (:mod:`coordinator.output_paths`),
+    checked before the run starts: a run writes its report only when it ends.
 
     Raises:
         SimError: one line naming the flag, the path and what is wrong.
@@ -320,15 +391,18 @@ def check_output_paths(args: argparse.Namespace, config: SimConfig) -> None:
         ("--save-models", args.save_models),
         ("--state-dir", config.state_dir),
     ]
-    check_distinct(outputs)
-    if args.json_out is not None:
-        check_file("--json-out", args.json_out)
-    if args.report_dir is not None:
-        check_folder("--report-dir", args.report_dir, (CSV_NAME, ACCURACY_PLOT, BYTES_PLOT))
-    if args.save_models is not None:
-        check_folder("--save-models", args.save_models)
-    if config.state_dir is not None:
-        check_folder("--state-dir", config.state_dir)
+    try:
+        check_distinct(outputs)
+        if args.json_out is not None:
+            check_file("--json-out", args.json_out)
+        if args.report_dir is not None:
+            check_folder("--report-dir", args.report_dir, (CSV_NAME, ACCURACY_PLOT, BYTES_PLOT))
+        if args.save_models is not None:
+            check_folder("--save-models", args.save_models)
+        if config.state_dir is not None:
+            check_folder("--state-dir", config.state_dir)
+    except ConfigError as exc:
+        raise SimError(str(exc)) from exc
 
 
 @contextlib.contextmanager

@@ -174,6 +174,7 @@ def train_cohort(
     max_cohort: int | None = None,
     progress: Callable[[int], None] | None = None,
     samples: SampleCache | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> list[CohortOutcome]:
     """Train every member's round; batched where members share a batch key.
 
@@ -186,6 +187,9 @@ def train_cohort(
         progress: called with the number of members finished after each chunk.
         samples: keeps each chunk's samples on ``device`` from one call to the next
             (a fleet whose chunks recur trains on resident data); None: built per call.
+        on_step: called after each local step of a batched computation with the steps
+            done and the steps it takes (its longest device's), so that a long round
+            shows how far it is before any of its devices is done.
 
     Returns:
         One outcome per member, in order.
@@ -221,7 +225,7 @@ def train_cohort(
             members_of = [p for _, p in chunk]
             cache = samples if samples is not None else SampleCache()
             data = cache.get([p.member.data for p in members_of], device)
-            results = _BatchedRound(members_of, device, architecture, data).run()
+            results = _BatchedRound(members_of, device, architecture, data).run(on_step)
             for (index, _), result in zip(chunk, results, strict=True):
                 outcomes[index] = CohortOutcome(result)
             if progress is not None:
@@ -314,11 +318,14 @@ class _BatchedRound:
 
     # -- the round --------------------------------------------------------------------
 
-    def run(self) -> list[LocalResult]:
+    def run(self, on_step: Callable[[int, int], None] | None = None) -> list[LocalResult]:
         start = time.perf_counter()
-        for step in range(self.samples.longest):
+        longest = self.samples.longest
+        for step in range(longest):
             for rows in self._groups(self.samples.active(step), step):
                 self._step(rows, step)
+            if on_step is not None:
+                on_step(step + 1, longest)
         write_back(self.models, self.params | self.constants)
         for term in self.terms:
             term.write_back()

@@ -18,7 +18,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -31,6 +31,7 @@ from sim.fleet.trainer import FleetDevice, LoopTrainer
 
 __all__ = [
     "BatchedTrainer",
+    "CohortProgress",
     "Engine",
     "auto_max_cohort",
     "resolve_engine",
@@ -51,6 +52,16 @@ def resolve_engine(engine: Engine, device: torch.device) -> Literal["batched", "
     if engine == "auto":
         return "batched" if device.type == "cuda" else "loop"
     return engine
+
+
+class CohortProgress(Protocol):
+    """What a :class:`BatchedTrainer` tells as its train jobs go (from its threads)."""
+
+    def trained(self, devices: int) -> None:
+        """``devices`` more train jobs finished training (their uploads not yet encoded)."""
+
+    def steps(self, done: int, total: int) -> None:
+        """A batched computation took its local step ``done`` of ``total``."""
 
 
 MEMORY_SHARE = 0.5
@@ -96,6 +107,8 @@ class BatchedTrainer(LoopTrainer):
         workers: threads decoding and encoding messages.
         train_workers: loop engine: devices training at once, each on its own thread;
             None: one per CPU core this process may use.
+        progress: told the devices trained and the local steps of the batched
+            computations as they go (an attribute: it may be set later).
     """
 
     def __init__(
@@ -107,8 +120,10 @@ class BatchedTrainer(LoopTrainer):
         max_cohort: int | None = None,
         workers: int = 4,
         train_workers: int | None = None,
+        progress: CohortProgress | None = None,
     ) -> None:
         super().__init__(devices, device=device)
+        self.progress = progress
         self.engine = resolve_engine(engine, device)
         self.device = device
         self.max_cohort = max_cohort
@@ -136,7 +151,7 @@ class BatchedTrainer(LoopTrainer):
             results[k] = result
         trains = [k for k, (_, job) in enumerate(jobs) if isinstance(job, TrainJob)]
         if self.engine == "loop":
-            looped = self._trainers_pool.map(lambda k: self._one(jobs[k]), trains)
+            looped = self._trainers_pool.map(lambda k: self._trained(self._one(jobs[k])), trains)
             for k, result in zip(trains, looped, strict=True):
                 results[k] = result
         elif trains:
@@ -147,6 +162,11 @@ class BatchedTrainer(LoopTrainer):
             r if r is not None else Failed(job.message.message_id, RuntimeError("no result"))
             for r, (_, job) in zip(results, jobs, strict=True)
         ]
+
+    def _trained(self, result: JobResult) -> JobResult:
+        if self.progress is not None:
+            self.progress.trained(1)
+        return result
 
     def _one(self, pair: tuple[str, Job]) -> JobResult:
         """One job on the per-device path."""
@@ -175,8 +195,14 @@ class BatchedTrainer(LoopTrainer):
             if limit is None:
                 config = TrainConfig.from_hyperparameters(members[0].task.hyperparameters)
                 limit = auto_max_cohort(members[0].model, config.batch_size, self.device)
+            progress = self.progress
             outcomes = train_cohort(
-                members, device=self.device, max_cohort=limit, samples=self._samples
+                members,
+                device=self.device,
+                max_cohort=limit,
+                samples=self._samples,
+                progress=None if progress is None else progress.trained,
+                on_step=None if progress is None else progress.steps,
             )
         reasons = Counter(o.fallback_reason for o in outcomes if o.fallback_reason)
         for reason, count in reasons.items():

@@ -478,6 +478,32 @@ def test_a_device_heard_from_during_the_round_is_waited_for_to_the_deadline() ->
     assert engine.round == 2
 
 
+def test_a_device_gone_offline_mid_round_is_dropped_after_the_grace() -> None:
+    # Prepare: dev-2 said it trains, then its last will said it is offline (killed)
+    engine, _, actions = started(3, silent_grace_s=30.0, round_timeout_s=600.0)
+    w = global_weights(actions)
+    engine.handle(received(status("dev-2", "training"), 2.0))
+    engine.handle(received(status("dev-2", "offline"), 3.0))
+    for device_id in ("dev-0", "dev-1"):
+        engine.handle(received(update(device_id, 1, shifted(w, 0.1), 100), 5.0))
+    # Execute, Assert: the round does not wait for it to the deadline
+    engine.handle(Tick(34.9))
+    assert engine.round == 1
+    engine.handle(Tick(35.0))
+    assert engine.round == 2
+
+
+def test_a_device_back_online_mid_round_is_waited_for_again() -> None:
+    engine, _, actions = started(3, silent_grace_s=30.0, round_timeout_s=600.0)
+    w = global_weights(actions)
+    engine.handle(received(status("dev-2", "offline"), 2.0))
+    engine.handle(received(status("dev-2", "training"), 3.0))  # it reconnected
+    for device_id in ("dev-0", "dev-1"):
+        engine.handle(received(update(device_id, 1, shifted(w, 0.1), 100), 5.0))
+    engine.handle(Tick(100.0))
+    assert engine.round == 1
+
+
 def test_without_a_grace_a_silent_device_holds_the_round_to_its_deadline() -> None:
     engine, _, actions = started(2, silent_grace_s=0.0, round_timeout_s=600.0)
     w = global_weights(actions)

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import TrainingSettings
+from coordinator.errors import ConfigError
+from coordinator.output_paths import check_file, check_folder
+from coordinator.report import RoundRecord
 from sim.__main__ import main
-from sim.errors import SimError
-from sim.output_paths import check_file, check_folder
-from sim.report import RoundRecord
 from sim.run import RunInterrupted, SimConfig, run_simulation
 
 TINY = ("--devices", "4", "--participation", "0.5", "--model", "mlp", "--local-steps", "2")
@@ -142,9 +142,9 @@ def test_a_read_only_folder_is_refused(tmp_path: Path) -> None:
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        with pytest.raises(SimError, match=r"cannot write in .*locked: permission denied"):
+        with pytest.raises(ConfigError, match=r"cannot write in .*locked: permission denied"):
             check_file("--json-out", locked / "run.json")
-        with pytest.raises(SimError, match=r"cannot write in .*locked"):
+        with pytest.raises(ConfigError, match=r"cannot write in .*locked"):
             check_folder("--report-dir", locked / "report")
     finally:
         locked.chmod(0o700)

@@ -129,3 +129,14 @@ def test_alpha_left_out_takes_the_runs_default(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert code == 0 and summary["alpha"] == SimConfig().alpha == 0.5
     assert f"alpha={SimConfig().alpha}" in capsys.readouterr().out
+
+
+def test_an_unwritable_out_fails_before_the_dataset_loads(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+
+    result = run_cli("partition", "--dataset", "synthetic", "--devices", "2", "--out", str(afile))
+
+    assert result.returncode == 2, result.stderr
+    assert "--out" in result.stderr and "is a file, not a folder" in result.stderr
+    assert "loaded synthetic" not in result.stdout  # refused before any work

@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 
 from coordinator.config import TrainingSettings
+from coordinator.report import RoundRecord
 from sim.progress import TerminalProgress
-from sim.report import RoundRecord
 from sim.run import SimConfig, run_simulation
-from tests.sim.test_report import make_report
+from tests.coordinator.test_report import make_report
 
 
 class TTYStream(io.StringIO):

@@ -9,16 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from models import StateMismatchError, build_classifier, load_state_arrays, state_arrays
-from sim.errors import MetricsError, SimError
-from sim.metrics import (
+from coordinator.errors import CoordinatorError
+from coordinator.evaluation import (
     Fairness,
+    MetricsError,
     ModelMetrics,
     evaluate_accuracy,
     evaluate_models,
     evaluate_personal,
     fairness,
 )
+from models import StateMismatchError, build_classifier, load_state_arrays, state_arrays
 
 # ------------------------------------------------------------------------ fairness
 
@@ -77,7 +78,7 @@ def test_fairness_rejects_bad_input(accuracies: object, weights: object, message
     with pytest.raises(MetricsError, match=message) as caught:
         fairness(accuracies, weights)  # type: ignore[arg-type]
     assert isinstance(caught.value, ValueError)
-    assert isinstance(caught.value, SimError)
+    assert isinstance(caught.value, CoordinatorError)
 
 
 # --------------------------------------------------------------- evaluate_accuracy

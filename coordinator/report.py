@@ -1,4 +1,8 @@
-"""The run report of the lab emulator: per-round records, JSON, CSV and plots.
+"""The run report: per-round records, JSON, CSV and plots (docs/report.md).
+
+Both the lab emulator (``python -m sim --json-out/--report-dir``) and the coordinator
+(``python -m coordinator --json-out/--report-dir``, :mod:`coordinator.recording`) write
+it.
 
 A :class:`RunReport` holds the run's configuration, one :class:`RoundRecord` per round
 and a ``final`` summary. It is written as
@@ -19,7 +23,7 @@ and a ``final`` summary. It is written as
 
 Every file is written atomically (a temporary file in the same folder, then
 ``os.replace``); parent folders are created. Byte counts are bytes; "MB" is 10^6 bytes.
-Metrics are in percent (FM in percent squared), see :mod:`sim.metrics`.
+Metrics are in percent (FM in percent squared), see :mod:`coordinator.evaluation`.
 """
 
 from __future__ import annotations
@@ -38,20 +42,23 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from sim.errors import ReportError
-from sim.metrics import ModelMetrics
+from coordinator.errors import CoordinatorError
+from coordinator.evaluation import ModelMetrics
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 __all__ = [
     "ACCURACY_PLOT",
     "BYTES_PLOT",
     "CSV_NAME",
+    "ReportError",
     "RoundRecord",
     "RunReport",
     "accuracy_figure",
     "human_bytes",
+    "run_label",
     "traffic_figure",
     "write_csv",
     "write_plots",
@@ -80,6 +87,16 @@ _OPTIONAL_FIELDS = {"device_train_s": None, "aggregate_s": 0.0, "closed_s": None
 _METRIC_FIELDS = ("amp", "fm", "wlp", "best", "global_acc")
 _MB = 1e6
 _INSTALL_HINT = 'plots need matplotlib: pip install "edgefl[report]"'
+
+
+class ReportError(CoordinatorError):
+    """A run report (JSON, CSV or plots) cannot be written, or read back.
+
+    Raised when matplotlib is missing for plots (the message says how to install it),
+    when the report holds values JSON cannot represent, for malformed data given to
+    :meth:`RunReport.from_json_dict`, and for OS errors while writing (the message names
+    the file; the OS error is the ``__cause__``).
+    """
 
 
 @dataclass
@@ -298,7 +315,8 @@ def write_plots(report: RunReport, out_dir: str | os.PathLike[str]) -> tuple[Pat
     global test accuracy (dashed) where there is one, and chance level (dotted, 100 /
     ``final["num_classes"]`` percent) where the report has the class count. ``bytes.png``: what each
     round cost, payload bytes up and down per round in MB (10^6 bytes), as bars side
-    by side; the wire bytes (MQTT framing included) as markers over them. A report
+    by side; the wire bytes (MQTT framing included) as markers over them. Each names
+    its run above (:func:`run_label`) and keeps its legend under the axes. A report
     without rounds gives empty axes.
 
     Raises:
@@ -357,8 +375,9 @@ def accuracy_figure(report: RunReport) -> Figure:
     axes.set_ylabel("accuracy (%)")
     axes.set_ylim(0, 100)
     axes.set_title("Accuracy after each round (AMP over the devices' test splits)")
+    accuracy.suptitle(run_label(report), fontsize="small")
     if axes.get_lines():
-        axes.legend(fontsize="small")
+        _legend_below(axes)
     return accuracy
 
 
@@ -393,9 +412,37 @@ def traffic_figure(report: RunReport) -> Figure:
         )
     axes.set_ylabel("MB per round (10^6 bytes)")
     axes.set_title("What each round cost on the wire")
+    traffic.suptitle(run_label(report), fontsize="small")
     if report.rounds:
-        axes.legend(fontsize="small")
+        _legend_below(axes)
     return traffic
+
+
+def _legend_below(axes: Axes) -> None:
+    """The legend under the axes, never over the bars or lines it explains."""
+    axes.legend(
+        fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False
+    )
+
+
+def run_label(report: RunReport) -> str:
+    """Which run a plot is of, from its configuration: strategy, model, data, fleet
+    size and precisions as far as the report has them (``fedavg on lenet5, mnist
+    (alpha=0.5), 50 devices, fp32 down / int8 up, 10 rounds``)."""
+    config = report.config
+    parts = [f"{config.get('strategy', '?')} on {config.get('model', '?')}"]
+    if "dataset" in config:
+        alpha = config.get("alpha")
+        parts.append(f"{config['dataset']}" + (f" (alpha={alpha})" if alpha is not None else ""))
+    if "devices" in config:
+        parts.append(f"{config['devices']} devices")
+    elif "fleet" in config:
+        parts.append(f"fleet {config['fleet']}")
+    down, up = config.get("downlink_precision"), config.get("uplink_precision")
+    if down is not None and up is not None:
+        parts.append(f"{down}" if down == up else f"{down} down / {up} up")
+    parts.append(f"{len(report.rounds)} rounds")
+    return ", ".join(parts)
 
 
 _UNITS = ("kB", "MB", "GB", "TB", "PB")

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sim.errors import ReportError, SimError
-from sim.metrics import ModelMetrics
-from sim.report import (
+from coordinator.errors import CoordinatorError
+from coordinator.evaluation import ModelMetrics
+from coordinator.report import (
+    ReportError,
     RoundRecord,
     RunReport,
     accuracy_figure,
@@ -141,7 +142,7 @@ def test_write_json_converts_os_errors(tmp_path: Path) -> None:
 
     with pytest.raises(ReportError, match="cannot write") as caught:
         make_report().write_json(blocker / "report.json")
-    assert isinstance(caught.value, SimError)
+    assert isinstance(caught.value, CoordinatorError)
     assert isinstance(caught.value.__cause__, OSError)
 
 
@@ -245,6 +246,25 @@ def test_traffic_plot_shows_what_each_round_cost_up_and_down() -> None:
     assert wire == sorted(
         [r.wire_bytes_up for r in report.rounds] + [r.wire_bytes_down for r in report.rounds]
     )
+
+
+def test_each_plot_names_its_run_and_keeps_its_legend_off_the_data() -> None:
+    report = make_report()
+    report.config |= {"model": "lenet5", "dataset": "mnist", "alpha": 0.1}
+    report.config |= {"downlink_precision": "fp32", "uplink_precision": "int8"}
+
+    for figure in (traffic_figure(report), accuracy_figure(report)):
+        figure.canvas.draw()
+        title = figure.get_suptitle()
+        assert (
+            title == "fedkf on lenet5, mnist (alpha=0.1), 10 devices, fp32 down / int8 up, 3 rounds"
+        )
+        axes = figure.axes[0]
+        legend = axes.get_legend()
+        assert legend is not None
+        renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+        below = legend.get_window_extent(renderer).y1 <= axes.get_window_extent(renderer).y0
+        assert below  # under the axes: it covers no bar and no line
 
 
 def test_accuracy_plot_has_chance_level_and_the_device_spread() -> None:

@@ -1,8 +1,11 @@
-"""Accuracy and fairness of global models on the devices' local test splits.
+"""Accuracy and fairness of global models on the devices' local test splits, or on a
+held-out set.
 
-Pure functions: modules and arrays in, numbers out; no files, no global state. The
-device is a parameter (or, in :func:`evaluate_models`, the device the scratch model
-lives on).
+Pure functions: modules and arrays in, numbers out; no global state. The device is a
+parameter (or, in :func:`evaluate_models`, the device the scratch model lives on). Both
+the lab emulator (``sim.recorder``, over every emulated device's test split) and the
+coordinator (:mod:`coordinator.recording`, over a held-out file, ``--eval-data``:
+:func:`read_eval_data`) evaluate with them.
 
 Metric definitions, after the FedKF paper ("Handling Data Heterogeneity in Federated
 Learning via Knowledge Distillation and Fusion", Zhou et al., IEEE IoT Journal 2023,
@@ -18,34 +21,47 @@ are left out. Then
 - WLP (worst local performance), percent: ``min_k a_k``.
 
 The paper names the three measures; the weighting and units above are this project's
-choice where its text is not at hand, and are what every report of the emulator uses.
+choice where its text is not at hand, and are what every run report uses
+(docs/report.md). With a single held-out set (the coordinator's), it is the one "device":
+AMP = WLP = best = the accuracy on it, FM = 0.
 """
 
 from __future__ import annotations
 
 import logging
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from torch import nn
 
+from coordinator.errors import ConfigError, CoordinatorError
 from models import Classifier, load_state_arrays
-from sim.errors import MetricsError
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
     "Fairness",
+    "MetricsError",
     "ModelMetrics",
     "evaluate_accuracy",
+    "evaluate_held_out",
     "evaluate_models",
     "evaluate_personal",
     "fairness",
+    "read_eval_data",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class MetricsError(CoordinatorError, ValueError):
+    """A metric cannot be computed: empty or mismatched inputs, values out of range."""
+
 
 _CPU = torch.device("cpu")
 DEFAULT_BATCH_SIZE = 1024
@@ -373,3 +389,93 @@ def evaluate_personal(
         raise MetricsError("evaluate_personal: every device test split is empty")
     fair = fairness(accuracies, np.asarray(counts, dtype=np.int64))
     return ModelMetrics(fair.amp, fair.fm, fair.wlp, None, fair.best)
+
+
+def evaluate_held_out(
+    models: Mapping[str, Mapping[str, np.ndarray]],
+    model: Classifier,
+    held_out: tuple[np.ndarray, np.ndarray],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+) -> dict[str, ModelMetrics]:
+    """Evaluate each named global model on one held-out set (the coordinator's
+    ``--eval-data``), which stands for the single "device": AMP, WLP, best and
+    ``global_acc`` are all the accuracy on it, FM is 0.
+
+    Args:
+        models: model name -> full state arrays.
+        model: the scratch classifier to evaluate with (its weights are overwritten).
+        held_out: ``(x, y)``, as from :func:`read_eval_data`.
+        batch_size: samples per forward pass.
+
+    Raises:
+        MetricsError: the set is empty, or its x and y disagree.
+        StateMismatchError: a state does not fit ``model``.
+    """
+    device = _module_device(model)
+    results: dict[str, ModelMetrics] = {}
+    for name, state in models.items():
+        load_state_arrays(model, state)
+        accuracy = 100.0 * evaluate_accuracy(model, *held_out, batch_size=batch_size, device=device)
+        results[name] = ModelMetrics(accuracy, 0.0, accuracy, accuracy, accuracy)
+        logger.debug("model %s: %.2f%% on the held-out set", name, accuracy)
+    return results
+
+
+def read_eval_data(
+    path: Path, *, channels: int, side: int, num_classes: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """The held-out set of ``--eval-data``: an ``.npz`` (read without unpickling) with
+    ``x``, images (N, C, H, W) or (N, H, W), uint8 (scaled to [0, 1] as the devices'
+    data is) or floats taken as they are, and ``y``, integer labels (N,) in
+    [0, num_classes). A device file of ``python -m sim partition`` is one (its ``x`` and
+    ``y``; other keys are ignored).
+
+    Returns:
+        ``(x, y)``: float32 (N, channels, side, side) and int64 (N,).
+
+    Raises:
+        ConfigError: no such file, not a readable ``.npz``, a key missing, or arrays of
+            the wrong shape, dtype, label range or length, or not finite (the message
+            names the file).
+    """
+    what = f"--eval-data {path}"
+    if not path.is_file():
+        raise ConfigError(f"{what}: no such file")
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded as archive:
+                arrays = {key: archive[key] for key in ("x", "y") if key in archive.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ConfigError(f"{what}: not a readable .npz file: {exc}") from exc
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ConfigError(f"{what}: a single .npy array; give an .npz with x and y")
+    missing = sorted({"x", "y"} - set(arrays))
+    if missing:
+        raise ConfigError(f"{what}: missing key(s) {missing}; expected x and y")
+    x, y = arrays["x"], arrays["y"]
+    if x.ndim == 3:
+        x = x[:, None]
+    expected = (channels, side, side)
+    if x.ndim != 4 or tuple(x.shape[1:]) != expected or len(x) == 0:
+        raise ConfigError(
+            f"{what}: x of shape {x.shape}; the models take (N, {channels}, {side}, {side}) "
+            f"or, with one channel, (N, {side}, {side}) images, N >= 1"
+        )
+    if x.dtype == np.uint8:
+        images = np.multiply(x, np.float32(1 / 255), dtype=np.float32)
+    elif x.dtype.kind == "f":
+        images = np.ascontiguousarray(x, dtype=np.float32)
+        if not np.isfinite(images).all():
+            raise ConfigError(f"{what}: x holds values that are not finite")
+    else:
+        raise ConfigError(f"{what}: x of dtype {x.dtype}; give uint8 or float pixels")
+    if y.dtype.kind not in "iu" or y.shape != (len(x),):
+        raise ConfigError(
+            f"{what}: y must be integer labels of shape ({len(x)},), got {y.dtype} {y.shape}"
+        )
+    if int(y.min()) < 0 or int(y.max()) >= num_classes:
+        raise ConfigError(f"{what}: labels must lie in [0, {num_classes})")
+    return images, y.astype(np.int64)

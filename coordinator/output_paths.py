@@ -6,7 +6,8 @@ after all of it. :func:`check_file` and :func:`check_folder` find these problems
 once, without leaving anything behind: a folder that does not exist yet is not created,
 its nearest existing ancestor is checked instead (each check creates and removes a
 temporary file where the run will write, so it tells what the run will meet, read-only
-file systems and the superuser's rights included).
+file systems and the superuser's rights included). The coordinator's and the lab
+emulator's command lines both check their outputs with them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from sim.errors import SimError
+from coordinator.errors import ConfigError
 
 __all__ = ["check_file", "check_folder", "check_distinct"]
 
@@ -28,16 +29,16 @@ def check_file(flag: str, path: Path) -> None:
     folder exists or can be created, and can be written.
 
     Raises:
-        SimError: one line naming ``flag``, ``path`` and what is wrong.
+        ConfigError: one line naming ``flag``, ``path`` and what is wrong.
     """
     try:
         if path.is_dir():
-            raise SimError(f"{flag} {path}: is a folder; give a file name ({path / 'run.json'})")
+            raise ConfigError(f"{flag} {path}: is a folder; give a file name ({path / 'run.json'})")
         if path.exists() and not path.is_file():
-            raise SimError(f"{flag} {path}: is not a regular file")
+            raise ConfigError(f"{flag} {path}: is not a regular file")
         _check_writable_folder(flag, path, path.parent)
     except OSError as exc:
-        raise SimError(f"{flag} {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from exc
 
 
 def check_folder(flag: str, path: Path, files: Sequence[str] = ()) -> None:
@@ -46,26 +47,26 @@ def check_folder(flag: str, path: Path, files: Sequence[str] = ()) -> None:
     writes) is an existing folder.
 
     Raises:
-        SimError: one line naming ``flag``, ``path`` and what is wrong.
+        ConfigError: one line naming ``flag``, ``path`` and what is wrong.
     """
     try:
         if path.exists() and not path.is_dir():
-            raise SimError(f"{flag} {path}: is a file, not a folder")
+            raise ConfigError(f"{flag} {path}: is a file, not a folder")
         for name in files:
             if (path / name).is_dir():
-                raise SimError(
+                raise ConfigError(
                     f"{flag} {path}: {path / name} is a folder; the run writes a file there"
                 )
         _check_writable_folder(flag, path, path)
     except OSError as exc:
-        raise SimError(f"{flag} {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from exc
 
 
 def check_distinct(paths: Iterable[tuple[str, Path | None]]) -> None:
     """No two of the output ``paths`` (flag, path; None: not given) are the same path.
 
     Raises:
-        SimError: naming both flags.
+        ConfigError: naming both flags.
     """
     seen: dict[str, str] = {}
     for flag, path in paths:
@@ -73,7 +74,7 @@ def check_distinct(paths: Iterable[tuple[str, Path | None]]) -> None:
             continue
         key = os.path.abspath(path)
         if key in seen:
-            raise SimError(f"{seen[key]} and {flag} name the same path: {path}")
+            raise ConfigError(f"{seen[key]} and {flag} name the same path: {path}")
         seen[key] = flag
 
 
@@ -82,18 +83,18 @@ def _check_writable_folder(flag: str, target: Path, folder: Path) -> None:
     nearest of its ancestors that exists is one (the run creates the others).
 
     Raises:
-        SimError: a path on the way is a file, or the folder cannot be written.
+        ConfigError: a path on the way is a file, or the folder cannot be written.
         OSError: the file system could not be asked.
     """
     existing = folder
     while not os.path.lexists(existing) and existing.parent != existing:
         existing = existing.parent
     if not existing.is_dir():
-        raise SimError(f"{flag} {target}: {existing} is a file, not a folder")
+        raise ConfigError(f"{flag} {target}: {existing} is a file, not a folder")
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=_PROBE_PREFIX)
     except OSError as exc:
         reason = (exc.strerror or str(exc)).lower()
-        raise SimError(f"{flag} {target}: cannot write in {existing}: {reason}") from exc
+        raise ConfigError(f"{flag} {target}: cannot write in {existing}: {reason}") from exc
     os.close(fd)
     os.unlink(probe)
