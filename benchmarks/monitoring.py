@@ -27,6 +27,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -109,7 +110,9 @@ def _get(url: str) -> tuple[float, bytes]:
 
 def measure(devices: int, repeat: int) -> dict[str, Any]:
     """One row of the table at ``devices`` registered devices."""
+    gc.collect()  # the previous size's garbage is not this one's cost
     _, telemetry, _, hello_us = _engine(devices)
+    gc.collect()
     settings = CoordinatorConfig(
         fleet=FLEET, insecure_no_auth=True, metrics_port="127.0.0.1:0", dashboard="127.0.0.1:0"
     )
