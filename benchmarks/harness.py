@@ -147,14 +147,14 @@ def edge_client_command(
 
 
 def start_devices(
-    url: str, files: list[Path], root: Path, seed: int, *, fleet: str
+    url: str, files: list[Path], root: Path, seed: int, *, fleet: str, verbose: bool = False
 ) -> list[subprocess.Popen[bytes]]:
     """An MLP edge client per data file of ``files`` (initialised from ``seed``), each
-    with its state dir and log under ``root``."""
+    with its state dir and log under ``root`` (with ``verbose``, DEBUG lines too)."""
     root.mkdir(parents=True, exist_ok=True)
     started = []
     for path in files:
-        extra = ("--model", "mlp", "--init-seed", str(seed))
+        extra = ("--model", "mlp", "--init-seed", str(seed), *(("-v",) if verbose else ()))
         command = edge_client_command(url, fleet, path, root / path.stem, extra)
         started.append(spawn(command, root / f"{path.stem}.log"))
     return started

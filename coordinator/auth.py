@@ -13,9 +13,8 @@ anything else (section 7). Running without keys takes an explicit ``--insecure-n
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +25,7 @@ from protocol.auth import Keyring, read_fleet_token
 from protocol.messages import DeviceStatus, Hello, Message, ReasonCode, Update
 from protocol.signing import SigningKey, load_or_create_signing_key, public_key_path
 
-__all__ = ["SIGNING_KEY_NAME", "RateLimitedLog", "ReplayGuard", "load_keys", "load_signing_key"]
+__all__ = ["SIGNING_KEY_NAME", "ReplayGuard", "load_keys", "load_signing_key"]
 
 log = logging.getLogger(__name__)
 
@@ -125,49 +124,6 @@ def load_signing_key(config: CoordinatorConfig) -> SigningKey | None:
     if made:
         log.info("its public key file: %s", public_key_path(path))
     return key
-
-
-class RateLimitedLog:
-    """Logs a warning at most once per key per ``interval_s`` (bounded memory), so bad
-    input from one source is logged once, and a flood of it does not flood the log; the
-    others are logged at DEBUG (``-v`` shows every refusal)."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        *,
-        interval_s: float = 60.0,
-        max_keys: int = 4096,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._log = logger
-        self._interval = interval_s
-        self._max_keys = max_keys
-        self._clock = clock
-        self._last: OrderedDict[str, float] = OrderedDict()
-        self.suppressed = 0
-        """Warnings logged at DEBUG only because their key was logged recently."""
-        self._listeners: list[Callable[[str, str], None]] = []
-
-    def listen(self, listener: Callable[[str, str], None]) -> None:
-        """Call ``listener(key, text)`` for every warning, rate-limited or not (the
-        coordinator's telemetry counts refusals by the key's first field)."""
-        self._listeners.append(listener)
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        for listener in self._listeners:
-            listener(key, msg % args if args else msg)
-        now = self._clock()
-        last = self._last.get(key)
-        if last is not None and now - last < self._interval:
-            self.suppressed += 1
-            self._log.debug(msg, *args)
-            return
-        self._last[key] = now
-        self._last.move_to_end(key)
-        while len(self._last) > self._max_keys:
-            self._last.popitem(last=False)
-        self._log.warning(msg, *args)
 
 
 @dataclass

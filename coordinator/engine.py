@@ -67,7 +67,7 @@ from coordinator.actions import (
 )
 from coordinator.admission import hello_refusal
 from coordinator.aggregation_phase import AggregationJob
-from coordinator.auth import RateLimitedLog, ReplayGuard
+from coordinator.auth import ReplayGuard
 from coordinator.config import CoordinatorConfig, participants, run_weight_format
 from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
 from coordinator.events import (
@@ -97,6 +97,7 @@ from protocol.messages import (
     Update,
     WeightFormat,
 )
+from protocol.ratelog import RateLimitedLog
 from protocol.sets import WEIGHTS_SET
 from protocol.topics import Topics
 

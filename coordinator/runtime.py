@@ -46,7 +46,7 @@ from coordinator.actions import (
     UpdateOutcome,
 )
 from coordinator.aggregation_phase import AggregationJob
-from coordinator.auth import RateLimitedLog, load_keys, load_signing_key
+from coordinator.auth import load_keys, load_signing_key
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext, resolve_server_device
 from coordinator.engine import RoundEngine
@@ -66,6 +66,7 @@ from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
 from protocol.limits import ReassemblyLimits
 from protocol.messages import CoordinatorStatus, Message, ReasonCode
+from protocol.ratelog import RateLimitedLog
 from protocol.signing import SigningKey
 from protocol.topics import parse_topic
 from protocol.transport import Transport, Will

@@ -32,6 +32,7 @@ from protocol.codec import Codec
 from protocol.deltas import decode_sets
 from protocol.errors import DecodeError, TransportError
 from protocol.messages import CoordinatorStatus, DeviceStatus, Message, ModelPayload
+from protocol.ratelog import RateLimitedLog
 from protocol.sets import GLOBAL_SET
 from protocol.topics import Topics
 from protocol.transport.base import Transport, Will
@@ -73,6 +74,8 @@ class ModelRefresher:
         self.info_path = onnx_path.with_name(onnx_path.name + ".json")
         self._fsync = fsync
         self._lock = threading.Lock()
+        self._refusals = RateLimitedLog(logger)
+        """Replayed broadcasts: one WARNING a minute, the rest at DEBUG."""
         self.round, self._content, self._sent_at_ms = self._read_info()
 
     @property
@@ -105,7 +108,8 @@ class ModelRefresher:
                 logger.debug("broadcast model of round %d already served", message.round)
                 return False
             if message.sent_at_ms < self._sent_at_ms:
-                logger.warning(
+                self._refusals.warning(
+                    "replay",
                     "ignored a broadcast model of round %d sent before the one served "
                     "(a replay of an earlier broadcast)",
                     message.round,
@@ -225,6 +229,9 @@ class Follower:
         )
         self._status_topic = self._topics.device(config.device_id, "status")
         self._session = new_session()
+        self._refusals = RateLimitedLog(logger)
+        """Bad or foreign frames anyone on the broker may send: one WARNING per topic a
+        minute, the rest at DEBUG."""
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()
@@ -288,7 +295,9 @@ class Follower:
 
     def _on_model(self, topic: str, message: Message) -> None:
         if message.fleet != self.config.fleet:
-            logger.warning("ignored a model of fleet %r on %s", message.fleet, topic)
+            self._refusals.warning(
+                f"fleet:{topic}", "ignored a model of fleet %r on %s", message.fleet, topic
+            )
             return
         try:
             if self.refresher.apply(message):
@@ -302,7 +311,7 @@ class Follower:
             logger.info("coordinator status: %s %s", message.body.state, message.body.detail)
 
     def _on_bad(self, topic: str, error: DecodeError) -> None:
-        logger.warning("dropped a message on %s: %s", topic, error)
+        self._refusals.warning(f"bad:{topic}", "dropped a message on %s: %s", topic, error)
 
     def _publish_status(self, state: DeviceState, detail: str = "") -> None:
         if self._publishes_status:

@@ -92,6 +92,7 @@ from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, TransportError
 from protocol.messages import DeviceStatus, Message
+from protocol.ratelog import RateLimitedLog
 from protocol.topics import Topics
 from protocol.transport.base import Transport, Will
 
@@ -171,6 +172,9 @@ class EdgeClient:
         )
         self._session_id = new_session()
         """This run's session id: in every status and in the last will."""
+        self._refusals = RateLimitedLog(logger)
+        """Bad or foreign frames anyone on the broker may send: one WARNING per topic a
+        minute, the rest at DEBUG (a flood must not fill the device's disk)."""
         self._lock = threading.Lock()  # guards the session
         self._lifecycle = threading.Lock()  # serializes start() and stop()
         self._queue: queue.SimpleQueue[Job | _Wake | None] = queue.SimpleQueue()
@@ -386,7 +390,7 @@ class EdgeClient:
         self._handle_and_wake(Reconnected())
 
     def _on_bad_payload(self, topic: str, error: DecodeError) -> None:
-        logger.warning("dropped a bad payload on %s: %s", topic, error)
+        self._refusals.warning(f"bad:{topic}", "dropped a bad payload on %s: %s", topic, error)
 
     def _on_inbox(self, topic: str, message: Message) -> None:
         try:
@@ -406,7 +410,9 @@ class EdgeClient:
         write, milliseconds for the small models devices serve)."""
         assert self._refresher is not None
         if message.fleet != self.config.fleet:
-            logger.warning("ignored a model of fleet %r on %s", message.fleet, topic)
+            self._refusals.warning(
+                f"fleet:{topic}", "ignored a model of fleet %r on %s", message.fleet, topic
+            )
             return
         try:
             self._refresher.apply(message)

@@ -129,6 +129,7 @@ from protocol.messages import (
     RoundTask,
     Update,
 )
+from protocol.ratelog import RateLimitedLog
 from protocol.sets import WEIGHTS_SET
 from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
@@ -256,6 +257,9 @@ class DeviceSession:
         self._hello_wait = 0.0  # the current wait, seconds (doubles after each hint)
         self._coordinator_state: str | None = None  # of the newest coordinator status taken
         self._admitted = False  # a hello was accepted (or a task came) in this run
+        self._refusals = RateLimitedLog(logger)
+        """Refusals of what anyone on the broker may send (replays, strays): one WARNING
+        per kind a minute, the rest at DEBUG."""
         self._refusals_logged: dict[ReasonCode, float] = {}  # reason -> when logged at ERROR
         self.refusal: Refusal | None = None
         """Why the device stopped trying to join (``exit_when_refused``), or None."""
@@ -401,13 +405,17 @@ class DeviceSession:
         try:
             info = parse_topic(topic)
         except DecodeError:
-            logger.warning("ignored a %s message on unexpected topic %s", message.kind, topic)
+            self._refusals.warning(
+                "topic", "ignored a %s message on unexpected topic %s", message.kind, topic
+            )
             return []
         if message.fleet != self.config.fleet:
-            logger.warning("ignored a %s for fleet %r on %s", message.kind, message.fleet, topic)
+            self._refusals.warning(
+                "fleet", "ignored a %s for fleet %r on %s", message.kind, message.fleet, topic
+            )
             return []
         if message.kind != info.leaf:
-            logger.warning("ignored a %s message on %s", message.kind, topic)
+            self._refusals.warning("kind", "ignored a %s message on %s", message.kind, topic)
             return []
         body = message.body
         if isinstance(body, RoundTask):
@@ -429,7 +437,8 @@ class DeviceSession:
             return []
         overdue = self._wall() - task.deadline
         if overdue > self.config.stale_task_s:
-            logger.warning(
+            self._refusals.warning(
+                "task:stale",
                 "ignored task %s for round %d: its deadline passed %.0f s ago (a replay, or "
                 "a task of an earlier run)",
                 task_id,
@@ -438,14 +447,16 @@ class DeviceSession:
             )
             return []
         if message.sent_at_ms < self._newest_task_ms:
-            logger.warning(
+            self._refusals.warning(
+                "task:replay",
                 "ignored task %s for round %d: it was sent before the newest task taken (a replay)",
                 task_id,
                 message.round,
             )
             return []
         if message.round < self._last_round:
-            logger.warning(
+            self._refusals.warning(
+                "task:done",
                 "ignored task %s for round %d: round %d is already done",
                 task_id,
                 message.round,
@@ -493,7 +504,8 @@ class DeviceSession:
         if ack.accepted:
             logger.info("coordinator accepted %s (round %d) %s", ack.ref, message.round, ack.detail)
         else:
-            logger.warning(
+            self._refusals.warning(
+                f"ack:{ack.reason.value}",
                 "coordinator rejected %s (round %d): %s %s",
                 ack.ref,
                 message.round,
@@ -585,7 +597,9 @@ class DeviceSession:
     def _on_coordinator_status(self, topic: str, message: Message) -> list[Action]:
         status = message.body
         if message.fleet != self.config.fleet or not isinstance(status, CoordinatorStatus):
-            logger.warning("ignored a %s (fleet %r) on %s", message.kind, message.fleet, topic)
+            self._refusals.warning(
+                "status:fleet", "ignored a %s (fleet %r) on %s", message.kind, message.fleet, topic
+            )
             return []
         if status.state == "stopped":
             # the coordinator's last will, signed when it connected: older than the
@@ -598,7 +612,8 @@ class DeviceSession:
             logger.info("the coordinator stopped (or crashed); waiting for it to come back")
             return []
         if message.sent_at_ms < self._newest_status_ms:
-            logger.warning(
+            self._refusals.warning(
+                "status:replay",
                 "ignored a coordinator status %s sent before the newest one (a replay)",
                 status.state,
             )

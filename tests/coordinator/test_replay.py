@@ -8,10 +8,11 @@ import logging
 import numpy as np
 import pytest
 
-from coordinator.auth import RateLimitedLog, ReplayGuard
+from coordinator.auth import ReplayGuard
 from coordinator.events import Received
 from coordinator.store import MemoryStore
 from protocol.messages import Ack, ReasonCode
+from protocol.ratelog import RateLimitedLog
 from tests.coordinator.helpers import (
     config,
     hello,

@@ -478,6 +478,23 @@ def test_a_coordinator_status_older_than_the_newest_is_a_replay_and_ignored() ->
     assert of(coordinator(session, "finished"), Stop)
 
 
+def test_a_flood_of_replays_leaves_one_warning_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare: a live coordinator; an earlier "finished" of it, captured
+    session = make_session()
+    old = inbox(CoordinatorStatus(state="finished"))
+    stale = old.model_copy(update={"sent_at_ms": old.sent_at_ms - 60_000})
+    coordinator(session, "running")
+    # Execute: replayed 500 times (anyone on the broker may)
+    with caplog.at_level(logging.DEBUG, logger="edge_client.train.session"):
+        for _ in range(500):
+            session.handle(CoordinatorStatusReceived(TOPICS.coordinator_status, stale))
+    # Assert: every replay refused and logged, one line at WARNING (a flood cannot fill
+    # the device's disk at the default level)
+    lines = [r for r in caplog.records if "sent before the newest one" in r.message]
+    assert len(lines) == 500
+    assert [r.levelno for r in lines].count(logging.WARNING) == 1
+
+
 def test_the_coordinators_last_will_is_taken_though_older_than_its_statuses(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
