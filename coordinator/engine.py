@@ -78,7 +78,7 @@ from coordinator.events import (
     Undecodable,
 )
 from coordinator.groups import ArchitectureGroup, GroupModels
-from coordinator.liveness import RoundLiveness
+from coordinator.liveness import RoundLiveness, WaitingLog
 from coordinator.outbox import Outbox, mean_metric, some, weighted_metric
 from coordinator.registry import DeviceRegistry
 from coordinator.screening import NormScreen, delta_norm, model_norm
@@ -111,16 +111,6 @@ Array = npt.NDArray[Any]
 _ANSWERED = frozenset({ReasonCode.NON_FINITE, ReasonCode.UPDATE_NORM})
 """Rejections of a well-formed update for its values: the device answered its task, so
 the round does not wait for it to its deadline (other rejections change nothing)."""
-
-
-WAITING_LOG_S = 60.0
-"""While too few devices are online, the log says why no round starts this often."""
-ONLINE_LOG_EACH = 10
-"""While a round waits for devices, each change of the online count up to this many
-devices is logged ("2 of 3 online")."""
-ONLINE_LOG_S = 1.0
-"""Beyond :data:`ONLINE_LOG_EACH` online devices, changes are logged at most this often
-(the latest count), so that thousands of devices joining give a line a second."""
 
 
 @dataclass
@@ -191,12 +181,8 @@ class RoundEngine:
         """Selected devices of the round whose update is stored or was screened out."""
         self._liveness = RoundLiveness(config.silent_grace_s)
         """Whom the round still waits for (the silent are dropped after the grace)."""
-        self._waiting_logged_at = -WAITING_LOG_S
-        """When the coordinator last said in its log why no round starts."""
-        self._online_said: tuple[int, int] | None = None
-        """(round, online count) the log last said while the round waited for devices."""
-        self._online_said_at = -ONLINE_LOG_S
-        """When it said so."""
+        self._waiting_log = WaitingLog(config.min_devices)
+        """What the log says while a round waits for devices to come online."""
         self._screened: set[str] = set()
         """Selected devices whose on-time update of the round was screened out (persisted
         one record each, :meth:`RunState.screen_out`)."""
@@ -661,27 +647,7 @@ class RoundEngine:
             online = self.registry.online_count()
             if online >= self.config.min_devices:
                 return self._start_round(now, self.registry.online())
-            said = self._online_said or (run.round, 0)  # 0 at a start: the reminder says it
-            if said != (run.round, online) and (
-                online <= ONLINE_LOG_EACH or now >= self._online_said_at + ONLINE_LOG_S
-            ):  # as devices join (or leave): each change while few, then once a second
-                self._online_said, self._online_said_at = (run.round, online), now
-                log.info(
-                    "round %d: %d of %d online (--min-devices)",
-                    run.round,
-                    online,
-                    self.config.min_devices,
-                )
-            if now >= self._waiting_logged_at + WAITING_LOG_S:
-                self._waiting_logged_at = now
-                log.info(
-                    "round %d waits for %d online device(s) (--min-devices): %d of %d "
-                    "registered online; a device comes online with its next hello or status",
-                    run.round,
-                    self.config.min_devices,
-                    online,
-                    len(self.registry),
-                )
+            self._waiting_log.waiting(now, run.round, online, len(self.registry))
             return self._status("waiting")
         return []
 

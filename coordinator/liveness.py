@@ -9,7 +9,20 @@ after ``--silent-grace`` seconds from the last answer the round closes without i
 
 from __future__ import annotations
 
-__all__ = ["RoundLiveness"]
+import logging
+
+__all__ = ["ONLINE_LOG_EACH", "ONLINE_LOG_S", "WAITING_LOG_S", "RoundLiveness", "WaitingLog"]
+
+log = logging.getLogger("coordinator.engine")  # the round engine's lines, as they always were
+
+WAITING_LOG_S = 60.0
+"""While too few devices are online, the log says why no round starts this often."""
+ONLINE_LOG_EACH = 10
+"""While a round waits for devices, each change of the online count up to this many
+devices is logged ("2 of 3 online")."""
+ONLINE_LOG_S = 1.0
+"""Beyond :data:`ONLINE_LOG_EACH` online devices, changes are logged at most this often
+(the latest count), so that thousands of devices joining give a line a second."""
 
 
 class RoundLiveness:
@@ -59,3 +72,39 @@ class RoundLiveness:
             and answered < selected
             and now >= self.last_answer_at + self.grace_s
         )
+
+
+class WaitingLog:
+    """What the log says while a round waits for ``min_devices`` online devices: each
+    change of the online count ("round 1: 2 of 3 online"), every change while at most
+    :data:`ONLINE_LOG_EACH` are online, then at most once per :data:`ONLINE_LOG_S`; and
+    every :data:`WAITING_LOG_S` why no round starts. O(1) per call."""
+
+    def __init__(self, min_devices: int) -> None:
+        self.min_devices = min_devices
+        self._reminded_at = -WAITING_LOG_S
+        self._said: tuple[int, int] | None = None
+        """(round, online count) the log last said."""
+        self._said_at = -ONLINE_LOG_S
+
+    def waiting(self, now: float, round_number: int, online: int, registered: int) -> None:
+        """Round ``round_number`` still waits at ``now`` with ``online`` of ``registered``
+        devices online."""
+        said = self._said or (round_number, 0)  # 0 at a start: the reminder says it
+        if said != (round_number, online) and (
+            online <= ONLINE_LOG_EACH or now >= self._said_at + ONLINE_LOG_S
+        ):  # as devices join (or leave): each change while few, then once a second
+            self._said, self._said_at = (round_number, online), now
+            log.info(
+                "round %d: %d of %d online (--min-devices)", round_number, online, self.min_devices
+            )
+        if now >= self._reminded_at + WAITING_LOG_S:
+            self._reminded_at = now
+            log.info(
+                "round %d waits for %d online device(s) (--min-devices): %d of %d "
+                "registered online; a device comes online with its next hello or status",
+                round_number,
+                self.min_devices,
+                online,
+                registered,
+            )

@@ -66,6 +66,7 @@ __all__ = [
     "HeldOut",
     "RunRecorder",
     "check_outputs",
+    "peak_memory",
     "recording",
 ]
 
@@ -287,7 +288,7 @@ class RunRecorder:
             "bytes_down": totals[1],
             "wire_bytes_up": totals[2],
             "wire_bytes_down": totals[3],
-            **_peak_memory(),
+            **peak_memory(),
             "models": {k: v.to_dict() for k, v in records[-1].models.items()} if records else {},
             "final_model": self._final_model,
             "num_classes": self.config.num_classes,
@@ -324,7 +325,7 @@ class RunRecorder:
         return paths
 
 
-def _peak_memory() -> dict[str, int]:
+def peak_memory() -> dict[str, int]:
     """This process's peak resident set and, where it used CUDA, the most GPU memory
     torch held at once (summed over its GPUs; 0 where it used none)."""
     gpu = 0

@@ -23,7 +23,6 @@ import hashlib
 import hmac
 import logging
 import math
-import resource
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
-import torch
 from pydantic import Field, SecretStr, field_serializer, field_validator, model_validator
 
 from coordinator.config import (
@@ -43,6 +41,7 @@ from coordinator.config import (
 from coordinator.enrolment import FleetKeys
 from coordinator.errors import ConfigError
 from coordinator.monitor import monitoring
+from coordinator.recording import peak_memory
 from coordinator.report import RunReport
 from coordinator.runtime import Coordinator, save_group_models
 from coordinator.store import FileStore, MemoryStore, Store
@@ -440,16 +439,6 @@ _COORDINATOR_START_S = 5.0
 the middle of a round stays there until the round closes)."""
 
 
-def _peak_memory() -> dict[str, int]:
-    """This process's peak resident set and, where it used CUDA, the most GPU memory
-    torch held at once (summed over its GPUs; 0 where it used none)."""
-    gpu = 0
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        gpu = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {"peak_rss_bytes": rss, "peak_gpu_bytes": gpu}
-
-
 def run_simulation(
     config: SimConfig,
     *,
@@ -622,7 +611,7 @@ def run_simulation(
         "bytes_down": totals[1],
         "wire_bytes_up": totals[2],
         "wire_bytes_down": totals[3],
-        **_peak_memory(),
+        **peak_memory(),
         "models": {k: v.to_dict() for k, v in records[-1].models.items()} if records else {},
         "final_model": coordinator.final_model,
         "num_classes": federation.num_classes,
@@ -699,7 +688,7 @@ def _rank_answer(shard: Shard, fleet: Fleet, count: int) -> Callable[[str], Any]
     def answer(question: str) -> Any:
         if question == "traffic":
             return fleet_totals(fleet)
-        return {"rank": shard.rank, "devices": count, **_peak_memory()}
+        return {"rank": shard.rank, "devices": count, **peak_memory()}
 
     return answer
 
@@ -740,6 +729,6 @@ def _follow(
         "rank": shard.rank,
         "devices": len(devices),
         "wall_s": time.perf_counter() - started,
-        **_peak_memory(),
+        **peak_memory(),
     }
     return RunReport(config=config.model_dump(mode="json"), rounds=[], final=final)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from protocol.messages import ReasonCode
+from protocol.messages import Ack, ReasonCode
 
 __all__ = [
     "ADVICE",
@@ -16,6 +16,7 @@ __all__ = [
     "REFUSAL_LOG_INTERVAL_S",
     "Refusal",
     "no_answer_hint",
+    "refused_text",
 ]
 
 REFUSAL_LOG_INTERVAL_S = 60.0
@@ -87,3 +88,14 @@ def no_answer_hint(
             "it cannot tell whether the fleet name, the broker or the key is wrong"
         )
     return f"{head}; {why}", True
+
+
+def refused_text(fleet: str, ack: Ack, device: str) -> str:
+    """What a device logs when the coordinator of ``fleet`` refused its hello with
+    ``ack``: the reason, the coordinator's detail, the ``device``'s own model and what to
+    do about it."""
+    return (
+        f"the coordinator of fleet {fleet} refused this device ({ack.reason.value}): "
+        f"{ack.detail or 'no detail'}; this device: {device}; "
+        f"{ADVICE.get(ack.reason, 'see the coordinator log')}"
+    )

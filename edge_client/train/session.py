@@ -109,12 +109,12 @@ from edge_client.train.exchange import (
     UpdateSent,
 )
 from edge_client.train.refusal import (
-    ADVICE,
     HELLOS_REMEMBERED,
     MAX_HELLO_WAIT_S,
     REFUSAL_LOG_INTERVAL_S,
     Refusal,
     no_answer_hint,
+    refused_text,
 )
 from edge_client.train.retry import RetrySchedule
 from protocol import __version__ as protocol_version
@@ -538,12 +538,7 @@ class DeviceSession:
         if self.refusal is not None:  # stopping already
             return []
         reason = ack.reason
-        text = (
-            f"the coordinator of fleet {fleet} refused this device ({reason.value}): "
-            f"{ack.detail or 'no detail'}; this device: {self._model_summary} "
-            f"(fingerprint {self._fingerprint}); "
-            f"{ADVICE.get(reason, 'see the coordinator log')}"
-        )
+        text = refused_text(fleet, ack, f"{self._model_summary} (fingerprint {self._fingerprint})")
         if self.config.exit_when_refused:
             self.refusal = Refusal("refused", text)
             logger.error("%s; the device stops", text)

@@ -9,8 +9,9 @@ import logging
 import pytest
 
 from coordinator.actions import RoundStarted
-from coordinator.engine import ONLINE_LOG_EACH, ONLINE_LOG_S, RoundEngine
+from coordinator.engine import RoundEngine
 from coordinator.events import Tick
+from coordinator.liveness import ONLINE_LOG_EACH, ONLINE_LOG_S
 from coordinator.store import MemoryStore
 from protocol.messages import Message
 from tests.coordinator.helpers import FLEET, config, hello, make_engine, received, status
