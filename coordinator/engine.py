@@ -68,7 +68,7 @@ from coordinator.actions import (
 from coordinator.admission import hello_refusal
 from coordinator.aggregation_phase import AggregationJob
 from coordinator.auth import ReplayGuard
-from coordinator.config import CoordinatorConfig, participants, run_weight_format
+from coordinator.config import CoordinatorConfig, participants
 from coordinator.errors import ConfigError, StoreError, UpdateRejectedError
 from coordinator.events import (
     AggregateDone,
@@ -84,7 +84,8 @@ from coordinator.registry import DeviceRegistry
 from coordinator.screening import NormScreen, delta_norm, model_norm
 from coordinator.state import Base, OcaCache, RunMeta, RunState, StoredUpdate
 from coordinator.store import Store
-from coordinator.strategies.base import Arrays, NothingToAggregate, Strategy, device_seed
+from coordinator.strategies.base import Arrays, NothingToAggregate, Strategy
+from coordinator.tasks import TaskComposer
 from coordinator.transfer import Link, Transfers
 from coordinator.validation import check_label_counts, check_update_weights
 from protocol.messages import (
@@ -93,9 +94,7 @@ from protocol.messages import (
     Hello,
     Message,
     ReasonCode,
-    RoundTask,
     Update,
-    WeightFormat,
 )
 from protocol.ratelog import RateLimitedLog
 from protocol.sets import WEIGHTS_SET
@@ -166,6 +165,8 @@ class RoundEngine:
         :class:`Transfers` shares): devices sent the same sets get the same message, one
         id and one frame, encoded once; each copy goes to its own topic, sealed under
         its device's key."""
+        self._tasks = TaskComposer(config, strategy, self._transfers, self._outbox)
+        """Each device's model and task: its precisions, format and hyperparameters."""
         self.registry = DeviceRegistry()
         self._replay = ReplayGuard(config.replay_window_s)
         self._refusals = RateLimitedLog(log)
@@ -424,25 +425,9 @@ class RoundEngine:
             self._transfers.announced(device_id, hello.held_base)
         return actions + self._on_tick(now)
 
-    def _weight_format(self, device_id: str) -> WeightFormat:
-        """The format ``device_id`` runs its model at, as this run trains it: its hello's
-        ``weight_format``, except that a float device with an int8 link counts as int8
-        where the run asks for quantization-aware training (it then trains, and runs,
-        the int8 model). The task asks ``binarize`` of binary devices always (a float
-        model binarized after training loses most of its accuracy) and ``qat`` of int8
-        ones only where the run asks for it (post-training int8 costs little)."""
-        entry = self.registry.get(device_id)
-        announced: WeightFormat = "float" if entry is None else entry.weight_format
-        link = self._link(device_id)
-        qat = self.strategy.training.qat
-        return run_weight_format(announced, qat=qat, downlink=link.downlink, uplink=link.uplink)
-
     def _link(self, device_id: str) -> Link:
-        """The precisions ``device_id`` transfers in: its own request, else the fleet's."""
-        entry = self.registry.get(device_id)
-        down = entry.downlink_precision if entry is not None else None
-        up = entry.uplink_precision if entry is not None else None
-        return Link(down or self.config.downlink_precision, up or self.config.uplink_precision)
+        """The precisions ``device_id`` transfers in (:meth:`TaskComposer.link`)."""
+        return self._tasks.link(self.registry.get(device_id))
 
     # -- update ------------------------------------------------------------------------
 
@@ -512,7 +497,7 @@ class RoundEngine:
             metrics=dict(update.metrics),
             label_counts=None if update.label_counts is None else list(update.label_counts),
             timings=dict(update.timings),
-            weight_format=self._weight_format(device_id),
+            weight_format=self._tasks.weight_format(entry),
             update_norm=norm,
         )
         self._state.put_update(stored, weights)  # the commit point: accepted from here on
@@ -702,42 +687,10 @@ class RoundEngine:
     def _task_messages(
         self, device_id: str, server_sets: Mapping[str, Mapping[str, Arrays]]
     ) -> list[Action]:
-        """The model (where the strategy sends one) and the task for ``device_id``: its
-        group's sets at its precision."""
-        run = self._require_run()
-        fleet, me = self.config.fleet, self.config.coordinator_id
-        link = self._link(device_id)
+        """The model (where the strategy sends one) and the task for ``device_id``."""
         group = self._group_of(device_id)
-        sets = self._transfers.downlink(
-            device_id, run.round, group, server_sets[group], link, against=self.strategy.delta_sets
-        )
-        models: list[Publish] = []  # none where the strategy sends no model
-        if sets:
-            models.append(self._outbox.model(device_id, run.round, sets))
-        hyper = self.strategy.hyperparameters(run.round)
-        hyper["seed"] = device_seed(self.config.seed, run.round, device_id)
-        weight_format = self._weight_format(device_id)
-        if weight_format == "binary":
-            hyper["binarize"] = True
-        elif weight_format == "int8" and self.strategy.training.qat:
-            hyper["qat"] = True
-        task = RoundTask(
-            strategy=self.strategy.name,
-            hyperparameters=hyper,
-            deadline=run.deadline,
-            downlink_precision=link.downlink,
-            uplink=link.upload(self._uplink, next(iter(sets), None)),
-            payloads=tuple(sets),
-            model_message=models[0].message.message_id if models else None,
-        )
-        task_message = Message(
-            fleet=fleet,
-            sender=me,
-            round=run.round,
-            body=task,
-            message_id=run.task_ids[device_id],
-        )
-        return [*models, Publish(self.topics.to_device(device_id, "task"), task_message)]
+        entry = self.registry.get(device_id)
+        return list(self._tasks.messages(self._require_run(), device_id, entry, group, server_sets))
 
     def _close_round(self) -> list[Action]:
         """Persist which updates the round aggregates, then ask for the aggregation."""

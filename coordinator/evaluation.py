@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from coordinator.errors import ConfigError, CoordinatorError
+from coordinator.proxy import proxy_tensor
 from models import Classifier, load_state_arrays
 
 __all__ = [
@@ -456,22 +457,7 @@ def read_eval_data(
     if missing:
         raise ConfigError(f"{what}: missing key(s) {missing}; expected x and y")
     x, y = arrays["x"], arrays["y"]
-    if x.ndim == 3:
-        x = x[:, None]
-    expected = (channels, side, side)
-    if x.ndim != 4 or tuple(x.shape[1:]) != expected or len(x) == 0:
-        raise ConfigError(
-            f"{what}: x of shape {x.shape}; the models take (N, {channels}, {side}, {side}) "
-            f"or, with one channel, (N, {side}, {side}) images, N >= 1"
-        )
-    if x.dtype == np.uint8:
-        images = np.multiply(x, np.float32(1 / 255), dtype=np.float32)
-    elif x.dtype.kind == "f":
-        images = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.isfinite(images).all():
-            raise ConfigError(f"{what}: x holds values that are not finite")
-    else:
-        raise ConfigError(f"{what}: x of dtype {x.dtype}; give uint8 or float pixels")
+    images = proxy_tensor(x, channels, side, what=f"{what}: x").numpy()
     if y.dtype.kind not in "iu" or y.shape != (len(x),):
         raise ConfigError(
             f"{what}: y must be integer labels of shape ({len(x)},), got {y.dtype} {y.shape}"

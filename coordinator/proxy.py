@@ -129,11 +129,14 @@ def check_proxy_use(strategy: str | type[Strategy], distill_data: str) -> None:
         )
 
 
-def proxy_tensor(images: npt.NDArray[Any], channels: int, side: int) -> torch.Tensor:
+def proxy_tensor(
+    images: npt.NDArray[Any], channels: int, side: int, *, what: str = "proxy data"
+) -> torch.Tensor:
     """``images`` as the models' inputs: float32 ``(N, channels, side, side)``.
 
     Accepts ``(N, H, W)`` (one channel) or ``(N, C, H, W)``; uint8 pixels are scaled to
-    [0, 1] as the devices' data is, floats are taken as they are.
+    [0, 1] as the devices' data is, floats are taken as they are. Errors name the images
+    ``what`` (the coordinator's held-out ``--eval-data`` are read the same way).
 
     Raises:
         ConfigError: no image, a shape that does not fit the models, another dtype, or
@@ -144,16 +147,16 @@ def proxy_tensor(images: npt.NDArray[Any], channels: int, side: int) -> torch.Te
     expected = (channels, side, side)
     if images.ndim != 4 or tuple(images.shape[1:]) != expected or len(images) == 0:
         raise ConfigError(
-            f"proxy data of shape {images.shape}; the models take (N, {channels}, {side}, "
-            f"{side}) images, N >= 1"
+            f"{what} of shape {images.shape}; the models take (N, {channels}, {side}, "
+            f"{side}) or, with one channel, (N, {side}, {side}) images, N >= 1"
         )
     if images.dtype == np.uint8:
         return torch.from_numpy(np.multiply(images, np.float32(1 / 255), dtype=np.float32))
     if images.dtype.kind != "f":
-        raise ConfigError(f"proxy data of dtype {images.dtype}: give uint8 or float pixels")
+        raise ConfigError(f"{what} of dtype {images.dtype}: give uint8 or float pixels")
     out = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32))
     if not torch.isfinite(out).all():
-        raise ConfigError("proxy data holds values that are not finite")
+        raise ConfigError(f"{what} holds values that are not finite")
     return out
 
 
