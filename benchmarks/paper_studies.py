@@ -6,7 +6,8 @@ Two studies, each a set of ``python -m sim`` runs on real data (``--data-dir``, 
 - ``fedkf``: the FedKF paper's EMNIST letters protocol (10 % of each class, LeNet-5,
   K = 20 devices, C = 0.2, E = 10, B = 64, Dirichlet alpha = 0.1): FedAvg (with its OCA
   model, the paper's "FedAvg (OCA)"), FedKF- (single downlink) and FedKF (dual
-  downlink); each run reports its ACA and OCA models every round.
+  downlink), each at the runtime's cost settings and as published; each run reports its
+  ACA and OCA models every round and its devices' training seconds.
 - ``fedgen``: the FedGen paper's MNIST protocol (20 devices, 10 active, alpha = 0.1, 20
   local steps of batch 32, FedGen's CNN): FedAvg and FedGen with full sharing and with
   prediction-layer-only sharing (head), where each device is evaluated with its own
@@ -35,6 +36,10 @@ from pathlib import Path
 from typing import Any
 
 COMMON = ["--transport", "inproc", "--alpha", "0.1", "--devices", "20"]
+PAPER = ["--generator-every", "1", "--sample-reuse", "1", "--generator-batch-size", "0"]
+"""FedKF's cost settings as the paper has them: a generator step before every batch and
+a fresh generated batch of B for every distillation step (the runtime's defaults are
+cheaper: docs/modes.md, "FedKF's cost")."""
 STUDIES: dict[str, dict[str, Any]] = {
     "fedkf": {
         "args": [
@@ -55,8 +60,11 @@ STUDIES: dict[str, dict[str, Any]] = {
             "emnist-fedavg": ["--strategy", "fedavg_oca"],
             "emnist-fedkf-single": ["--strategy", "fedkf", "--downlink", "single"],
             "emnist-fedkf-dual": ["--strategy", "fedkf", "--downlink", "dual"],
+            "emnist-fedkf-paper-single": ["--strategy", "fedkf", "--downlink", "single", *PAPER],
+            "emnist-fedkf-paper-dual": ["--strategy", "fedkf", "--downlink", "dual", *PAPER],
         },
-        # row label -> (run, model), in the paper's Table V order
+        # row label -> (run, model), in the paper's Table V order; FedKF at the
+        # runtime's defaults, then as published
         "rows": {
             "FedAvg": ("emnist-fedavg", "aca"),
             "FedAvg (OCA)": ("emnist-fedavg", "oca"),
@@ -64,6 +72,10 @@ STUDIES: dict[str, dict[str, Any]] = {
             "FedKF- (OCA)": ("emnist-fedkf-single", "oca"),
             "FedKF (ACA)": ("emnist-fedkf-dual", "aca"),
             "FedKF (OCA)": ("emnist-fedkf-dual", "oca"),
+            "FedKF- as published (ACA)": ("emnist-fedkf-paper-single", "aca"),
+            "FedKF- as published (OCA)": ("emnist-fedkf-paper-single", "oca"),
+            "FedKF as published (ACA)": ("emnist-fedkf-paper-dual", "aca"),
+            "FedKF as published (OCA)": ("emnist-fedkf-paper-dual", "oca"),
         },
         "paper": {"FedAvg": 75.61, "FedAvg (OCA)": 78.38, "FedKF (OCA)": 82.94},
     },
@@ -142,8 +154,13 @@ def run_sim(path: Path, seed: int, arguments: Sequence[str]) -> None:
 def run_study(args: argparse.Namespace) -> None:
     study = STUDIES[args.study]
     args.out.mkdir(parents=True, exist_ok=True)
+    unknown = set(args.runs or ()) - set(study["runs"])
+    if unknown:
+        raise SystemExit(f"--runs: {', '.join(sorted(unknown))} not in {', '.join(study['runs'])}")
     for seed in args.seeds:
         for run, extra in study["runs"].items():
+            if args.runs and run not in args.runs:
+                continue
             arguments = [*COMMON, *study["args"], *extra, "--data-dir", str(args.data_dir)]
             arguments += ["--rounds", str(args.rounds)]
             run_sim(report_path(args.out, run, seed), seed, arguments)
@@ -166,16 +183,23 @@ def spread(values: Sequence[float]) -> str:
     return text + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else "")
 
 
+def _device_seconds(report: dict[str, Any]) -> float:
+    """A run's mean training seconds of a device per round (the rounds that report it)."""
+    return _mean([r["device_train_s"] for r in report["rounds"] if r.get("device_train_s")])
+
+
 def _first_reach(curve: Sequence[float], target: float) -> int | None:
     return next((i + 1 for i, amp in enumerate(curve) if amp >= target), None)
 
 
 def table(args: argparse.Namespace) -> None:
     for name, study in STUDIES.items():
-        rows = study["rows"]
-        reports = {run: load_reports(args.out, run) for run, _ in rows.values()}
-        if not all(reports.values()):
-            print(f"{name}: missing reports in {args.out}, skipped", file=sys.stderr)
+        reports = {run: load_reports(args.out, run) for run in study["runs"]}
+        missing = sorted(run for run, found in reports.items() if not found)
+        if missing:
+            print(f"{name}: no reports of {', '.join(missing)} in {args.out}", file=sys.stderr)
+        rows = {label: row for label, row in study["rows"].items() if reports[row[0]]}
+        if next(iter(study["rows"])) not in rows:
             continue
         first_label = next(iter(rows))
         base_run, base_model = rows[first_label]
@@ -200,8 +224,11 @@ def table(args: argparse.Namespace) -> None:
                 f"{reached} | {study['paper'].get(label, '-')} |"
             )
         bytes_rows = {run for run, _ in rows.values()}
-        print("\n| run | MB up per round | MB down per round | wall s per round |")
-        print("| --- | --- | --- | --- |")
+        print(
+            "\n| run | MB up per round | MB down per round | device training s per round "
+            "| wall s per round |"
+        )
+        print("| --- | --- | --- | --- | --- |")
         for run in sorted(bytes_rows):
             finals = [r["final"] for r in reports[run]]
             per_round = [f["rounds"] for f in finals]
@@ -210,7 +237,8 @@ def table(args: argparse.Namespace) -> None:
                 [f["bytes_down"] / n / 1e6 for f, n in zip(finals, per_round, strict=True)]
             )
             wall = _mean([f["wall_s"] / n for f, n in zip(finals, per_round, strict=True)])
-            print(f"| {run} | {up:.2f} | {down:.2f} | {wall:.1f} |")
+            device = [_device_seconds(r) for r in reports[run]]
+            print(f"| {run} | {up:.2f} | {down:.2f} | {spread(device)} | {wall:.1f} |")
         if args.plots is not None:
             _plot(name, rows, reports, args.plots)
 
@@ -251,6 +279,7 @@ def main() -> None:
     run.add_argument("--data-dir", type=Path, required=True)
     run.add_argument("--rounds", type=int, default=100)
     run.add_argument("--seeds", type=int, nargs="+", default=[0])
+    run.add_argument("--runs", nargs="+", help="only these of the study's runs (default: all)")
     run.add_argument("--out", type=Path, default=Path("studies"))
     show = sub.add_parser("table", help="print the tables from the reports")
     show.add_argument("--out", type=Path, default=Path("studies"))

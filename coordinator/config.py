@@ -70,7 +70,8 @@ class TrainingSettings(LocalTraining):
     devices validate their tasks with. ``local_epochs``, ``local_steps`` and
     ``batch_size`` left unset (None) take the strategy's defaults
     (:attr:`coordinator.strategies.base.Strategy.training_defaults`: E = 5, B = 32 for FedAvg;
-    E = 10, B = 64 for FedKF; 20 steps of B = 32 for FedGen).
+    E = 10, B = 64 and 32 generated samples per step for FedKF; 20 steps of B = 32 for
+    FedGen).
     """
 
     model_config = ConfigDict(strict=False)
@@ -81,6 +82,10 @@ class TrainingSettings(LocalTraining):
     """If > 0: this many local mini-batches instead of epochs."""
     batch_size: int | None = Field(default=None, ge=1)
     """Local batch size (unset: the strategy's default)."""
+    generator_batch_size: int | None = Field(default=None, ge=0)
+    """FedKF and FedGen: generated samples per generator step and per distillation (or
+    generative) step; 0: ``batch_size``, as the papers; unset: the strategy's default
+    (FedKF 32, FedGen 0)."""
     generative_alpha: float = Field(default=10.0, ge=0, allow_inf_nan=False)
     """FedGen: weight of the generator term in round 1; round t sends alpha_t =
     generative_alpha * generative_alpha_decay ** (t - 1)."""
@@ -98,7 +103,8 @@ class TrainingSettings(LocalTraining):
 
         Epochs and steps go together: when neither is set both come from ``defaults``;
         when one is set the other is 0 (the set one decides). ``batch_size`` falls back
-        to ``defaults["batch_size"]`` (32 when absent).
+        to ``defaults["batch_size"]`` (32 when absent), ``generator_batch_size`` to
+        ``defaults["generator_batch_size"]`` (0 when absent).
         """
         epochs, steps = self.local_epochs, self.local_steps
         if epochs is None and steps is None:
@@ -110,6 +116,9 @@ class TrainingSettings(LocalTraining):
                 "local_epochs": epochs or int(steps == 0),
                 "local_steps": steps,
                 "batch_size": batch,
+                "generator_batch_size": self.generator_batch_size
+                if self.generator_batch_size is not None
+                else defaults.get("generator_batch_size", 0),
             }
         )
 

@@ -65,6 +65,12 @@ class LocalTraining(BaseModel):
     """FedKF: Adam learning rate of the device's image generator."""
     generator_width: int = Field(default=16, ge=1)
     """FedKF: base channels of the device's image generator (64 is the DCGAN size)."""
+    generator_every: int = Field(default=4, ge=1)
+    """FedKF: the image generator takes one Adam step every this many local batches (1:
+    before every batch, as the paper)."""
+    sample_reuse: int = Field(default=4, ge=1)
+    """FedKF: local batches that one generated batch and its teacher's logits serve (1: a
+    fresh batch every step, as the paper); fewer generator and teacher forward passes."""
     generator_noise_dim: int = Field(default=0, ge=0)
     """Noise width of the generator; 0: the strategy's default (100 for FedKF's image
     generator, 32 for FedGen's latent generator)."""
@@ -90,11 +96,13 @@ class Hyperparameters(LocalTraining):
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     """Seed of the device's shuffling (distinct per device and round); same seed, same
     batches."""
+    generator_batch_size: int = Field(default=0, ge=0)
+    """FedKF and FedGen: generated samples per generator step and per distillation (or
+    generative) step; 0: ``batch_size``, as the papers (the coordinator sends FedKF's
+    own default, 32)."""
     generative_alpha: _NonNegFloat = 0.0
     """FedGen: this round's weight alpha_t of CE(head(G(eps, y)), y) (the coordinator
     applies the decay schedule; 0: plain cross-entropy)."""
-    generator_batch_size: int = Field(default=0, ge=0)
-    """FedGen: generated latents per step; 0: ``batch_size``."""
     binarize: bool = False
     """Binarized-weights training (BinaryConnect): weights of rank >= 2 are binarized per
     output channel, ``sign(w) * mean|w|``, in every forward pass and the float latent

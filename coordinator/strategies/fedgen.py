@@ -413,6 +413,7 @@ class FedGen(Strategy):
             "generative_alpha": alpha,
             "generator_noise_dim": self._generator_config.noise_dim,
             "generator_hidden": self._generator_config.hidden_dim,
+            **({"generator_batch_size": t.generator_batch_size} if t.generator_batch_size else {}),
         }
 
     def uplink(self) -> UploadSpec:

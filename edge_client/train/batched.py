@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -63,11 +63,6 @@ class StackedTerm(ABC):
 
     Subclasses implement :meth:`loss`, and override the rest as they need.
     """
-
-    equal_batches: ClassVar[bool] = False
-    """Whether the devices that step together must have batches of one size (a module
-    that normalises over the batch, such as BatchNorm, sees the whole batch; padding
-    would change it). False: short batches are padded and masked."""
 
     def __init__(self, count: int, device: torch.device) -> None:
         """

@@ -20,10 +20,9 @@ It computes what the per-device reference,
   its own seed; a device with fewer batches than the longest takes no step (and its
   momentum does not move) once it is done; a short last batch is padded and masked out
   of the loss (its mean is over the real samples, as the loop's is). The classifiers
-  normalise per sample (GroupNorm or none), so padding changes nothing else; a term
-  whose own modules normalise over the batch
-  (:attr:`~edge_client.train.batched.StackedTerm.equal_batches`) has each step's devices
-  grouped by batch size instead;
+  normalise per sample (GroupNorm or none), so padding changes nothing else, and a
+  term's own inputs (FedKF's generated batches) have a size of their own, not the data
+  batch's;
 * the strategy prepares each device as the loop does
   (:meth:`~edge_client.train.strategies.strategy.DeviceStrategy.prepare`: received sets
   loaded, hooks built) and each hook's term of the loss is its batched form
@@ -322,7 +321,8 @@ class _BatchedRound:
         start = time.perf_counter()
         longest = self.samples.longest
         for step in range(longest):
-            for rows in self._groups(self.samples.active(step), step):
+            rows = self.samples.active(step)
+            if rows:
                 self._step(rows, step)
             if on_step is not None:
                 on_step(step + 1, longest)
@@ -331,16 +331,6 @@ class _BatchedRound:
             term.write_back()
         seconds = (time.perf_counter() - start) / len(self.prepared)
         return [self._result(i, seconds) for i in range(len(self.prepared))]
-
-    def _groups(self, active: list[int], step: int) -> list[list[int]]:
-        """The rows that step together: all active ones (short batches padded), or by
-        batch size when a term needs equal batches."""
-        if not any(term.equal_batches for term in self.terms):
-            return [active] if active else []
-        by_size: dict[int, list[int]] = {}
-        for i in active:
-            by_size.setdefault(self.samples.batch_size(i, step), []).append(i)
-        return list(by_size.values())
 
     def _step(self, rows: list[int], step: int) -> None:
         every = len(rows) == len(self.prepared)

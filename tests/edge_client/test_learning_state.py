@@ -47,6 +47,8 @@ FEDKF_HP: dict[str, Any] = {
     "gamma": 1.0,
     "generator_width": 2,
     "generator_noise_dim": 8,
+    "generator_every": 1,  # a generator step every batch: 3 a round
+    "sample_reuse": 1,
 }
 
 

@@ -3,22 +3,30 @@
 From "Handling Data Heterogeneity in Federated Learning via Knowledge Distillation and
 Fusion" (FedKF), Algorithm 1, device part T2. The device receives the student (the ACA
 model) and the teacher (the OCA model; in the single-downlink variant FedKF- a frozen
-copy of the student as received) and, for every local mini-batch ``(x, y)`` of size B:
+copy of the student as received) and, for its local mini-batches ``(x, y)``:
 
-1. one Adam step of the local image generator G on
+1. every ``generator_every``-th batch, one Adam step of the local image generator G on
    ``L_G = L_IE + lambda1 * L_OH + lambda2 * L_A`` of the teacher's outputs on
-   ``G(z)``, ``z ~ N(0, I)`` of shape (B, noise_dim) (:func:`models.losses.
+   ``G(z)``, ``z ~ N(0, I)`` of shape (Bg, noise_dim) (:func:`models.losses.
    fedkf_generator_loss`; the teacher is frozen, only G learns);
-2. one SGD step of the student on
-   ``CE(student(x), y) + gamma * KL(teacher(x_g) || student(x_g))`` with a fresh
-   generated batch ``x_g = G(z')`` of size B, a constant (no gradient reaches G).
+2. every batch, one SGD step of the student on
+   ``CE(student(x), y) + gamma * KL(teacher(x_g) || student(x_g))`` with a generated
+   batch ``x_g = G(z')`` of Bg samples, a constant (no gradient reaches G), drawn after
+   the generator's step every ``sample_reuse``-th batch and reused, with its teacher's
+   logits, in between.
+
+Bg is ``generator_batch_size`` (0: the local batch size). The paper's values are
+``generator_every`` 1, ``sample_reuse`` 1 and Bg = B (a generator step and a fresh
+generated batch before every batch); the runtime's defaults, 4, 4 and 32 (with B = 64),
+cost a device about 2.4x FedAvg's training time per round instead of 14x at the same
+accuracy on the FedKF study (docs/results.md, ``python -m benchmarks.fedkf_cost``).
 
 Step 1 runs in :meth:`FedKFHook.before_batch`, step 2's distillation term in
 :meth:`FedKFHook.extra_loss` of the one training loop,
 :func:`edge_client.train.training.train_local`; the hook's batched form (for the sim's
 batched engine) takes each device's generator step with its own Adam state and adds the
-same :func:`~models.losses.distillation_kl`, and groups the devices of a step by batch
-size (G's BatchNorm sees the whole batch). G is never uploaded: it stays in the device's
+same :func:`~models.losses.distillation_kl` (G's BatchNorm sees Bg generated samples
+whatever the data batch's size, so all of a step's devices step together). G is never uploaded: it stays in the device's
 learning state across rounds together with its Adam moments (:func:`local_image_generator`),
 and is persisted with the device's model (:meth:`LocalImageGenerator.entry`,
 :meth:`LocalImageGenerator.from_entry`; ``learning_state.npz``,
@@ -30,11 +38,14 @@ student, without the hook.
 
 Compute cost. Per sample, the image generator (noise 100, 1x28x28) costs about 5.7 M
 multiply-adds forward at ``generator_width`` 16 (172,545 parameters) and 87.8 M at width
-64 (the DCGAN size, 856,065 parameters); LeNet-5 costs 0.42 M. A FedKF step runs G
-forward twice and backward once and the teacher and student on a generated batch, so
-the generator dominates: measured with one CPU thread, LeNet-5, batches of 32, a step
-took 3.7 ms for FedAvg, 52 ms for FedKF at width 16 (14x) and 297 ms at width 64 (80x).
-Memory: G's parameters plus two Adam moments, 3 x 0.7 MB at width 16 (3 x 3.4 MB at 64).
+64 (the DCGAN size, 856,065 parameters); LeNet-5 costs 0.42 M. At the paper's settings a
+step runs G forward twice and backward once and the teacher and student on a generated
+batch, so the generator dominates: measured with one CPU thread, LeNet-5, batches of 32,
+a step took 3.7 ms for FedAvg, 52 ms for FedKF at width 16 (14x) and 297 ms at width 64
+(80x). The cost settings above divide G's share by ``generator_every`` (its steps) and
+``sample_reuse`` (its samples and the teacher's forward passes on them), and Bg scales
+all of it. Memory: G's parameters plus two Adam moments, 3 x 0.7 MB at width 16 (3 x 3.4
+MB at 64), and the generated batch kept for reuse.
 
 Pure: tensors in, tensors out; the noise comes from a ``torch.Generator`` seeded from
 ``TrainConfig.seed`` (drawn on the CPU, so a seed gives the same noise on every device),
@@ -382,8 +393,13 @@ class FedKFHook(BatchedHook):
         """Where the generator's noise comes from (drawn on the CPU, per batch: the
         generator step's, then the distillation sample's)."""
         self.generator: LocalImageGenerator | None = None
+        self.batch_size = config.generator_batch_size or config.batch_size
+        """Generated samples per generator step and per distillation step."""
+        self._sample: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The generated batch the distillation steps use and its teacher's logits."""
         self._kd_sum = 0.0
         self._generator_sum = 0.0
+        self._generator_steps = 0
         self._steps = 0
 
     def before_training(self, model: nn.Module) -> None:
@@ -392,22 +408,25 @@ class FedKFHook(BatchedHook):
         self.generator = local_image_generator(self._state, self.teacher, self.config, device)
 
     def before_batch(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.generator is None:
-            return
         cfg = self.config
+        if self.generator is None or self._steps % cfg.generator_every:
+            return
         loss, _ = self.generator.step(
-            self.teacher, int(x.shape[0]), cfg.lambda1, cfg.lambda2, self.noise
+            self.teacher, self.batch_size, cfg.lambda1, cfg.lambda2, self.noise
         )
         self._generator_sum += loss
+        self._generator_steps += 1
 
     def extra_loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor
     ) -> torch.Tensor | None:
         if self.generator is None:
             return None
-        generated = self.generator.sample(int(x.shape[0]), self.noise)  # (B, C, H, W)
-        with torch.no_grad():
-            teacher_logits = self.teacher(generated)  # (B, num_classes)
+        if self._sample is None or self._steps % self.config.sample_reuse == 0:
+            generated = self.generator.sample(self.batch_size, self.noise)  # (Bg, C, H, W)
+            with torch.no_grad():
+                self._sample = generated, self.teacher(generated)  # logits (Bg, classes)
+        generated, teacher_logits = self._sample
         kd = distillation_kl(teacher_logits, model(generated))
         self._kd_sum += float(kd.detach())
         self._steps += 1
@@ -418,7 +437,7 @@ class FedKFHook(BatchedHook):
             return {}
         return {
             "kd_loss": self._kd_sum / self._steps,
-            "generator_loss": self._generator_sum / self._steps,
+            "generator_loss": self._generator_sum / max(self._generator_steps, 1),
         }
 
     def unbatchable(self) -> str:
@@ -434,12 +453,19 @@ class _StackedFedKF(StackedTerm):
     Adam state) and its frozen teacher, stacked; per step, each device's generator step
     and generated batch, then the distillation term."""
 
-    equal_batches = True  # G's BatchNorm normalises over the batch
-
     def __init__(self, hooks: Sequence[FedKFHook], device: torch.device) -> None:
         super().__init__(len(hooks), device)
         self.hooks = list(hooks)
         self.device = device
+        config = hooks[0].config
+        self.batch_size = hooks[0].batch_size
+        self.every, self.reuse = config.generator_every, config.sample_reuse
+        self.steps = [0] * len(hooks)
+        """Steps each device has taken."""
+        self.generator_steps = [0] * len(hooks)
+        """Generator steps each device has taken."""
+        self.sample: Tensors = {}
+        """Each device's current generated batch and its teacher's logits (N, Bg, ...)."""
         generators = [h.generator for h in hooks if h.generator is not None]
         self.generators = generators
         self.module = generators[0].module
@@ -468,38 +494,68 @@ class _StackedFedKF(StackedTerm):
         return self.teacher_head(unprefixed(teachers, HEAD_PREFIX), features)
 
     def inputs(self, rows: Sequence[int], index: torch.Tensor | None, width: int) -> Tensors:
-        """One Adam step of each row's generator, then each row's generated batch and
-        its teacher's logits (rows of one batch size ``width``)."""
+        """Each row's generator step (on the steps it takes one), then each row's
+        generated batch and its teacher's logits (fresh on the steps that draw one)."""
+        step = self.steps[rows[0]]  # the rows of a step have taken as many steps
+        train = step % self.every == 0
+        fresh = not self.sample or step % self.reuse == 0
         z, z_sample = [], []
         for i in rows:  # per device: the step's noise, then the sample's
-            noise = self.hooks[i].noise
-            z.append(torch.randn(width, self.module.noise_dim, generator=noise))
-            z_sample.append(torch.randn(width, self.module.noise_dim, generator=noise))
-        zs = torch.stack(z).to(self.device)
-        zs_sample = torch.stack(z_sample).to(self.device)
-
+            noise, size = self.hooks[i].noise, (self.batch_size, self.module.noise_dim)
+            if train:
+                z.append(torch.randn(size, generator=noise))
+            if fresh:
+                z_sample.append(torch.randn(size, generator=noise))
+            self.steps[i] += 1
+            self.generator_steps[i] += train
+        if not (train or fresh):
+            return select_rows(index, self.sample)
         params = select_rows(index, self.params)
         buffers, teachers = select_rows(index, self.buffers), select_rows(index, self.teachers)
+        if train:
+            self._train_generators(
+                rows, index, params=params, buffers=buffers, teachers=teachers, z=z
+            )
+        sample: Tensors = {}
+        if fresh:
+            with torch.no_grad():  # G in train mode: its BatchNorm statistics move
+                images = self.stacked(params | buffers, torch.stack(z_sample).to(self.device))
+                sample = {"images": images, "teacher_logits": self._teach(teachers, images)}
+        if index is None:
+            self.sample = sample or self.sample
+            return self.sample
+        for name, value in params.items():  # the rows' generators, back into the stack
+            self.params[name][index] = value
+        for name, value in buffers.items():
+            self.buffers[name][index] = value
+        for name, value in sample.items():
+            kept = self.sample.setdefault(name, value.new_zeros(len(self.hooks), *value.shape[1:]))
+            kept[index] = value
+        return sample or select_rows(index, self.sample)
+
+    def _train_generators(
+        self,
+        rows: Sequence[int],
+        index: torch.Tensor | None,
+        *,
+        params: Tensors,
+        buffers: Tensors,
+        teachers: Tensors,
+        z: list[torch.Tensor],
+    ) -> None:
+        """One Adam step of each row's generator on its noise ``z``: ``params`` (and,
+        through G's BatchNorm, ``buffers``) are updated in place."""
         leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
         with torch.enable_grad():
-            images = self.stacked(leaves | buffers, zs)  # (n, B, C, H, W)
+            images = self.stacked(leaves | buffers, torch.stack(z).to(self.device))
             features = self.teacher_features(unprefixed(teachers, FEATURES_PREFIX), images)
             logits = self.teacher_head(unprefixed(teachers, HEAD_PREFIX), features)
             loss, *_ = fedkf_generator_objective(logits, features, *self.lambdas)  # (n,)
             names = list(leaves)
             values = torch.autograd.grad(loss.sum(), [leaves[k] for k in names])
         self.adam.update(params, dict(zip(names, values, strict=True)), index)
-        with torch.no_grad():
-            images = self.stacked(params | buffers, zs_sample)
-            teacher_logits = self._teach(teachers, images)
-        if index is not None:
-            for name, value in params.items():
-                self.params[name][index] = value
-            for name, value in buffers.items():
-                self.buffers[name][index] = value
         rows_t = torch.tensor(list(rows), device=self.device)
         self.generator_loss.index_add_(0, rows_t, loss.detach().double())
-        return {"images": images, "teacher_logits": teacher_logits}
 
     def loss(
         self, model: StackedModule, point: Tensors, state: Tensors, inputs: Tensors
@@ -511,7 +567,7 @@ class _StackedFedKF(StackedTerm):
     def metrics(self, row: int, steps: int) -> dict[str, float]:
         return {
             "kd_loss": float(self.measured[row]) / steps,
-            "generator_loss": float(self.generator_loss[row]) / steps,
+            "generator_loss": float(self.generator_loss[row]) / max(self.generator_steps[row], 1),
         }
 
     def write_back(self) -> None:

@@ -130,6 +130,13 @@ CASES = {
     "fedgen-head-only": Case("fedgen", hyper=FEDGEN, sets=_fedgen_sets(True), upload="head"),
     "fedkf": Case("fedkf", hyper=FEDKF, sets=_fedkf_sets),
     "fedkf-minus": Case("fedkf", hyper=FEDKF, sets=lambda m: {"student": state_arrays(m)}),
+    # the cheaper settings: the generator every 2nd batch, a generated batch for 3 steps,
+    # generated batches of their own size (not the data's: no grouping by batch size)
+    "fedkf-sparse": Case(
+        "fedkf",
+        hyper={**FEDKF, "generator_every": 2, "sample_reuse": 3, "generator_batch_size": 5},
+        sets=_fedkf_sets,
+    ),
     "fedkf-qat": Case("fedkf", hyper={**FEDKF, "qat": True}, sets=_fedkf_sets),
     "binarize": Case("fedavg", hyper={"binarize": True}),
     "fedprox-binarize": Case("fedprox", hyper={"mu": 0.5, "binarize": True}),

@@ -31,6 +31,8 @@ HP: dict[str, object] = {
     "seed": 3,
     "generator_width": 4,
     "generator_lr": 0.01,
+    "generator_every": 1,  # the paper's: a generator step and a fresh sample every batch
+    "sample_reuse": 1,
 }
 
 
@@ -272,3 +274,26 @@ def test_invalid_fedkf_tasks_are_task_errors(device_data: DeviceData) -> None:
     assert same(state_arrays(model), before)
     with pytest.raises(TaskError, match="needs a classifier"):
         local_update(nn.Linear(2, 2), device_data, LocalTask("fedkf", HP))
+
+
+@pytest.mark.parametrize(("every", "reuse", "generated"), [(1, 1, 0), (3, 2, 5), (4, 10, 7)])
+def test_the_generator_steps_and_samples_as_often_as_asked(
+    device_data: DeviceData, every: int, reuse: int, generated: int
+) -> None:
+    """``generator_every`` batches per generator step, ``sample_reuse`` batches per
+    generated batch, ``generator_batch_size`` samples in each (0: the local batch)."""
+    hp = {**HP, "local_steps": 10, "generator_every": every, "sample_reuse": reuse}
+    config = TrainConfig.from_hyperparameters({**hp, "generator_batch_size": generated})
+    hook = FedKFHook(frozen_teacher(lenet(2)), {}, config)
+    model = lenet(1)
+    hook.before_training(model)
+    assert hook.generator is not None
+    sizes: list[int] = []  # the batch of every forward pass of G
+    hook.generator.module.register_forward_hook(lambda m, args, out: sizes.append(len(out)))
+
+    train_local(model, device_data.x, device_data.y, config, (hook,))
+
+    steps, samples = -(-10 // every), -(-10 // reuse)
+    assert hook.generator.optimizer.steps == [steps] * len(hook.generator.optimizer.steps)
+    assert sizes == [generated or 16] * (steps + samples)
+    assert set(hook.metrics()) == {"kd_loss", "generator_loss"}
