@@ -26,11 +26,12 @@ Step 1 runs in :meth:`FedKFHook.before_batch`, step 2's distillation term in
 :func:`edge_client.train.training.train_local`; the hook's batched form (for the sim's
 batched engine) takes each device's generator step with its own Adam state and adds the
 same :func:`~models.losses.distillation_kl` (G's BatchNorm sees Bg generated samples
-whatever the data batch's size, so all of a step's devices step together). G is never uploaded: it stays in the device's
-learning state across rounds together with its Adam moments (:func:`local_image_generator`),
-and is persisted with the device's model (:meth:`LocalImageGenerator.entry`,
-:meth:`LocalImageGenerator.from_entry`; ``learning_state.npz``,
-:mod:`edge_client.train.client_state`), so a restarted device goes on with the same G.
+whatever the data batch's size, so all of a step's devices step together). G is never
+uploaded: it stays in the device's learning state across rounds together with its Adam
+moments (:func:`local_image_generator`), and is persisted with the device's model
+(:meth:`LocalImageGenerator.entry`, :meth:`LocalImageGenerator.from_entry`;
+``learning_state.npz``, :mod:`edge_client.train.client_state`), so a restarted device
+goes on with the same G.
 
 Sets (:class:`FedKF`): ``"student"`` (required), ``"teacher"`` (optional; absent, the
 teacher is a frozen copy of the received student: FedKF-). ``gamma`` 0: FedAvg on the
