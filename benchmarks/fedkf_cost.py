@@ -17,7 +17,8 @@ Settings (``--settings``, comma-separated; each ``name`` below):
   batch of G samples (0: B) serves R steps, the generator's base width W.
 
 Each setting's first round is a warm-up (the device's generator is built then); the
-figure is the median of ``--repeat`` rounds after it. Prints one row per setting:
+figure is the median of ``--repeat`` rounds after it, the settings taking turns (this
+machine's speed drifts by tens of percent between minutes). Prints one row per setting:
 seconds per round and the ratio to ``fedavg`` (issue 29's target: <= 3x); ``--json``
 prints the rows as JSON.
 
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coordinator.strategies.fedkf import FedKF
 from edge_client.train.data import DeviceData
 from edge_client.train.local_update import local_update
 from edge_client.train.task import LocalTask
@@ -58,8 +60,8 @@ def knobs(name: str) -> dict[str, Any]:
     Raises:
         ValueError: a name that is none of the forms above.
     """
-    if name == "default":
-        return {}
+    if name == "default":  # what a coordinator sends by default (the rest: the task's)
+        return {"generator_batch_size": FedKF.training_defaults["generator_batch_size"]}
     if name == "paper":
         return {"generator_every": 1, "sample_reuse": 1, "generator_batch_size": 0}
     match = _KNOBS.fullmatch(name)
@@ -83,29 +85,46 @@ def _device(seed: int) -> DeviceData:
     return DeviceData("dev-000", x, y, x[:0], y[:0], 26)
 
 
-def round_seconds(name: str, repeat: int) -> float:
-    """The median seconds of ``repeat`` local rounds of setting ``name`` after a warm-up."""
-    torch.manual_seed(0)
-    model = build_classifier("lenet5", num_classes=26)
-    torch.manual_seed(1)
-    teacher = build_classifier("lenet5", num_classes=26)
-    data = _device(0)
-    hyper: dict[str, Any] = {"local_epochs": EPOCHS, "batch_size": BATCH, "lr": 0.01}
-    if name == "fedavg":
-        strategy, sets = "fedavg", {"global": state_arrays(model)}
-    else:
-        strategy = "fedkf"
-        sets = {"student": state_arrays(model), "teacher": state_arrays(teacher)}
-        hyper |= knobs(name)
-    state: dict[str, Any] = {}
-    times = []
-    for round_ in range(repeat + 1):
-        task = LocalTask(strategy, {**hyper, "seed": round_}, sets)
+class _Setting:
+    """One setting's device: its model, teacher, data, learning state and round times."""
+
+    def __init__(self, name: str) -> None:
+        torch.manual_seed(0)
+        self.model = build_classifier("lenet5", num_classes=26)
+        torch.manual_seed(1)
+        teacher = build_classifier("lenet5", num_classes=26)
+        self.data = _device(0)
+        self.hyper: dict[str, Any] = {"local_epochs": EPOCHS, "batch_size": BATCH, "lr": 0.01}
+        if name == "fedavg":
+            self.strategy, self.sets = "fedavg", {"global": state_arrays(self.model)}
+        else:
+            self.strategy = "fedkf"
+            self.sets = {"student": state_arrays(self.model), "teacher": state_arrays(teacher)}
+            self.hyper |= knobs(name)
+        self.state: dict[str, Any] = {}
+        self.rounds = 0
+        self.times: list[float] = []
+
+    def round(self) -> float:
+        """One local round's seconds (the first builds the device's generator)."""
+        task = LocalTask(self.strategy, {**self.hyper, "seed": self.rounds}, self.sets)
+        self.rounds += 1
         start = time.perf_counter()
-        local_update(model, data, task, state)
-        if round_:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        local_update(self.model, self.data, task, self.state)
+        return time.perf_counter() - start
+
+
+def round_seconds(names: list[str], repeat: int) -> dict[str, float]:
+    """Each setting's median seconds per round over ``repeat`` rounds after a warm-up
+    round; the settings take turns, so a machine whose speed drifts slows them alike."""
+    settings = {name: _Setting(name) for name in names}
+    for setting in settings.values():
+        setting.round()
+    for index in range(repeat):
+        for name, setting in settings.items():
+            setting.times.append(setting.round())
+            print(f"  round {index + 1}/{repeat} {name}: {setting.times[-1]:.2f} s", flush=True)
+    return {name: statistics.median(s.times) for name, s in settings.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,12 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name != "fedavg":
             knobs(name)  # a bad name fails before anything runs
+    if "fedavg" not in names:
+        names.insert(0, "fedavg")
     torch.set_num_threads(1)
-    seconds = {}
-    for name in names:
-        seconds[name] = round_seconds(name, args.repeat)
-        print(f"  {name}: {seconds[name]:.2f} s", flush=True)
-    base = seconds.get("fedavg") or round_seconds("fedavg", args.repeat)
+    seconds = round_seconds(names, args.repeat)
+    base = seconds["fedavg"]
     rows = [
         {"setting": n, "seconds_per_round": round(s, 3), "vs_fedavg": round(s / base, 2)}
         for n, s in seconds.items()
