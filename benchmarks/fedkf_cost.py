@@ -9,9 +9,11 @@ are random (the time of a step does not depend on them); the teacher is another 
 Settings (``--settings``, comma-separated; each ``name`` below):
 
 - ``fedavg``: FedAvg's round, the reference the ratios divide by;
-- ``paper``: FedKF as published: the generator (width 16) steps before every batch,
-  a fresh generated batch of B per step (``generator_every 1``, ``sample_reuse 1``,
-  ``generator_batch_size 0``);
+- ``paper``: FedKF's steps as published: the generator steps before every batch, a
+  fresh generated batch of B per step (``generator_every 1``, ``sample_reuse 1``,
+  ``generator_batch_size 0``), at width 16 (the paper's generator is 64 wide: 80x
+  FedAvg's step, see :mod:`edge_client.train.strategies.fedkf`);
+- ``default``: what a coordinator sends by default;
 - any other name is ``every-E_reuse-R_batch-G_width-W`` (for example
   ``every-4_reuse-4_batch-32_width-8``): the generator steps every E batches, a generated
   batch of G samples (0: B) serves R steps, the generator's base width W.
@@ -63,7 +65,12 @@ def knobs(name: str) -> dict[str, Any]:
     if name == "default":  # what a coordinator sends by default (the rest: the task's)
         return {"generator_batch_size": FedKF.training_defaults["generator_batch_size"]}
     if name == "paper":
-        return {"generator_every": 1, "sample_reuse": 1, "generator_batch_size": 0}
+        return {
+            "generator_every": 1,
+            "sample_reuse": 1,
+            "generator_batch_size": 0,
+            "generator_width": 16,
+        }
     match = _KNOBS.fullmatch(name)
     if match is None:
         raise ValueError(

@@ -63,8 +63,9 @@ class LocalTraining(BaseModel):
     """FedKF: weight of the activation loss in the generator objective L_G."""
     generator_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     """FedKF: Adam learning rate of the device's image generator."""
-    generator_width: int = Field(default=16, ge=1)
-    """FedKF: base channels of the device's image generator (64 is the DCGAN size)."""
+    generator_width: int = Field(default=8, ge=1)
+    """FedKF: base channels of the device's image generator (64 is the DCGAN size, as
+    the paper's)."""
     generator_every: int = Field(default=4, ge=1)
     """FedKF: the image generator takes one Adam step every this many local batches (1:
     before every batch, as the paper)."""
