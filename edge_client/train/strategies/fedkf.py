@@ -310,6 +310,11 @@ class LocalImageGenerator:
             return self.module(self.noise(batch_size, generator))  # type: ignore[no-any-return]
 
 
+def _ceil_div(steps: int, every: int) -> int:
+    """Generator steps in ``steps`` local batches when it steps every ``every``-th."""
+    return -(-steps // every)
+
+
 def _numpy(tensor: torch.Tensor) -> npt.NDArray[Any]:
     """A CPU numpy copy of ``tensor``."""
     return tensor.detach().cpu().numpy().copy()
@@ -401,7 +406,6 @@ class FedKFHook(BatchedHook):
         """The generated batch the distillation steps use and its teacher's logits."""
         self._kd_sum = 0.0
         self._generator_sum = 0.0
-        self._generator_steps = 0
         self._steps = 0
 
     def before_training(self, model: nn.Module) -> None:
@@ -417,7 +421,6 @@ class FedKFHook(BatchedHook):
             self.teacher, self.batch_size, cfg.lambda1, cfg.lambda2, self.noise
         )
         self._generator_sum += loss
-        self._generator_steps += 1
 
     def extra_loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor
@@ -439,7 +442,8 @@ class FedKFHook(BatchedHook):
             return {}
         return {
             "kd_loss": self._kd_sum / self._steps,
-            "generator_loss": self._generator_sum / max(self._generator_steps, 1),
+            "generator_loss": self._generator_sum
+            / _ceil_div(self._steps, self.config.generator_every),
         }
 
     def unbatchable(self) -> str:
@@ -462,10 +466,8 @@ class _StackedFedKF(StackedTerm):
         config = hooks[0].config
         self.batch_size = hooks[0].batch_size
         self.every, self.reuse = config.generator_every, config.sample_reuse
-        self.steps = [0] * len(hooks)
-        """Steps each device has taken."""
-        self.generator_steps = [0] * len(hooks)
-        """Generator steps each device has taken."""
+        self.step = 0
+        """Steps taken (the devices that step take theirs together: the same count)."""
         self.sample: Tensors = {}
         """Each device's current generated batch and its teacher's logits (N, Bg, ...)."""
         generators = [h.generator for h in hooks if h.generator is not None]
@@ -498,9 +500,9 @@ class _StackedFedKF(StackedTerm):
     def inputs(self, rows: Sequence[int], index: torch.Tensor | None, width: int) -> Tensors:
         """Each row's generator step (on the steps it takes one), then each row's
         generated batch and its teacher's logits (fresh on the steps that draw one)."""
-        step = self.steps[rows[0]]  # the rows of a step have taken as many steps
-        train = step % self.every == 0
-        fresh = not self.sample or step % self.reuse == 0
+        train = self.step % self.every == 0
+        fresh = not self.sample or self.step % self.reuse == 0
+        self.step += 1
         z, z_sample = [], []
         for i in rows:  # per device: the step's noise, then the sample's
             noise, size = self.hooks[i].noise, (self.batch_size, self.module.noise_dim)
@@ -508,8 +510,6 @@ class _StackedFedKF(StackedTerm):
                 z.append(torch.randn(size, generator=noise))
             if fresh:
                 z_sample.append(torch.randn(size, generator=noise))
-            self.steps[i] += 1
-            self.generator_steps[i] += train
         if not (train or fresh):
             return select_rows(index, self.sample)
         params = select_rows(index, self.params)
@@ -569,7 +569,7 @@ class _StackedFedKF(StackedTerm):
     def metrics(self, row: int, steps: int) -> dict[str, float]:
         return {
             "kd_loss": float(self.measured[row]) / steps,
-            "generator_loss": float(self.generator_loss[row]) / max(self.generator_steps[row], 1),
+            "generator_loss": float(self.generator_loss[row]) / _ceil_div(steps, self.every),
         }
 
     def write_back(self) -> None:
