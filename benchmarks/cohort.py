@@ -105,6 +105,29 @@ def _together_task(task: LocalTask, devices: int) -> LocalTask:
     return LocalTask(task.strategy, {**task.hyperparameters, "batch_size": batch}, task.sets)
 
 
+def _train(
+    engine: str,
+    models: list[Classifier],
+    data: list[DeviceData],
+    tasks: list[LocalTask],
+    device: torch.device,
+    limit: int,
+) -> None:
+    """One local round of each device (``models[i]`` on ``data[i]``): batched, or one
+    after the other (``loop``; ``bound``: its one device is the cohort's samples
+    together)."""
+    if engine == "batched":
+        members = [Member(m, d, t) for m, d, t in zip(models, data, tasks, strict=True)]
+        outcomes = train_cohort(members, device=device, max_cohort=limit)
+        failed = [o.error for o in outcomes if o.result is None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} devices failed: {failed[0]}")
+        return
+    for model, d, task in zip(models, data, tasks, strict=True):
+        local_update(model, d, task, device=device)
+        model.to("cpu")
+
+
 def run_one(options: dict[str, Any]) -> dict[str, Any]:
     """One configuration, measured in this process."""
     device = resolve_device(options["device"])
@@ -117,21 +140,16 @@ def run_one(options: dict[str, Any]) -> dict[str, Any]:
     if options["engine"] == "bound":
         data = [_together(data)]
         tasks = [_together_task(tasks[0], timed)]
-    models = [copy.deepcopy(start_model) for _ in range(timed)]
-    if device.type == "cuda":
+    limit = options["max_cohort"] or auto_max_cohort(start_model, 32, device)
+    if device.type == "cuda":  # CUDA's context, cuDNN's plans: what a sim's first round pays
+        warm = min(2, len(data))
+        copies = [copy.deepcopy(start_model) for _ in range(warm)]
+        _train(options["engine"], copies, data[:warm], tasks[:warm], device, limit)
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    models = [copy.deepcopy(start_model) for _ in data]
     start = time.perf_counter()
-    if options["engine"] == "batched":
-        members = [Member(m, d, t) for m, d, t in zip(models, data, tasks, strict=True)]
-        limit = options["max_cohort"] or auto_max_cohort(start_model, 32, device)
-        outcomes = train_cohort(members, device=device, max_cohort=limit)
-        failed = [o.error for o in outcomes if o.result is None]
-        if failed:
-            raise RuntimeError(f"{len(failed)} devices failed: {failed[0]}")
-    else:
-        for model, d, task in zip(models[: len(data)], data, tasks, strict=True):
-            local_update(model, d, task, device=device)
-            model.to("cpu")
+    _train(options["engine"], models, data, tasks, device, limit)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - start) * count / timed

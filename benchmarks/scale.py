@@ -144,7 +144,8 @@ def _device_name(device: Any) -> str:
 def _child(kind: str, options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Run one measurement in a fresh process; its row, or ``{"error": ...}``."""
     command = [sys.executable, "-m", "benchmarks.scale", "--one", json.dumps([kind, options])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"}
     try:
         done = subprocess.run(
             command,

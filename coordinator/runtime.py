@@ -21,6 +21,7 @@ read instead of the log.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import logging
@@ -60,7 +61,7 @@ from coordinator.strategies.registry import build_strategy
 from coordinator.telemetry import FleetTelemetry
 from models import Classifier, build_classifier, load_state_arrays, seeded
 from models.errors import ModelError
-from protocol.auth import AuthError, KeySource
+from protocol.auth import AuthError, KeySource, topic_device
 from protocol.channel import Channel
 from protocol.codec import Codec
 from protocol.errors import DecodeError, EncodeError, QuotaError, TransportError
@@ -83,6 +84,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_FAN_OUT_MIN = 8
+"""Devices a batch of actions must message before the sender threads share it out."""
 
 Array = npt.NDArray[Any]
 Observer = Callable[[Action], None]
@@ -278,6 +282,9 @@ class Coordinator:
         self._refusals.listen(self.telemetry.refused)
         self._events: queue.Queue[Event | _AggregationFailed] = queue.Queue()
         self._stop = threading.Event()
+        self._senders: concurrent.futures.ThreadPoolExecutor | None = None
+        """Threads that publish a round's device messages (:meth:`_send_run`), one
+        per core, while :meth:`run` runs; None on a single core."""
         self._observers: list[Observer] = []
         self.final_models: GroupModels | None = None
         self.final_model = self.engine.strategy.final_model
@@ -314,6 +321,9 @@ class Coordinator:
             Will(topics.coordinator_status, self.channel.encode(topics.coordinator_status, will))
         ):
             return None
+        cores = min(len(os.sched_getaffinity(0)), 32)
+        if cores > 1:
+            self._senders = concurrent.futures.ThreadPoolExecutor(cores, "coordinator-send")
         try:
             self.channel.subscribe(topics.from_devices(), self._receive, on_error=self._bad_input)
             self.transport.on_reconnect(self._on_reconnect)
@@ -334,6 +344,9 @@ class Coordinator:
         finally:
             if self.final_models is None:
                 self._publish_final_status("stopped")
+            if self._senders is not None:
+                self._senders.shutdown()
+                self._senders = None
             self.transport.disconnect()
         return self.final_models
 
@@ -441,7 +454,16 @@ class Coordinator:
     # -- actions (engine thread) ------------------------------------------------------
 
     def _execute(self, actions: list[Action]) -> None:
+        """Carry out ``actions`` in order, each followed by its telemetry and observers;
+        a run of device messages among them (a round's fan-out) is published on the
+        sender threads (:meth:`_send_run`) before its actions' observers are called."""
+        run: list[Publish] = []
         for action in actions:
+            if isinstance(action, Publish) and topic_device(action.topic) is not None:
+                run.append(action)
+                continue
+            self._send_run(run)
+            run = []
             match action:  # exhaustive: an action the engine adds fails the type check here
                 case Publish():
                     self._publish(action)
@@ -463,9 +485,38 @@ class Coordinator:
                 case _:  # mypy: every action type has a case above
                     unhandled: NoReturn = action
                     raise AssertionError(f"unhandled action {unhandled!r}")
-            self.telemetry(action)
-            for observer in self._observers:
-                observer(action)
+            self._observe(action)
+        self._send_run(run)
+
+    def _observe(self, action: Action) -> None:
+        self.telemetry(action)
+        for observer in self._observers:
+            observer(action)
+
+    def _send_run(self, run: list[Publish]) -> None:
+        """Publish ``run`` (consecutive messages to devices), then observe each.
+
+        With :attr:`_senders` and at least :data:`_FAN_OUT_MIN` devices, each device's
+        messages are published in order on a sender thread, the devices side by side:
+        a copy of a round's model costs its device's seal and chunking (the frame is
+        compressed once), hashing of the whole frame, and hashlib and zstd let go of the
+        GIL, so a fan-out to N devices takes about N / cores of it."""
+        per_device: dict[str | None, list[Publish]] = {}
+        for action in run:
+            per_device.setdefault(topic_device(action.topic), []).append(action)
+        if self._senders is None or len(per_device) < _FAN_OUT_MIN:
+            for action in run:
+                self._publish(action)
+        else:
+            sending = [self._senders.submit(self._publish_all, p) for p in per_device.values()]
+            for future in sending:
+                future.result()  # what _publish does not log is raised here, as inline
+        for action in run:
+            self._observe(action)
+
+    def _publish_all(self, actions: list[Publish]) -> None:
+        for action in actions:
+            self._publish(action)
 
     def _aggregate(self, job: AggregationJob) -> None:
         """Run ``job`` on a thread of its own; its outcome comes back as an event."""

@@ -185,7 +185,10 @@ def train_cohort(
             cohorts are trained in chunks.
         progress: called with the number of members finished after each chunk.
         samples: keeps each chunk's samples on ``device`` from one call to the next
-            (a fleet whose chunks recur trains on resident data); None: built per call.
+            (a fleet whose chunks recur trains on resident data: with it, a group's
+            members are chunked in an order of their data, not of ``members``, so
+            that the same devices make the same chunks whatever order their tasks
+            came in); None: built per call.
         on_step: called after each local step of a batched computation with the steps
             done and the steps it takes (its longest device's), so that a long round
             shows how far it is before any of its devices is done.
@@ -219,6 +222,8 @@ def train_cohort(
                 progress(len(group))
             continue
         size = max_cohort or len(group)
+        if samples is not None:  # the same devices in the same chunks each round
+            group.sort(key=lambda member: id(member[1].member.data))
         for start in range(0, len(group), size):
             chunk = group[start : start + size]
             members_of = [p for _, p in chunk]

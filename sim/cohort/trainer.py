@@ -73,18 +73,26 @@ memory (LeNet-5 at batch 32, 1,000 devices on this project's 2-core CPU: 38.6 cl
 updates per second in chunks of 10 devices, 28.9 in chunks of 50, 18.5 in one chunk of
 1,000; docs/results.md)."""
 
+GPU_CHUNK_BYTES = 8 * 2**30
+"""On a GPU, the training estimate one batched computation should hold at most: a chunk
+of 8 GiB of estimates (about 1,700 LeNet-5 devices at batch 32) keeps a GPU's arithmetic
+busy, and more only raises the peak memory (10,000 LeNet-5 devices in one chunk peaked
+at 39.7 GB on an H200 for the same updates per second; docs/results.md)."""
+
 
 def auto_max_cohort(model: Classifier, batch_size: int, device: torch.device) -> int:
     """The most devices one batched computation should hold: :data:`MEMORY_SHARE` of the
     free memory of ``device`` over one device's training estimate (weights, gradients,
-    momentum, two more copies and the activations of a batch); on a CPU at most
-    :data:`CPU_CHUNK_BYTES` of such estimates; at least 1."""
+    momentum, two more copies and the activations of a batch), and at most
+    :data:`GPU_CHUNK_BYTES` (:data:`CPU_CHUNK_BYTES` on a CPU) of such estimates; at
+    least 1."""
     estimate = estimate_training(
         model, model.input_shape, batch_size, model_copies=2, optimizer_slots=1
     ).total
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(MEMORY_SHARE * free // max(1, estimate)))
+        budget = min(MEMORY_SHARE * free, float(GPU_CHUNK_BYTES))
+        return max(1, int(budget // max(1, estimate)))
     budget = min(MEMORY_SHARE * memory_limit().bytes, float(CPU_CHUNK_BYTES))
     return max(1, int(budget // max(1, estimate)))
 

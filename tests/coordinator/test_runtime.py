@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -136,3 +137,70 @@ def test_a_run_survives_a_broker_restart_mid_round() -> None:
     assert closed == [1, 2, 3]
     for client in clients:
         client.stop()
+
+
+def test_a_rounds_fan_out_is_sent_side_by_side_each_device_in_order() -> None:
+    """The model and task of each of 12 devices go out on the sender threads (one per
+    core), each device's model before its task, and every Publish is observed on the
+    engine thread in the engine's order, after it was sent."""
+    devices = [f"dev-{i:02d}" for i in range(12)]
+    broker, store = MemoryBroker(), MemoryStore()
+    cfg = config(min_devices=len(devices), rounds=1)
+    coordinator = Coordinator(cfg, MemoryTransport(broker, "coordinator"), store, tick_s=0.02)
+    topics = Topics(FLEET)
+    arrived: dict[str, list[str]] = {d: [] for d in devices}
+    lock = threading.Lock()
+
+    def on_downlink(message) -> None:
+        device, leaf = message.topic.split("/")[-2:]
+        with lock:
+            arrived[device].append(leaf)
+
+    listener = MemoryTransport(broker, "listener")
+    listener.connect()
+    for device in devices:
+        for leaf in ("model", "task"):
+            listener.subscribe(topics.to_device(device, leaf), on_downlink)
+    senders: dict[str, set[str]] = {d: set() for d in devices}
+    publish = coordinator._publish
+
+    def recording_publish(action) -> None:
+        device = action.topic.split("/")[-2]
+        if device in senders and action.topic.endswith(("/model", "/task")):
+            senders[device].add(threading.current_thread().name)
+        publish(action)
+
+    coordinator._publish = recording_publish  # type: ignore[method-assign]
+    observed: list[tuple[str, str]] = []
+
+    def observe(action) -> None:
+        from coordinator.actions import Publish
+
+        if isinstance(action, Publish) and action.topic.endswith(("/model", "/task")):
+            device, leaf = action.topic.split("/")[-2:]
+            observed.append((device, leaf))
+
+    coordinator.add_observer(observe)
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    thread.start()
+    assert wait_for(lambda: store.read_meta("run") is not None)
+    channel = Channel(MemoryTransport(broker, "fleet"))
+    channel.transport.connect()
+    engine = make_engine(cfg, MemoryStore())
+    for device in devices:
+        channel.send(topics.device(device, "hello"), hello(engine, device))
+    assert wait_for(lambda: all("task" in arrived[d] for d in devices))
+    assert wait_for(lambda: len(observed) == 2 * len(devices))
+    coordinator.stop()
+    thread.join(10)
+
+    for device in devices:
+        leaves = arrived[device]  # the model's chunks, then the task
+        assert leaves[-1] == "task" and set(leaves[:-1]) == {"model"}, (device, leaves)
+        assert observed.index((device, "model")) < observed.index((device, "task"))
+    names = set().union(*senders.values())
+    if len(os.sched_getaffinity(0)) > 1:
+        assert all(name.startswith("coordinator-send") for name in names), names
+        assert len(names) > 1, names
+    else:  # one core: sent in place, on the engine thread
+        assert len(names) == 1, names

@@ -42,7 +42,7 @@ from models import (
     build_classifier,
     state_arrays,
 )
-from sim.cohort.engine import Member, train_cohort
+from sim.cohort.engine import Member, SampleCache, train_cohort
 
 NUM_CLASSES = 4
 SIZES = (23, 40, 17, 33)
@@ -294,3 +294,22 @@ def test_a_task_that_does_not_fit_fails_alone_and_changes_nothing() -> None:
 def test_max_cohort_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_cohort"):
         train_cohort([], max_cohort=0)
+
+
+def test_a_fleets_chunks_recur_whatever_order_its_tasks_come_in() -> None:
+    """With a sample cache, the same devices make the same chunks each round (their
+    samples stay resident), and each outcome is still its member's."""
+    start = classifier("mlp")
+    data = devices()
+    task = LocalTask("fedavg", {"batch_size": 8}, {"global": state_arrays(start)})
+    cache = SampleCache()
+    built: list[int] = []
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
+        chunks_before = set(cache._chunks)
+        members = [Member(copy.deepcopy(start), data[i], task) for i in order]
+        outcomes = train_cohort(members, max_cohort=2, samples=cache)
+        built.append(len(set(cache._chunks) - chunks_before))
+        for i, outcome in zip(order, outcomes, strict=True):
+            assert outcome.result is not None
+            assert outcome.result.num_samples == data[i].num_samples
+    assert built == [2, 0, 0]
