@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -72,7 +72,7 @@ from protocol.messages import (
 from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 from protocol.transport.wire import MqttVersion, publish_packet_size
-from sim.cohort.trainer import BatchedTrainer
+from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.errors import SimError
 from sim.fleet import FleetDevice
 from sim.progress import Detailed, Progress
@@ -85,6 +85,7 @@ __all__ = [
     "Bytes",
     "LinkProfile",
     "TransferTime",
+    "budget_engine",
     "estimate",
     "link_profile",
     "reference_config",
@@ -333,6 +334,15 @@ def estimate(
     return _Emulation(config, progress, label, device).run()
 
 
+def budget_engine(engine: Engine) -> Literal["batched", "loop"]:
+    """How the budget trains: ``auto`` is the batched engine on any device. (A run's
+    ``auto`` trains on the per-device path on a CPU, a device per core, because its
+    wire needs the cores beside the training; the budget has no wire, and on this
+    project's 2 CPU cores the batched engine took 52 s where the loop took 84 to 100 s,
+    docs/budget.md.)"""
+    return "batched" if engine == "auto" else engine
+
+
 class _Emulation:
     """One run: the engine, the emulated devices and the byte counters."""
 
@@ -390,7 +400,7 @@ class _Emulation:
                 progress.advance()
         self.trainer = BatchedTrainer(
             specs,
-            engine=config.engine,
+            engine=budget_engine(config.engine),
             device=device,
             max_cohort=config.max_cohort,
             workers=1,

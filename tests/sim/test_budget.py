@@ -14,6 +14,7 @@ from sim.__main__ import main
 from sim.budget import (
     LINK_PROFILES,
     Bytes,
+    budget_engine,
     estimate,
     link_profile,
     reference_config,
@@ -99,6 +100,13 @@ def test_the_batched_engine_and_the_loop_give_the_same_budget(strategy: str) -> 
     assert batched.device_rounds == loop.device_rounds
     for field in FIELDS:  # lossy deltas of (nearly) the same weights
         assert getattr(batched.total, field) == pytest.approx(getattr(loop.total, field), rel=1e-3)
+
+
+def test_the_budgets_auto_engine_is_the_batched_one_on_any_device() -> None:
+    # a run's auto is the loop on a CPU (its wire needs the cores); the budget has no wire
+    assert budget_engine("auto") == "batched"
+    assert budget_engine("loop") == "loop"
+    assert budget_engine("batched") == "batched"
 
 
 def sim_totals(final: dict[str, Any]) -> dict[str, int]:

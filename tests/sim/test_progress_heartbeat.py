@@ -96,5 +96,5 @@ def test_the_budget_reports_its_progress_in_a_pipe() -> None:
     assert "\r" not in done.stderr
     assert any(line.startswith("budget: building the devices: ") for line in lines)
     round_2 = [line for line in lines if line.startswith("budget: round 2/2 (2/4 device-rounds")]
-    assert round_2 and any("devices trained: 2/2 (" in line for line in round_2), lines
+    assert round_2 and any("devices trained: 2/2" in line for line in round_2), lines
     assert "whole run" in done.stdout
