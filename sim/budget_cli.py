@@ -70,7 +70,13 @@ def add_budget_parser(sub: Any) -> None:
         choices=DATA_CHOICES,
         metavars={"proxy_data": "DIR", "proxy_size": "N"},
     )
-    add_engine_flags(parser, flags)
+    add_engine_flags(
+        parser,
+        flags,
+        engine_help="how the devices of a round train: batched (all at once, sim.cohort) or "
+        "loop (one after the other, the per-device reference); auto is batched on any "
+        "device (a run's auto is the loop on a CPU, where its wire needs the cores)",
+    )
     budget = parser.add_argument_group("budget")
     budget.add_argument(
         "--link",

@@ -140,13 +140,17 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
     return run
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, flags: ModelFlags) -> None:
-    """The group of flags saying how the emulated devices train (``run`` and ``budget``)."""
+def add_engine_flags(
+    parser: argparse.ArgumentParser, flags: ModelFlags, *, engine_help: str | None = None
+) -> None:
+    """The group of flags saying how the emulated devices train (``run`` and ``budget``;
+    ``engine_help``: the budget's own text for ``--engine``)."""
     flags.add(
         parser.add_argument_group("training engine (how the emulated devices train)"),
         SimConfig,
         include=("engine", "device", "max_cohort"),
         metavars={"max_cohort": "N"},
+        help=None if engine_help is None else {"engine": engine_help},
     )
 
 
