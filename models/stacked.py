@@ -154,6 +154,7 @@ PLANE_WISE_LAYERS: tuple[type[nn.Module], ...] = (
     nn.AvgPool2d,
     nn.AdaptiveAvgPool2d,
     nn.AdaptiveMaxPool2d,
+    nn.Upsample,
 )
 """Layers that act on each element, or on each channel's plane alone: the same on a
 grouped ``(B, N * C, H, W)`` tensor as on the flat ``(B * N, C, H, W)`` one."""
@@ -173,16 +174,43 @@ class _GroupedSequential(nn.Sequential):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = 0  # the models of the grouped tensor; 0: x is flat
-        for layer in self:
+        layers = list(self)
+        for i, layer in enumerate(layers):
             if isinstance(layer, _Conv2d) and not layer._covers_input(x):
                 x, n = layer.grouped(x, grouped=n > 0), _rows(layer.weight)
             elif n and isinstance(layer, PLANE_WISE_LAYERS):
+                x = layer(x)
+            elif n and isinstance(layer, _BatchNorm) and layer.rows == n:
+                x = layer.grouped(x)
+            elif not n and x.dim() == 4 and (rows := _grouped_ahead(layers[i:])):
+                # plane-wise layers before a convolution (an upsampling, say) run on the
+                # grouped channels-last tensor the convolution wants: converted here,
+                # where it is smallest, not after them
+                x, n = _grouped_channels_last(x, rows), rows
                 x = layer(x)
             else:
                 if n:
                     x, n = _flat(x, n), 0
                 x = layer(x)
         return _flat(x, n) if n else x
+
+
+def _grouped_ahead(layers: list[nn.Module]) -> int:
+    """The models of the convolution that plane-wise ``layers[0], ...`` lead to (0: they
+    lead to none, or ``layers[0]`` is not plane-wise)."""
+    for layer in layers:
+        if isinstance(layer, _Conv2d):
+            return _rows(layer.weight)
+        if not isinstance(layer, PLANE_WISE_LAYERS):
+            return 0
+    return 0
+
+
+def _grouped_channels_last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A flat ``(B * N, C, H, W)`` tensor as the grouped ``(B, N * C, H, W)`` one,
+    channels-last."""
+    grouped = x.reshape(x.shape[0] // n, -1, *x.shape[2:])
+    return grouped.contiguous(memory_format=torch.channels_last)
 
 
 class _GroupNorm(nn.Module):
@@ -217,35 +245,49 @@ class _BatchNorm(nn.Module):
         self.momentum = layer.momentum
         self.track_running_stats = layer.track_running_stats
 
+    @property
+    def rows(self) -> int:
+        """The models this layer's stacked state holds."""
+        some = self.weight if self.weight is not None else self.running_mean
+        assert isinstance(some, torch.Tensor)  # weights or statistics: see forward
+        return _rows(some)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalisation of a grouped ``(B, N * C, ...)`` tensor, in its layout:
+        the flat one's (:meth:`forward`), each model's channels being channels of
+        their own."""
+        return self._normalize(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.rows
+        samples = x.shape[0] // n
+        grouped = x.reshape(samples, n * x.shape[1], *x.shape[2:])  # sample-major: a view
+        return self._normalize(grouped).reshape(x.shape)
+
+    def _normalize(self, grouped: torch.Tensor) -> torch.Tensor:
+        """F.batch_norm of a grouped ``(B, N * C, ...)`` tensor with the stacked state."""
         stats = cast("torch.Tensor | None", self.running_mean)
         variance = cast("torch.Tensor | None", self.running_var)
         tracked = cast("torch.Tensor | None", self.num_batches_tracked)
         weight = cast("torch.Tensor | None", self.weight)
         bias = cast("torch.Tensor | None", self.bias)
-        some = weight if weight is not None else stats
-        assert some is not None  # a BatchNorm without weights or statistics has no state
-        n = _rows(some)
-        samples, channels = x.shape[0] // n, x.shape[1]
-        rest = x.shape[2:]
-        grouped = x.reshape(samples, n * channels, *rest)  # sample-major: a view
+        channels = grouped.shape[1]
         use_batch = self.training or stats is None
         momentum = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and tracked is not None:
             tracked.add_(1)
             if self.momentum is None:  # a cumulative average, as nn.BatchNorm keeps it
                 momentum = 1.0 / float(tracked.reshape(-1)[0])
-        out = F.batch_norm(
+        return F.batch_norm(
             grouped,
-            None if stats is None else stats.view(n * channels),
-            None if variance is None else variance.view(n * channels),
-            None if weight is None else weight.reshape(n * channels),
-            None if bias is None else bias.reshape(n * channels),
+            None if stats is None else stats.view(channels),
+            None if variance is None else variance.view(channels),
+            None if weight is None else weight.reshape(channels),
+            None if bias is None else bias.reshape(channels),
             use_batch,
             momentum,
             self.eps,
         )
-        return out.reshape(x.shape)
 
 
 def _stacked_layer(layer: nn.Module) -> nn.Module | None:
