@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_figures.sh OUTDIR [SCALE]
 #
 # OUTDIR receives one JSON file per benchmark and log.txt. SCALE (default 1) divides every
-# fleet size, so that `bash benchmarks/gpu_figures.sh /tmp/g 100` checks the script in a
+# fleet size, so that `DEVICE=cpu bash benchmarks/gpu_figures.sh check 100` checks the script in a
 # minute, on a CPU too (DEVICE=cpu). Each step has its own time limit (seconds, STEP_LIMIT_*),
 # and a step that fails or runs out of time does not stop the next one; a failed smoke test
 # (a few devices, every strategy the figures use) stops the run at once.
