@@ -499,8 +499,9 @@ class Coordinator:
         With :attr:`_senders` and at least :data:`_FAN_OUT_MIN` devices, each device's
         messages are published in order on a sender thread, the devices side by side:
         a copy of a round's model costs its device's seal and chunking (the frame is
-        compressed once), hashing of the whole frame, and hashlib and zstd let go of the
-        GIL, so a fan-out to N devices takes about N / cores of it."""
+        compressed once), and over MQTT the wait for each PUBACK; the hashing lets go
+        of the GIL, the Python work around it does not (on an in-process broker the
+        threads mostly wait for each other: docs/results.md, "On a GPU")."""
         per_device: dict[str | None, list[Publish]] = {}
         for action in run:
             per_device.setdefault(topic_device(action.topic), []).append(action)
