@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,12 +38,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.harness import child_env
 from edge_client.serve.infer import OnnxClassifier
 from models import Classifier, build_classifier
 from models.onnx_export import export_onnx, quantize_onnx_int8, top1_agreement
 from sim.datasets import ArrayDataset, load_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "lenet5": ("lenet5", {}),
     "resnet8-16/32/64": ("resnet8", {"widths": (16, 32, 64)}),
@@ -110,7 +109,7 @@ except SystemExit as exc:
 
 def peak_rss_mb(code: str, *argv: str) -> float:
     """Peak RSS of a fresh ``python -c code argv...`` process, MB (2**20 bytes); Linux."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-c", code + _RSS_PROBE, *argv],
         capture_output=True,

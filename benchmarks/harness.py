@@ -61,10 +61,18 @@ MLP_FEDAVG = (
 # -- processes -----------------------------------------------------------------------------
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for a child that imports the checkout: the repository
+    root first on ``PYTHONPATH``, what was there after it (packages installed with
+    ``pip --target``, say)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"}
+
+
 def spawn(command: list[str], log: Path, *, one_thread: bool = True) -> subprocess.Popen[bytes]:
     """Start ``command`` in the repository root, its stdout and stderr appended to
     ``log``; with ``one_thread``, OpenMP gets one thread (``OMP_NUM_THREADS=1``)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     if one_thread:
         env["OMP_NUM_THREADS"] = "1"
     with log.open("ab") as out:

@@ -39,7 +39,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.coordinator_scale import coordinator_rows
+from benchmarks.harness import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"inproc": 0.7, "mosquitto": 0.5}
@@ -144,8 +144,7 @@ def _device_name(device: Any) -> str:
 def _child(kind: str, options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Run one measurement in a fresh process; its row, or ``{"error": ...}``."""
     command = [sys.executable, "-m", "benchmarks.scale", "--one", json.dumps([kind, options])]
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"}
+    env = child_env()
     try:
         done = subprocess.run(
             command,
