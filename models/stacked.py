@@ -140,9 +140,10 @@ class _Conv2d(nn.Module):
         W)``, as a grouped ``(B, N * C_out, H', W')`` channels-last tensor."""
         n = _rows(self.weight)
         out_channels = int(self.weight.shape[1])
-        if not grouped:  # sample-major: (B * N, C, H, W) is (B, N * C, H, W)
-            x = x.reshape(x.shape[0] // n, -1, *x.shape[2:])
-        x = x.contiguous(memory_format=torch.channels_last)
+        if grouped:
+            x = x.contiguous(memory_format=torch.channels_last)
+        else:
+            x = _grouped_channels_last(x, n)
         weight = self.weight.reshape(n * out_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(n * out_channels)
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups * n)
@@ -209,7 +210,7 @@ def _grouped_ahead(layers: list[nn.Module]) -> int:
 def _grouped_channels_last(x: torch.Tensor, n: int) -> torch.Tensor:
     """A flat ``(B * N, C, H, W)`` tensor as the grouped ``(B, N * C, H, W)`` one,
     channels-last."""
-    grouped = x.reshape(x.shape[0] // n, -1, *x.shape[2:])
+    grouped = x.reshape(x.shape[0] // n, -1, *x.shape[2:])  # sample-major: a view
     return grouped.contiguous(memory_format=torch.channels_last)
 
 
@@ -252,20 +253,15 @@ class _BatchNorm(nn.Module):
         assert isinstance(some, torch.Tensor)  # weights or statistics: see forward
         return _rows(some)
 
-    def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """The normalisation of a grouped ``(B, N * C, ...)`` tensor, in its layout:
-        the flat one's (:meth:`forward`), each model's channels being channels of
-        their own."""
-        return self._normalize(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.rows
         samples = x.shape[0] // n
         grouped = x.reshape(samples, n * x.shape[1], *x.shape[2:])  # sample-major: a view
-        return self._normalize(grouped).reshape(x.shape)
+        return self.grouped(grouped).reshape(x.shape)
 
-    def _normalize(self, grouped: torch.Tensor) -> torch.Tensor:
-        """F.batch_norm of a grouped ``(B, N * C, ...)`` tensor with the stacked state."""
+    def grouped(self, grouped: torch.Tensor) -> torch.Tensor:
+        """The normalisation of a grouped ``(B, N * C, ...)`` tensor, in its layout (the
+        flat one's, :meth:`forward`): each model's channels are channels of their own."""
         stats = cast("torch.Tensor | None", self.running_mean)
         variance = cast("torch.Tensor | None", self.running_var)
         tracked = cast("torch.Tensor | None", self.num_batches_tracked)
