@@ -74,6 +74,7 @@ from models import Classifier
 from models.optim import sgd_update_
 from models.stacked import StackedModule
 from models.weight_formats import binarize, fake_quantize_int8
+from sim.cohort.resident import Resident, ResidentWeights
 
 __all__ = ["CohortOutcome", "Member", "SampleCache", "train_cohort"]
 
@@ -174,6 +175,7 @@ def train_cohort(
     progress: Callable[[int], None] | None = None,
     samples: SampleCache | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    resident: ResidentWeights | None = None,
 ) -> list[CohortOutcome]:
     """Train every member's round; batched where members share a batch key.
 
@@ -192,6 +194,11 @@ def train_cohort(
         on_step: called after each local step of a batched computation with the steps
             done and the steps it takes (its longest device's), so that a long round
             shows how far it is before any of its devices is done.
+        resident: keeps the members' parameters stacked between calls (the models'
+            parameters become views of its rows): a group's members are then chunked
+            in the order of their rows, and a chunk of consecutive rows trains in place,
+            with nothing stacked or written back; None: stacked and written back per
+            chunk.
 
     Returns:
         One outcome per member, in order.
@@ -222,14 +229,28 @@ def train_cohort(
                 progress(len(group))
             continue
         size = max_cohort or len(group)
-        if samples is not None:  # the same devices in the same chunks each round
-            group.sort(key=lambda member: id(member[1].member.data))
-        for start in range(0, len(group), size):
-            chunk = group[start : start + size]
+        chunks: list[tuple[list[tuple[int, _Prepared]], Resident | None]]
+        if resident is not None:  # the same devices in the same chunks: rows in order
+            placed = resident.place([p.member.model for _, p in group])
+            stacks = [id(stack) for stack, _ in placed]
+            order = sorted(range(len(group)), key=lambda k: (stacks[k], placed[k][1]))
+            chunks = [
+                (
+                    [group[k] for k in ks],
+                    Resident(placed[ks[0]][0], tuple(placed[k][1] for k in ks)),
+                )
+                for ks in _cut(order, size, stacks)
+            ]
+        else:
+            if samples is not None:  # the same devices in the same chunks each round
+                group.sort(key=lambda member: id(member[1].member.data))
+            chunks = [(group[k : k + size], None) for k in range(0, len(group), size)]
+        for chunk, rows in chunks:
             members_of = [p for _, p in chunk]
             cache = samples if samples is not None else SampleCache()
             data = cache.get([p.member.data for p in members_of], device)
-            results = _BatchedRound(members_of, device, architecture, data).run(on_step)
+            trained = _BatchedRound(members_of, device, architecture, data, rows)
+            results = trained.run(on_step)
             for (index, _), result in zip(chunk, results, strict=True):
                 outcomes[index] = CohortOutcome(result)
             if progress is not None:
@@ -237,6 +258,16 @@ def train_cohort(
     if samples is not None:
         samples.forget_unused()
     return [o if o is not None else CohortOutcome(None, RuntimeError("lost")) for o in outcomes]
+
+
+def _cut(order: list[int], size: int, keys: Sequence[object]) -> list[list[int]]:
+    """``order`` in runs of at most ``size`` items of one key (``keys[k]``: item k's)."""
+    runs: list[list[int]] = []
+    for k in order:
+        if not runs or len(runs[-1]) == size or keys[runs[-1][0]] != keys[k]:
+            runs.append([])
+        runs[-1].append(k)
+    return runs
 
 
 def _run_loop(prepared: _Prepared, device: torch.device, reason: str) -> CohortOutcome:
@@ -267,6 +298,7 @@ class _BatchedRound:
         device: torch.device,
         architecture: StackedModule,
         data: _Concatenated,
+        resident: Resident | None = None,
     ) -> None:
         self.prepared = list(prepared)
         self.device = device
@@ -278,9 +310,17 @@ class _BatchedRound:
         named = list(self.model.named_parameters())
         self.trainable = [n for n, p in named if p.requires_grad]
         constant = [n for n, p in named if not p.requires_grad]
-        constant += [n for n, _ in self.model.named_buffers()]
-        self.params = stacked(self.models, self.trainable, device)
-        self.constants = stacked(self.models, constant, device)
+        buffers = [n for n, _ in self.model.named_buffers()]
+        self.resident = resident
+        self.in_place = False
+        if resident is None:
+            self.params = stacked(self.models, self.trainable, device)
+            self.constants = stacked(self.models, constant + buffers, device)
+        else:
+            self.params, self.in_place = resident.take(self.trainable, device)
+            fixed, _ = resident.take(constant, device)
+            self.constants = fixed | (stacked(self.models, buffers, device) if buffers else {})
+            self.buffers = buffers
         self.momentum = (
             {n: torch.zeros_like(v) for n, v in self.params.items()}
             if self.config.momentum > 0
@@ -331,7 +371,13 @@ class _BatchedRound:
                 self._step(rows, step)
             if on_step is not None:
                 on_step(step + 1, longest)
-        write_back(self.models, self.params | self.constants)
+        if self.resident is None:
+            write_back(self.models, self.params | self.constants)
+        else:  # the parameters are the models' rows; buffers are the models' own
+            if not self.in_place:
+                self.resident.put(self.params)
+            if self.buffers:
+                write_back(self.models, {n: self.constants[n] for n in self.buffers})
         for term in self.terms:
             term.write_back()
         seconds = (time.perf_counter() - start) / len(self.prepared)

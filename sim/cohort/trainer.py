@@ -27,6 +27,7 @@ from edge_client.train.resources import estimate_training, memory_limit
 from edge_client.train.training import TrainConfig
 from models import Classifier
 from sim.cohort.engine import Member, SampleCache, train_cohort
+from sim.cohort.resident import ResidentWeights
 from sim.fleet.trainer import FleetDevice, LoopTrainer
 
 __all__ = [
@@ -138,6 +139,8 @@ class BatchedTrainer(LoopTrainer):
         # the devices' samples stay on an accelerator between rounds; on the CPU they
         # are the host's arrays already, and a resident copy would double them
         self._samples = SampleCache() if device.type != "cpu" else None
+        # the devices' parameters stay stacked between rounds: none stacked per round
+        self._resident = ResidentWeights()
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
         slots = train_workers if train_workers is not None else len(os.sched_getaffinity(0))
         self._trainers_pool = ThreadPoolExecutor(max(1, slots), thread_name_prefix="cohort-loop")
@@ -209,6 +212,7 @@ class BatchedTrainer(LoopTrainer):
                 device=self.device,
                 max_cohort=limit,
                 samples=self._samples,
+                resident=self._resident,
                 progress=None if progress is None else progress.trained,
                 on_step=None if progress is None else progress.steps,
             )

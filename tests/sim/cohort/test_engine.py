@@ -43,6 +43,7 @@ from models import (
     state_arrays,
 )
 from sim.cohort.engine import Member, SampleCache, train_cohort
+from sim.cohort.resident import ResidentWeights
 
 NUM_CLASSES = 4
 SIZES = (23, 40, 17, 33)
@@ -173,8 +174,10 @@ def _compare(batched: LocalResult, reference: LocalResult) -> None:
         assert batched.metrics[name] == pytest.approx(value, abs=METRIC_TOLERANCE), name
 
 
-ROUNDS = 2
-"""Rounds each case trains (the second starts from the state the first left)."""
+PARTICIPANTS = ((0, 1, 2, 3), (3, 0, 2))
+"""The devices that train in each round, in the order their tasks come (the second round
+starts from the state the first left; device 1 sits it out)."""
+ROUNDS = len(PARTICIPANTS)
 
 
 def _nudged(sets: dict[str, dict[str, np.ndarray]], direction: float) -> None:
@@ -193,13 +196,12 @@ def _reference_generators(
     teacher nudged toward ``direction`` (one ulp) when given."""
     models = [copy.deepcopy(start) for _ in data]
     states: list[dict[str, Any]] = [{} for _ in data]
-    for round_ in range(ROUNDS):
-        for model, device, task, state in zip(
-            models, data, _tasks(case, start, round_), states, strict=True
-        ):
+    for round_, participants in enumerate(PARTICIPANTS):
+        tasks = _tasks(case, start, round_)
+        for i in participants:
             if direction is not None:
-                _nudged(task.sets, direction)
-            local_update(model, device, task, state)
+                _nudged(tasks[i].sets, direction)
+            local_update(models[i], data[i], tasks[i], states[i])
     return [state_arrays(state[GENERATOR_STATE_KEY].module) for state in states]
 
 
@@ -218,8 +220,11 @@ def _rounding_sensitivity(
     return out
 
 
+@pytest.mark.parametrize("resident", [False, True], ids=["stacked", "resident"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_batched_updates_equal_the_per_device_reference(name: str) -> None:
+def test_batched_updates_equal_the_per_device_reference(name: str, resident: bool) -> None:
+    """Stacked per round, or resident (the first round's chunks are consecutive rows
+    trained in place, the second's rows 0, 2, 3 gathered and scattered back)."""
     case = CASES[name]
     start = classifier(case.model)
     data = devices(SIDE.get(case.model, 8))
@@ -227,17 +232,17 @@ def test_batched_updates_equal_the_per_device_reference(name: str) -> None:
     batched_models = [copy.deepcopy(start) for _ in data]
     reference_states: list[dict[str, Any]] = [{} for _ in data]
     batched_states: list[dict[str, Any]] = [{} for _ in data]
-    for round_ in range(ROUNDS):
+    weights = ResidentWeights() if resident else None
+    for round_, participants in enumerate(PARTICIPANTS):
         tasks = _tasks(case, start, round_)
         expected = [
-            local_update(m, d, t, s)
-            for m, d, t, s in zip(reference_models, data, tasks, reference_states, strict=True)
+            local_update(reference_models[i], data[i], tasks[i], reference_states[i])
+            for i in participants
         ]
         members = [
-            Member(m, d, t, s)
-            for m, d, t, s in zip(batched_models, data, tasks, batched_states, strict=True)
+            Member(batched_models[i], data[i], tasks[i], batched_states[i]) for i in participants
         ]
-        outcomes = train_cohort(members)
+        outcomes = train_cohort(members, resident=weights, max_cohort=2 if round_ == 0 else None)
         for outcome, reference in zip(outcomes, expected, strict=True):
             assert outcome.error is None
             assert outcome.batched, outcome.fallback_reason
