@@ -25,7 +25,9 @@ Every function returns, besides the tensor set, exactly what the receiver will d
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,7 @@ __all__ = [
     "encode_full",
     "fit_delta",
     "set_base",
+    "shared_fingerprint",
 ]
 
 Array = npt.NDArray[Any]
@@ -190,12 +193,24 @@ def decode_sets(
     sets: Mapping[str, TensorSet],
     names: Sequence[str] | None = None,
     held: Mapping[str, Array] | None = None,
+    *,
+    shared: bool = False,
+    held_fingerprint: str | None = None,
 ) -> dict[str, dict[str, Array]]:
     """Decode the sets ``names`` (all, in order, if None) of one message, resolving deltas.
 
     A delta against ``set:NAME`` takes the decoded set ``NAME`` (which must come earlier
     in ``names``); a delta against a fingerprint takes ``held`` if its content
     fingerprint matches.
+
+    With ``shared``, each set is decoded once per :class:`TensorSet` object while that
+    object lives, and every caller gets the same read-only arrays: many emulated devices
+    that receive one message share its decoded model (:func:`shared_fingerprint` is its
+    fingerprint, computed once too). A delta's result is the set's alone: its base is
+    another set of the message or named by content; a caller without that base still
+    gets :class:`UnknownBaseError`. Without ``shared``, every array is new and writable.
+    ``held_fingerprint``: ``held``'s content fingerprint where the caller knows it (else
+    it is computed when a delta names a fingerprint).
 
     Raises:
         UnknownBaseError: a delta's base is not available.
@@ -207,18 +222,77 @@ def decode_sets(
         if tensors is None:
             raise DecodeError(f"the message has no set {name!r} (has {sorted(sets)})")
         if tensors.mode != "delta":
-            out[name] = tensors.to_arrays()
+            out[name] = (
+                dict(_shared(tensors, tensors.to_arrays).arrays) if shared else tensors.to_arrays()
+            )
             continue
         ref = tensors.base or ""
         base: Mapping[str, Array] | None
         if ref.startswith(SET_BASE_PREFIX):
             base = out.get(ref.removeprefix(SET_BASE_PREFIX))
+        elif held is not None:
+            known = held_fingerprint or content_fingerprint(held)
+            base = held if ref == known else None
         else:
-            base = held if held is not None and ref == content_fingerprint(held) else None
+            base = None
         if base is None:
             raise UnknownBaseError(f"set {name!r} is a delta against {ref!r}, not held here")
-        out[name] = apply_delta_set(tensors, base)
+        if shared:
+            decode = functools.partial(apply_delta_set, tensors, base)
+            out[name] = dict(_shared(tensors, decode).arrays)
+        else:
+            out[name] = apply_delta_set(tensors, base)
     return out
+
+
+def shared_fingerprint(tensors: TensorSet) -> str | None:
+    """The content fingerprint of ``tensors``' shared decoding (:func:`decode_sets` with
+    ``shared``), computed once; None if it is not decoded and shared now."""
+    with _SHARED_LOCK:
+        entry = _SHARED.get(id(tensors))
+    if entry is None or entry.owner() is not tensors:
+        return None
+    if entry.fingerprint is None:
+        entry.fingerprint = content_fingerprint(entry.arrays)
+    return entry.fingerprint
+
+
+@dataclass
+class _Shared:
+    """One set's shared decoding, alive while the set object is."""
+
+    owner: weakref.ref[TensorSet]
+    arrays: dict[str, Array]
+    fingerprint: str | None = None
+
+
+_SHARED: dict[int, _Shared] = {}
+_SHARED_LOCK = threading.RLock()  # re-entrant: a collected set's callback may run inside
+
+
+def _shared(tensors: TensorSet, decode: Callable[[], dict[str, Array]]) -> _Shared:
+    """``tensors``' shared decoding, made by ``decode`` once (read-only arrays)."""
+    key = id(tensors)
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
+    if entry is not None and entry.owner() is tensors:
+        return entry
+    arrays = decode()
+    for array in arrays.values():
+        array.setflags(write=False)
+
+    def forget(_: object) -> None:
+        with _SHARED_LOCK:
+            if _SHARED.get(key) is made:
+                del _SHARED[key]
+
+    made = _Shared(weakref.ref(tensors, forget), arrays)
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
+        if entry is not None and entry.owner() is tensors:  # another thread was first
+            return entry
+        _SHARED[key] = made
+    return made
 
 
 # -- internals ---------------------------------------------------------------------------

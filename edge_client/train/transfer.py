@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from edge_client.train.client_state import fsync_dir, read_model, write_model
 from protocol.arrays import content_fingerprint
-from protocol.deltas import decode_sets, encode_delta
+from protocol.deltas import decode_sets, encode_delta, shared_fingerprint
 from protocol.errors import EncodeError
 from protocol.messages import Message, Update, UploadSpec
 from protocol.tensorset import TensorSet, encode_tensors
@@ -88,11 +88,16 @@ class TransferState:
             UnknownBaseError: a delta against a model this device does not hold.
             DecodeError: a set is missing or does not fit its base.
         """
-        out = decode_sets(sets, names, self._held)
+        out = decode_sets(
+            sets, names, self._held, shared=True, held_fingerprint=self._held_fingerprint
+        )
         if names and hold:
             model = out[names[0]]
-            self._held = {k: v.copy() for k, v in model.items()}
-            self._held_fingerprint = content_fingerprint(self._held)
+            # a shared decoding is read-only: held as it is, one copy for every device
+            # of a fleet that received the message
+            self._held = {k: v if not v.flags.writeable else v.copy() for k, v in model.items()}
+            known = shared_fingerprint(sets[names[0]])
+            self._held_fingerprint = known or content_fingerprint(self._held)
             self._write(BASE_FILE, self._held)
         return out
 

@@ -22,7 +22,7 @@ Not thread-safe: the batched trainer calls it from its one training thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,12 +83,13 @@ class StackedParameters:
                     row.copy_(param.detach())
                 param.data = row
 
-    def grow(self, rows: int) -> None:
-        """Room for ``rows`` models (at least twice the old room); the models bound to
-        the old tensors are bound to the new ones, their values moved along."""
+    def grow(self, rows: int, reserve: int = 0) -> None:
+        """Room for ``rows`` models (for ``reserve`` when first made, else at least half
+        again the old room); the models bound to the old tensors are bound to the new
+        ones, their values moved along."""
         if rows <= self.capacity:
             return
-        capacity = max(rows, 2 * self.capacity)
+        capacity = max(rows, reserve) if not self.tensors else max(rows, self.capacity * 3 // 2)
         still = [slot for slot in self.slots if self.bound(slot)]
         old = self.tensors
         self.tensors = {
@@ -140,9 +141,16 @@ class ResidentWeights:
 
     Models become resident on first use (:meth:`place`) and stay for the life of this
     object; their parameters are then views of its tensors.
+
+    Args:
+        expected: models expected per architecture name (a classifier's
+            ``architecture``): the room an architecture's tensors are first made with,
+            so that a fleet whose devices join over several calls is not copied as its
+            tensors grow, nor given room it will not use.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, expected: Mapping[str, int] | None = None) -> None:
+        self._expected = dict(expected or {})
         self._architectures: dict[_Key, StackedParameters] = {}
         self._slots: dict[int, tuple[StackedParameters, _Slot]] = {}
 
@@ -162,7 +170,9 @@ class ResidentWeights:
             if architecture is None:
                 architecture = self._architectures[key] = StackedParameters(shapes=key[1])
             start = len(architecture.slots)
-            architecture.grow(start + len(new))
+            first = next(iter(new.values()))
+            reserve = self._expected.get(getattr(first, "architecture", ""), 0)
+            architecture.grow(start + len(new), reserve)
             for k, model in enumerate(new.values()):
                 slot = _Slot(model, start + k, _owned(model))
                 architecture.slots.append(slot)

@@ -140,7 +140,7 @@ class BatchedTrainer(LoopTrainer):
         # are the host's arrays already, and a resident copy would double them
         self._samples = SampleCache() if device.type != "cpu" else None
         # the devices' parameters stay stacked between rounds: none stacked per round
-        self._resident = ResidentWeights()
+        self._resident = ResidentWeights(Counter(d.config.model for d in devices))
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="cohort-codec")
         slots = train_workers if train_workers is not None else len(os.sched_getaffinity(0))
         self._trainers_pool = ThreadPoolExecutor(max(1, slots), thread_name_prefix="cohort-loop")

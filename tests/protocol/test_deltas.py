@@ -3,12 +3,15 @@ and error feedback over many rounds."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol import deltas
 from protocol.arrays import content_fingerprint
 from protocol.deltas import (
     UnknownBaseError,
@@ -18,6 +21,7 @@ from protocol.deltas import (
     encode_full,
     fit_delta,
     set_base,
+    shared_fingerprint,
 )
 from protocol.errors import DecodeError, EncodeError
 from protocol.tensors import Encoding
@@ -191,3 +195,39 @@ def test_error_feedback_keeps_the_sum_of_sent_deltas_on_track(precision: str) ->
         steps = 127 if precision == "int8" else 7
         assert fed_error <= largest_step / steps + 1e-4
     assert fed_error < plain_error
+
+
+def test_a_shared_decoding_is_made_once_per_set_object_and_read_only() -> None:
+    student = model(1)
+    sets = {
+        "student": encode_full(student, "int8").tensors,
+        "teacher": encode_delta(
+            moved(student, 2, 0.1), student, set_base("student"), "int8"
+        ).tensors,
+    }
+    first = decode_sets(sets, ["student", "teacher"], shared=True)
+    second = decode_sets(sets, ["student", "teacher"], shared=True)
+    for name in ("student", "teacher"):  # the same arrays, not writable
+        for key, value in first[name].items():
+            assert second[name][key] is value
+            assert not value.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        first["student"]["conv.bias"][0] = 1.0
+    unshared = decode_sets(sets, ["student", "teacher"])  # new and writable, same values
+    for name in ("student", "teacher"):
+        for key, value in unshared[name].items():
+            assert value.flags.writeable and value is not first[name][key]
+            np.testing.assert_array_equal(value, first[name][key])
+    assert shared_fingerprint(sets["student"]) == content_fingerprint(first["student"])
+    # an equal set that is another object decodes anew; one not decoded shared has no
+    # shared fingerprint; a set no longer alive is forgotten
+    again = {"student": TensorSet.model_validate(sets["student"].model_dump())}
+    assert shared_fingerprint(again["student"]) is None
+    entries = len(deltas._SHARED)
+    other = decode_sets(again, shared=True)["student"]
+    assert other["conv.bias"] is not first["student"]["conv.bias"]
+    assert shared_fingerprint(again["student"]) == shared_fingerprint(sets["student"])
+    assert len(deltas._SHARED) == entries + 1
+    del again
+    gc.collect()
+    assert len(deltas._SHARED) == entries

@@ -10,6 +10,8 @@ import numpy as np
 
 from edge_client.train.client_state import read_model
 from edge_client.train.transfer import RESIDUAL_FILE, STAGED_FILE, TransferState
+from protocol.arrays import content_fingerprint
+from protocol.deltas import encode_delta
 from protocol.messages import Message, Update, UploadSpec
 from protocol.tensors import Precision
 from protocol.tensorset import TensorSet, encode_tensors
@@ -94,3 +96,26 @@ def test_a_full_precision_uplink_stages_nothing(tmp_path: Path) -> None:
     weights = device.encode_upload(arrays(1), full, RECEIVED, commit=False)
     assert weights == encode_tensors(arrays(1))
     assert not (tmp_path / STAGED_FILE).exists() and not (tmp_path / RESIDUAL_FILE).exists()
+
+
+def test_devices_that_receive_one_message_hold_one_copy_of_its_model() -> None:
+    """The held model of a lossy transfer is the shared, read-only decoding of the
+    message: emulated devices receiving the same message hold it once, and a delta
+    against it still decodes for each."""
+    sent = {"global": encode_tensors(arrays(3), Precision.INT8)}
+    devices = [TransferState() for _ in range(3)]
+    decoded = [d.decode(sent, ["global"]) for d in devices]
+    held = [d._held for d in devices]
+    assert held[0] is not None
+    for other in held[1:]:
+        assert other is not None
+        assert all(other[k] is held[0][k] for k in held[0])
+    assert all(not v.flags.writeable for v in held[0].values())
+    assert devices[0].held_fingerprint == content_fingerprint(decoded[0]["global"])
+    assert {d.held_fingerprint for d in devices} == {devices[0].held_fingerprint}
+    # the next round: a delta against the held model, per device
+    base = decoded[0]["global"]
+    delta = encode_delta(arrays(4), base, devices[0].held_fingerprint or "", Precision.INT8)
+    for device in devices:
+        out = device.decode({"global": delta.tensors}, ["global"])
+        np.testing.assert_allclose(out["global"]["w"], arrays(4)["w"], atol=0.05)

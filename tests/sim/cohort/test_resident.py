@@ -121,3 +121,15 @@ def test_a_resident_model_whose_shapes_changed_is_refused() -> None:
     param.data = torch.zeros(2, 2)
     with pytest.raises(ValueError, match="changed its parameters"):
         weights.place([model])
+
+
+def test_an_architecture_is_first_made_with_the_room_its_fleet_expects() -> None:
+    weights = ResidentWeights({"mlp": 10})
+    first = [mlp(seed) for seed in range(3)]
+    stack = weights.place(first)[0][0]
+    assert stack.capacity == 10
+    tensors = dict(stack.tensors)
+    weights.place(first + [mlp(seed) for seed in range(3, 10)])  # joins without a copy
+    assert all(stack.tensors[n] is t for n, t in tensors.items())
+    weights.place([mlp(10)])  # one more than expected: half again the room
+    assert stack.capacity == 15
