@@ -151,7 +151,7 @@ class SimConfig(MonitorSettings, FleetSettings):
     max_cohort: int | None = Field(default=None, ge=1)
     """Most devices trained together: training jobs handed to the trainer at once and
     devices in one batched computation (unset: up to 1024 at once, in computations of at
-    most half the free memory, 8 GiB on a GPU and 64 MiB on a CPU, of training
+    most half the free memory, 8 GiB on a GPU and 128 MiB on a CPU, of training
     estimates)."""
     poisoned: float = Field(default=0.0, ge=0, le=1)
     """Attack emulation: this share of the devices (drawn with the seed) poison their

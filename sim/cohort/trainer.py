@@ -67,12 +67,16 @@ class CohortProgress(Protocol):
 
 MEMORY_SHARE = 0.5
 """Share of the free memory (GPU, or host on the CPU) a batched cohort may plan to use."""
-CPU_CHUNK_BYTES = 64 * 2**20
+CPU_CHUNK_BYTES = 128 * 2**20
 """On a CPU, the training estimate one batched computation should hold at most: a step
 whose activations stay in the caches runs faster than one that streams them through
 memory (LeNet-5 at batch 32, 1,000 devices on this project's 2-core CPU: 38.6 client
-updates per second in chunks of 10 devices, 28.9 in chunks of 50, 18.5 in one chunk of
-1,000; docs/results.md)."""
+updates per second in chunks of 10 devices, 37.9 in chunks of 20, 28.9 in chunks of 50,
+18.5 in one chunk of 1,000; docs/results.md), while a strategy with per-device work of
+its own beside the classifier's (FedKF's generators) gains from larger chunks: 128 MiB
+(26 LeNet-5 devices at batch 32, 14 at batch 64) ran FedAvg as fast as 64 MiB and the
+budget tool's FedKF rounds (10 devices at batch 64: one chunk instead of 7 and 3) 10 %
+faster in wall time, 15 % in CPU time (docs/budget.md)."""
 
 GPU_CHUNK_BYTES = 8 * 2**30
 """On a GPU, the training estimate one batched computation should hold at most: a chunk
