@@ -46,7 +46,8 @@ def add_fleet_flags(
         "metavars": {"model": "MODEL[,MODEL...]"},
         "help": {
             "model": "classifier, or a comma-separated list of them for a fleet that mixes "
-            f"architectures (one group each): {', '.join(classifier_names())}"
+            f"architectures (one group each): {', '.join(classifier_names())}, or a "
+            "factory's import path package.module:factory (docs/models.md)"
         },
     }
     flags.add(parser, model, include=names[:split], **options)

@@ -29,7 +29,7 @@ from coordinator.strategies.dense_settings import DenseOptions
 from coordinator.strategies.feddf_settings import FedDFOptions
 from coordinator.strategies.fedkf_settings import FedKFOptions
 from coordinator.strategies.options import StrategyOptions
-from models import classifier_names
+from models import ModelConfigError, UnknownModelError, classifier_class
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN, WeightFormat
 from protocol.tensors import Precision
@@ -278,10 +278,11 @@ class FleetSettings(DenseOptions, FedDFOptions, FedKFOptions, _SharedFleetSettin
     @classmethod
     def _known_models(cls, value: str) -> str:
         names = [name.strip() for name in value.split(",")]
-        unknown = [name for name in names if name not in classifier_names()]
-        if unknown:
-            known = ", ".join(classifier_names())
-            raise ValueError(f"unknown model {', '.join(map(repr, unknown))}; choose from {known}")
+        for name in names:  # a registered name, or a user's factory that imports
+            try:
+                classifier_class(name)
+            except (UnknownModelError, ModelConfigError) as exc:
+                raise ValueError(str(exc).strip("'\"")) from None
         if len(set(names)) != len(names):
             raise ValueError(f"{value!r} names an architecture twice")
         return ",".join(names)

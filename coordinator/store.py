@@ -36,7 +36,7 @@ __all__ = ["FileStore", "MemoryStore", "Record", "Store"]
 
 Array = npt.NDArray[Any]
 _META = "__meta__"
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,79}$")  # ':': a model's import path
 _SUFFIX = ".npz"
 
 
@@ -49,7 +49,8 @@ class Record:
 
 
 def check_key(key: str) -> str:
-    """Return ``key`` if it is 1-8 ``/``-separated segments of ``A-Z a-z 0-9 _ . -``.
+    """Return ``key`` if it is 1-8 ``/``-separated segments of ``A-Z a-z 0-9 _ . : -``
+    (``:``: an architecture group named by a user model's import path).
 
     Raises:
         StoreError: the key is malformed.

@@ -111,7 +111,8 @@ class DeviceOptions(BaseModel):
     """ONNX template the served model is written into (python -m edge_client template);
     given together with --serve-onnx."""
     model: str = Field(default="lenet5", min_length=1, max_length=64)
-    """Classifier name (models.classifier_names()); the coordinator must train the same
+    """Classifier name (models.classifier_names()) or a factory's import path
+    package.module:factory (docs/models.md); the coordinator must train the same
     architecture (it checks the hello's fingerprint)."""
     threads: int = Field(default=1, ge=1, le=1024)
     """Torch threads for training (applied with torch.set_num_threads); announced in the

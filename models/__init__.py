@@ -1,7 +1,8 @@
 """Models of the edge FL runtime: classifiers, generators and state conversion.
 
 Classifiers split into ``features`` and ``head`` (see :class:`Classifier`) and are built
-by name with :func:`build_classifier`; generators with :func:`build_generator`.
+by name with :func:`build_classifier` (a registered name, or a user's factory by its
+import path, :mod:`models.imported`); generators with :func:`build_generator`.
 :func:`state_arrays` and :func:`load_state_arrays` convert a module's state to and from
 the ``dict[str, numpy.ndarray]`` that :mod:`protocol` puts on the wire. Modules take a
 device as a parameter; nothing here keeps global state, and only
@@ -30,10 +31,12 @@ from models.generators import (
     LatentGenerator,
     LatentGeneratorConfig,
 )
+from models.imported import ImportedClassifier, lacks_split
 from models.lenet import LeNet5, LeNet5Config
 from models.registry import (
     build_classifier,
     build_generator,
+    classifier_class,
     classifier_names,
     generator_kinds,
     seeded,
@@ -59,6 +62,7 @@ __all__ = [
     "FEDKF_RESNET8_WIDTHS",
     "FedGenCNN",
     "FedGenCNNConfig",
+    "ImportedClassifier",
     "LeNet5",
     "LeNet5Config",
     "MLP",
@@ -73,8 +77,10 @@ __all__ = [
     # registry
     "build_classifier",
     "build_generator",
+    "classifier_class",
     "classifier_names",
     "generator_kinds",
+    "lacks_split",
     "seeded",
     # state
     "StateSubset",

@@ -77,7 +77,9 @@ class Classifier(nn.Module, ABC):
 
     config: ClassifierConfig
     features: nn.Module
-    head: nn.Linear
+    head: nn.Module
+    """``nn.Linear(latent_dim, num_classes)`` (``nn.Identity`` for a user's module that
+    declares no split, :mod:`models.imported`)."""
 
     def __init__(self, config: ClassifierConfig) -> None:
         super().__init__()

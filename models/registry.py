@@ -34,12 +34,14 @@ from models.generators import (
     LatentGenerator,
     LatentGeneratorConfig,
 )
+from models.imported import imported_class
 from models.lenet import LeNet5
 from models.resnet import ResNet8
 from models.small import MLP, FedGenCNN
 
 __all__ = [
     "build_classifier",
+    "classifier_class",
     "build_generator",
     "classifier_names",
     "generator_kinds",
@@ -91,6 +93,26 @@ def _validate(config_type: type[_ConfigT], what: str, options: Mapping[str, obje
         raise ModelConfigError(f"invalid options for {what}: {problems}") from None
 
 
+def classifier_class(name: str) -> type[Classifier]:
+    """The classifier class of ``name``: a registered name, or a user's factory named by
+    its import path ``package.module:factory`` (:mod:`models.imported`, imported here).
+
+    Raises:
+        UnknownModelError: ``name`` is neither (the message lists the known names).
+        ModelConfigError: an import path that does not import to a callable.
+    """
+    cls = _CLASSIFIERS.get(name)
+    if cls is not None:
+        return cls
+    if ":" in name:
+        return imported_class(name)
+    known = ", ".join(classifier_names())
+    raise UnknownModelError(
+        f"unknown classifier {name!r}; known: {known}, or a factory's import path "
+        "package.module:factory"
+    )
+
+
 def build_classifier(
     name: str,
     *,
@@ -103,7 +125,8 @@ def build_classifier(
     """Build the classifier registered as ``name``.
 
     Args:
-        name: one of :func:`classifier_names`.
+        name: one of :func:`classifier_names`, or a factory's import path
+            (:func:`classifier_class`).
         num_classes: number of output classes (logits).
         in_channels: input channels C.
         image_size: side of the square input images, pixels.
@@ -113,13 +136,10 @@ def build_classifier(
 
     Raises:
         UnknownModelError: ``name`` is not registered (the message lists known names).
-        ModelConfigError: an option is unknown, of the wrong type or out of range.
+        ModelConfigError: an option is unknown, of the wrong type or out of range, or
+            a user's factory failed its checks (:mod:`models.imported`).
     """
-    try:
-        cls = _CLASSIFIERS[name]
-    except KeyError:
-        known = ", ".join(classifier_names())
-        raise UnknownModelError(f"unknown classifier {name!r}; known: {known}") from None
+    cls = classifier_class(name)
     fields = {
         "num_classes": num_classes,
         "in_channels": in_channels,

@@ -40,7 +40,7 @@ from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
 from edge_client.train.exchange import Job, JobResult, TrainJob
-from models import classifier_names
+from models import ModelConfigError, UnknownModelError, classifier_class
 from models.devices import resolve_device
 from protocol.auth import Keyring
 from protocol.flags import ModelFlags
@@ -237,8 +237,10 @@ def run_devices(config: DevicesConfig) -> DevicesReport:
     started = time.perf_counter()
     keyring = load_keyring(config.device_keys)
     public = coordinator_key(config)
-    if config.model not in classifier_names():
-        raise SimError(f"unknown model {config.model!r}; known: {', '.join(classifier_names())}")
+    try:
+        classifier_class(config.model)
+    except (UnknownModelError, ModelConfigError) as exc:
+        raise SimError(str(exc).strip("'\"")) from None
     try:
         device = resolve_device(config.device)
     except ValueError as exc:
@@ -313,7 +315,7 @@ def add_devices_parser(sub: Any) -> argparse.ArgumentParser:
         parser,
         DevicesConfig,
         flags={"broker_url": "--broker"},
-        choices={"model": classifier_names(), "dataset": dataset_names()},
+        choices={"dataset": dataset_names()},
         metavars={
             "broker_url": "URL",
             "device_keys": "FILE",

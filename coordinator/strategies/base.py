@@ -47,7 +47,7 @@ from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
 from coordinator.groups import GroupModels
 from coordinator.strategies.options import Scalar
-from models import Classifier
+from models import Classifier, lacks_split
 from models.classifiers import HEAD_PREFIX
 from protocol.hyperparams import Hyperparameters
 from protocol.messages import Hello, UploadSpec, WeightFormat
@@ -134,6 +134,9 @@ class Strategy(abc.ABC):
     head_sharing: ClassVar[bool] = False
     """Whether ``sharing head`` is supported: devices upload only the prediction head,
     the server averages the heads and sends the aggregated head back as ``head``."""
+    needs_split: ClassVar[bool] = False
+    """Whether the strategy needs each model's features / head split whatever the
+    sharing (FedGen: its generator feeds the head); ``sharing head`` always does."""
     robust_aggregation: ClassVar[bool] = True
     """Whether ``aggregation median`` / ``trimmed_mean`` is supported (the updates are
     averaged into the ACA; strategies that fuse by distillation refuse it)."""
@@ -154,6 +157,14 @@ class Strategy(abc.ABC):
                 f"distill_data {config.distill_data!r} is a feddf setting; strategy "
                 f"{self.name!r} does not distil (leave it out)"
             )
+        if self.needs_split or config.sharing == "head":
+            why = f"strategy {self.name!r}" if self.needs_split else "sharing 'head'"
+            for template in templates.values():
+                if lacks_split(template):
+                    raise ConfigError(
+                        f"{why} needs a model that declares its features and head; "
+                        f"{template.architecture} declares none (docs/models.md)"
+                    )
         self.config = config
         self.head_only = config.sharing == "head"
         self.final_model: str = final

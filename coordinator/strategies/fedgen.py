@@ -391,6 +391,7 @@ class FedGen(Strategy):
 
     name = "fedgen"
     head_sharing = True
+    needs_split = True
     training_defaults: ClassVar[Mapping[str, int]] = {"local_steps": 20, "batch_size": 32}
     generator_training = GeneratorTraining()
 

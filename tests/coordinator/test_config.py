@@ -73,7 +73,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         (["--embedded-broker", "--local-epochs", "0"], "local_epochs and local_steps"),
         (["--embedded-broker", "--resume"], "resume needs a state_dir"),
         (["--rounds", "2"], "--broker URL or --embedded-broker"),
-        (["--embedded-broker", "--model", "lenet5,vgg"], "unknown model 'vgg'"),
+        (["--embedded-broker", "--model", "lenet5,vgg"], "unknown classifier 'vgg'"),
         (["--embedded-broker", "--model", "mlp,lenet5,mlp"], "names an architecture twice"),
     ],
 )

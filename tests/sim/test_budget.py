@@ -305,7 +305,7 @@ def test_table_shows_config_reference_ratio_and_link_times(
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["budget", "--model", "nope"], "unknown model 'nope'"),
+        (["budget", "--model", "nope"], "unknown classifier 'nope'"),
         (["budget", "--strategy", "nope"], "invalid choice"),
         (["budget", "--precision", "int3"], "invalid choice"),
         (["budget", "--uplink-precision", "fp64"], "invalid choice"),

@@ -1,0 +1,136 @@
+"""A user's classifier, defined in a test module and named by its import path, through
+the sim with every strategy that accepts it; the ones that need what it lacks refuse it
+at start with one line."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import TrainingSettings
+from sim.errors import SimError
+from sim.run import SimConfig, run_simulation
+
+SPLIT = "tests.models.user_models:build_split"
+FLAT = "tests.models.user_models:build_flat"
+QUICK = TrainingSettings(local_epochs=1, local_steps=2, batch_size=16)
+ROOT = Path(__file__).resolve().parents[2]
+
+SERVER_STEPS = {  # the distilling strategies' server work, kept small
+    "feddf": {"distill_data": "generator", "distill_steps": 4, "distill_generator_batches": 2},
+    "dense": {"rounds": 1, "participation": 1.0, "dense_epochs": 1},
+}
+
+
+def config(model: str, strategy: str, **overrides: object) -> SimConfig:
+    settings: dict[str, object] = {
+        "devices": 4,
+        "rounds": 2,
+        "participation": 0.5,
+        "training": QUICK,
+        "model": model,
+        "strategy": strategy,
+        "transport": "inproc",
+        **SERVER_STEPS.get(strategy, {}),
+        **overrides,
+    }
+    return SimConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("model", "strategy"),
+    [
+        (SPLIT, "fedavg"),
+        (SPLIT, "fedgen"),
+        (SPLIT, "fedkf"),
+        (FLAT, "fedprox"),
+        (FLAT, "fedavg_oca"),
+        (FLAT, "fedkf"),
+        (FLAT, "feddf"),
+        (FLAT, "dense"),
+    ],
+)
+def test_a_user_model_trains_through_the_sim(model: str, strategy: str) -> None:
+    report = run_simulation(config(model, strategy))
+    assert report.rounds
+    for record in report.rounds:
+        assert record.bytes_up > 0 and record.bytes_down > 0
+        assert all(0 <= m.amp <= 100 for m in record.models.values())
+    assert report.to_json_dict()["config"]["model"] == model
+
+
+def test_the_batched_engine_trains_a_user_model_as_the_loop_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its layers all have stacked forms: it trains batched, not on the per-device path,
+    to the loop's accuracy."""
+    with caplog.at_level(logging.WARNING, logger="sim.cohort.trainer"):
+        batched = run_simulation(config(SPLIT, "fedavg", engine="batched"))
+    assert not [r for r in caplog.records if "per-device path" in r.getMessage()]
+    loop = run_simulation(config(SPLIT, "fedavg", engine="loop"))
+    for a, b in zip(batched.rounds, loop.rounds, strict=True):
+        assert a.active_devices == b.active_devices == 2
+        assert a.models["aca"].amp == pytest.approx(b.models["aca"].amp, abs=0.5)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "sharing", "reason"),
+    [
+        ("fedgen", "full", "strategy 'fedgen' needs a model that declares its features"),
+        ("fedavg", "head", "sharing 'head' needs a model that declares its features"),
+    ],
+)
+def test_a_mode_that_needs_the_split_refuses_a_model_without_one(
+    strategy: str, sharing: str, reason: str
+) -> None:
+    with pytest.raises(SimError, match=reason):
+        run_simulation(config(FLAT, strategy, sharing=sharing))
+    flags = ["--strategy", strategy, "--sharing", sharing]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim",
+            "--devices",
+            "2",
+            "--rounds",
+            "1",
+            "--transport",
+            "inproc",
+            "--model",
+            FLAT,
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert reason in result.stderr.strip().splitlines()[-1]  # after the run's banner
+
+
+def test_a_model_path_that_does_not_import_is_refused_at_start() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim",
+            "--devices",
+            "2",
+            "--transport",
+            "inproc",
+            "--model",
+            "tests.models.user_models:no_such_factory",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "has no no_such_factory" in result.stderr
