@@ -58,7 +58,13 @@ def keyring_of(files: list[Path]) -> Path:
 
 
 def coordinator(
-    broker: Mosquitto, fleet: str, state: Path, rounds: int, keys: Path, *extra: str
+    broker: Mosquitto,
+    fleet: str,
+    state: Path,
+    rounds: int,
+    keys: Path,
+    *extra: str,
+    model: str = "mlp",
 ) -> subprocess.Popen[str]:
     command = [
         sys.executable,
@@ -71,7 +77,7 @@ def coordinator(
         "--strategy",
         "fedavg_oca",
         "--model",
-        "mlp",
+        model,
         "--rounds",
         str(rounds),
         "--participation",
@@ -96,7 +102,7 @@ def coordinator(
 
 
 def edge_clients(
-    broker: Mosquitto, fleet: str, files: list[Path], root: Path
+    broker: Mosquitto, fleet: str, files: list[Path], root: Path, model: str = "mlp"
 ) -> list[subprocess.Popen[str]]:
     return [
         subprocess.Popen(
@@ -111,7 +117,7 @@ def edge_clients(
                 "--data",
                 str(path),
                 "--model",
-                "mlp",
+                model,
                 "--state-dir",
                 str(root / path.stem),
                 "--auth-key-file",
@@ -156,12 +162,17 @@ def read_until(process: subprocess.Popen[str], needle: str, timeout: float) -> s
     pytest.fail(f"{needle!r} not seen:\n{''.join(seen)[-3000:]}")
 
 
+@pytest.mark.parametrize(
+    "model",
+    ["mlp", "tests.models.user_models:build_split"],  # a user's model, by import path
+)
 def test_separate_processes_complete_a_run_and_save_pt_and_onnx(
-    broker: Mosquitto, device_files: list[Path], tmp_path: Path
+    broker: Mosquitto, device_files: list[Path], tmp_path: Path, model: str
 ) -> None:
     state = tmp_path / "state"
-    server = coordinator(broker, "e2e", state, 2, keyring_of(device_files))
-    devices = edge_clients(broker, "e2e", device_files, tmp_path / "devices")
+    fleet = f"e2e-{len(model)}"
+    server = coordinator(broker, fleet, state, 2, keyring_of(device_files), model=model)
+    devices = edge_clients(broker, fleet, device_files, tmp_path / "devices", model=model)
 
     (server_log,) = wait_all([server], 180)
     device_logs = wait_all(devices, 60)
