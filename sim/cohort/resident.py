@@ -17,6 +17,9 @@ is used: the rows never go stale. Buffers (normalisation statistics) stay the mo
 own, as the engine stacks them: a deep copy of a buffer that is a view would copy the
 whole tensor, where a parameter's copies only its row.
 
+A chunk trained in place that fails part way leaves its models where its training
+stopped, as the per-device path, which trains each model in place, does.
+
 Not thread-safe: the batched trainer calls it from its one training thread.
 """
 
