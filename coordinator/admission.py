@@ -105,6 +105,8 @@ def fingerprint_refusal(
             f"its {group.name} differs from the fleet's: other data (classes, channels or "
             "image size) or other model options"
         )
+        if ":" in group.name:  # a user's model by import path
+            why += ", or another version of that factory's code on one side"
     return f"fleet runs {runs}; device announced {announced}: {why}"
 
 

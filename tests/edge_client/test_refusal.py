@@ -342,3 +342,18 @@ def test_the_refusal_of_another_architecture_or_input_says_so(
         "its lenet5 differs from the fleet's: other data (classes, channels or image size) "
         "or other model options"
     )
+
+
+def test_the_refusal_of_a_users_model_names_its_classes_or_a_code_difference() -> None:
+    path = "tests.models.user_models:build_split"
+    groups = {path: ArchitectureGroup.of(build_classifier(path))}
+    config = CoordinatorConfig(model=path)
+    wide = build_classifier(path, num_classes=26).fingerprint()
+    detail = fingerprint_refusal(hello_of(path, wide), groups, config)
+    assert detail.endswith(
+        f"that is {path} with 26 classes: the device's data have 26 classes, the fleet's model 10"
+    )
+    colour = build_classifier(path, in_channels=3).fingerprint()
+    detail = fingerprint_refusal(hello_of(path, colour), groups, config)
+    assert detail.endswith("or another version of that factory's code on one side")
+    assert len(detail) <= 512
