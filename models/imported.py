@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from pydantic import Field, field_validator
 from torch import nn
 
 from models.classifiers import Classifier, ClassifierConfig
@@ -43,6 +44,7 @@ from models.errors import ModelConfigError
 __all__ = [
     "MAX_NAME_CHARS",
     "ImportedClassifier",
+    "ImportedConfig",
     "imported_class",
     "is_import_path",
     "lacks_split",
@@ -59,14 +61,36 @@ def is_import_path(name: str) -> bool:
     return bool(_PATH.match(name))
 
 
+class ImportedConfig(ClassifierConfig):
+    """A user's classifier's options: the classes and the shape of one sample (any
+    shape; ``in_channels`` and ``image_size`` are not used)."""
+
+    input_shape: tuple[int, ...] = Field(
+        min_length=1, max_length=8, description="Shape of one input sample."
+    )
+
+    @field_validator("input_shape")
+    @classmethod
+    def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(d < 1 for d in value):
+            raise ValueError(f"every dimension of a sample must be >= 1, got {value}")
+        return value
+
+
 class ImportedClassifier(Classifier):
     """A user's module as a :class:`Classifier` (module docstring). Built through
     :func:`models.build_classifier` with the import path as the name."""
 
-    config_type: ClassVar[type[ClassifierConfig]] = ClassifierConfig
+    config_type: ClassVar[type[ClassifierConfig]] = ImportedConfig
     factory: ClassVar[Callable[..., Any]]
+    config: ImportedConfig
 
-    def __init__(self, config: ClassifierConfig) -> None:
+    @property
+    def input_shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        """Shape of one input sample (any shape)."""
+        return self.config.input_shape
+
+    def __init__(self, config: ImportedConfig) -> None:
         nn.Module.__init__(self)
         self.config = config
         name = self.architecture

@@ -34,7 +34,7 @@ from models.generators import (
     LatentGenerator,
     LatentGeneratorConfig,
 )
-from models.imported import imported_class
+from models.imported import ImportedClassifier, imported_class
 from models.lenet import LeNet5
 from models.resnet import ResNet8
 from models.small import MLP, FedGenCNN
@@ -119,6 +119,7 @@ def build_classifier(
     num_classes: int = DEFAULT_NUM_CLASSES,
     in_channels: int = DEFAULT_IN_CHANNELS,
     image_size: int = DEFAULT_IMAGE_SIZE,
+    input_shape: tuple[int, ...] | None = None,
     device: torch.device | str | None = None,
     **options: object,
 ) -> Classifier:
@@ -130,6 +131,9 @@ def build_classifier(
         num_classes: number of output classes (logits).
         in_channels: input channels C.
         image_size: side of the square input images, pixels.
+        input_shape: the shape of one sample, which then sets ``in_channels`` and
+            ``image_size``: square images ``(C, S, S)`` for the built-in classifiers, any
+            shape for a user's model (None: ``(in_channels, image_size, image_size)``).
         device: where to place the module (CPU when None); built on the CPU first.
         **options: architecture-specific fields of its config, e.g. ``widths=(64, 128,
             256)`` for ``"resnet8"`` or ``hidden=(100,)`` for ``"mlp"``.
@@ -140,12 +144,17 @@ def build_classifier(
             a user's factory failed its checks (:mod:`models.imported`).
     """
     cls = classifier_class(name)
-    fields = {
-        "num_classes": num_classes,
-        "in_channels": in_channels,
-        "image_size": image_size,
-        **options,
-    }
+    shape: dict[str, object] = {"in_channels": in_channels, "image_size": image_size}
+    if issubclass(cls, ImportedClassifier):
+        shape["input_shape"] = input_shape or (in_channels, image_size, image_size)
+    elif input_shape is not None:
+        if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
+            raise ModelConfigError(
+                f"{name} takes square images (C, H, W), not samples of shape {input_shape}: "
+                "bring a model of your own for them (docs/models.md)"
+            )
+        shape = {"in_channels": input_shape[0], "image_size": input_shape[1]}
+    fields = {"num_classes": num_classes, **shape, **options}
     config = _validate(cls.config_type, f"classifier {name!r}", fields)
     model = cls(config)
     logger.debug("built classifier %s (%s)", name, config)

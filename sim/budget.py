@@ -381,7 +381,7 @@ class _Emulation:
             client = config.device_config(index, split.device_id).model_copy(
                 update={"state_dir": None}
             )
-            shape = (data.image_shape, data.num_classes)
+            shape = (data.sample_shape, data.num_classes)
             if shape not in fingerprints:
                 try:
                     fingerprints[shape] = build_device_model(client, data).fingerprint()

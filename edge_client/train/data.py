@@ -6,9 +6,12 @@ save_device_file``): an uncompressed ``.npz`` with
 ===============  =======================  ==============================================
 key              dtype, shape             meaning
 ===============  =======================  ==============================================
-``x``            float32 (N, C, H, W)     train images (the partitioner scales to [0, 1])
+``x``            float32 (N, *shape)      train samples: images (C, H, W) for the built-in
+                                         classifiers (the partitioner scales them to
+                                         [0, 1]), any shape for a user's model
+                                         (docs/models.md): series (T, C), vectors (F,)
 ``y``            int64 (N,)               train labels in [0, num_classes)
-``x_test``       float32 (M, C, H, W)     local test images (M may be 0)
+``x_test``       float32 (M, *shape)      local test samples (M may be 0), same shape
 ``y_test``       int64 (M,)               local test labels
 ``num_classes``  int64, 0-d               classes of the task (not only those present)
 ``device_id``    unicode, 0-d (optional)  the device's id; else the file name's stem
@@ -53,10 +56,10 @@ class DeviceData:
 
     Attributes:
         device_id: the device's id (as in the data file).
-        x: float32 train images, shape (N, C, H, W), finite.
+        x: float32 train samples, shape (N, *sample_shape) (images: (N, C, H, W)),
+            finite.
         y: int64 train labels, shape (N,), in [0, num_classes).
-        x_test: float32 local test images, shape (M, C, H, W) with the same C, H, W; M
-            may be 0.
+        x_test: float32 local test samples, shape (M, *sample_shape); M may be 0.
         y_test: int64 local test labels, shape (M,).
         num_classes: number of classes of the task (>= 1), not only those present.
 
@@ -80,9 +83,10 @@ class DeviceData:
             raise DataError(f"{what}: num_classes must be an int >= 1, got {nc!r}")
         pairs = (("x", self.x, "y", self.y), ("x_test", self.x_test, "y_test", self.y_test))
         for x_key, xs, y_key, ys in pairs:
-            if not isinstance(xs, np.ndarray) or xs.dtype != np.float32 or xs.ndim != 4:
+            if not isinstance(xs, np.ndarray) or xs.dtype != np.float32 or xs.ndim < 2:
                 raise DataError(
-                    f"{what}: {x_key!r} must be a float32 array (N, C, H, W), got {_describe(xs)}"
+                    f"{what}: {x_key!r} must be a float32 array (N, *sample_shape), got "
+                    f"{_describe(xs)}"
                 )
             if not isinstance(ys, np.ndarray) or ys.dtype != np.int64 or ys.ndim != 1:
                 raise DataError(
@@ -90,12 +94,12 @@ class DeviceData:
                 )
         if self.x.shape[1:] != self.x_test.shape[1:]:
             raise DataError(
-                f"{what}: 'x' and 'x_test' images differ in shape "
+                f"{what}: 'x' and 'x_test' samples differ in shape "
                 f"({self.x.shape[1:]} != {self.x_test.shape[1:]})"
             )
         for x_key, xs, y_key, ys in pairs:
             if len(xs) != len(ys):
-                raise DataError(f"{what}: {x_key!r} has {len(xs)} images but {y_key!r} {len(ys)}")
+                raise DataError(f"{what}: {x_key!r} has {len(xs)} samples but {y_key!r} {len(ys)}")
             if len(ys) and (int(ys.min()) < 0 or int(ys.max()) >= nc):
                 raise DataError(f"{what}: {y_key!r} labels must lie in [0, {nc})")
             if xs.size and not bool(np.isfinite(xs).all()):
@@ -107,10 +111,23 @@ class DeviceData:
         return len(self.y)
 
     @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """Shape of one sample: (C, H, W) for images."""
+        return tuple(int(d) for d in self.x.shape[1:])
+
+    @property
     def image_shape(self) -> tuple[int, int, int]:
-        """Shape of one image, (C, H, W)."""
-        _, c, h, w = self.x.shape
-        return (c, h, w)
+        """Shape of one image, (C, H, W).
+
+        Raises:
+            DataError: the samples are not images (C, H, W).
+        """
+        shape = self.sample_shape
+        if len(shape) != 3:
+            raise DataError(
+                f"device data {self.device_id!r}: samples of shape {shape} are not images (C, H, W)"
+            )
+        return (shape[0], shape[1], shape[2])
 
     def label_counts(self) -> npt.NDArray[np.int64]:
         """Train samples per class: int64 array of shape (num_classes,)."""

@@ -87,20 +87,17 @@ class CancelHook(TrainHook):
 
 
 def build_device_model(config: ClientConfig, data: DeviceData) -> Classifier:
-    """The classifier ``config.model`` for ``data`` (class count, channels, square image
-    side), initialized from ``config.init_seed`` (the global RNG is left as it was).
+    """The classifier ``config.model`` for ``data`` (its classes and the shape of its
+    samples), initialized from ``config.init_seed`` (the global RNG is left as it was).
 
     Raises:
-        ConfigError: the images are not square, or the model name or its options are
-            invalid for the data.
+        ConfigError: the model does not take the data's samples (a built-in classifier
+            takes square images), or its name or options are invalid for the data.
     """
-    channels, height, width = data.image_shape
-    if height != width:
-        raise ConfigError(f"images must be square for the classifiers, got {height}x{width}")
     try:
         with seeded(config.init_seed):
             return build_classifier(
-                config.model, num_classes=data.num_classes, in_channels=channels, image_size=height
+                config.model, num_classes=data.num_classes, input_shape=data.sample_shape
             )
     except ModelError as exc:
         raise ConfigError(f"cannot build model {config.model!r} for the data: {exc}") from exc

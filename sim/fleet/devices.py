@@ -38,7 +38,7 @@ def build_device(
     """
     store = DeviceStore.of(config)
     # the architecture fingerprint depends on the model, the classes and the image shape
-    key = (config.model, data.num_classes, data.image_shape)
+    key = (config.model, data.num_classes, data.sample_shape)
     if key not in fingerprints:
         fingerprints[key] = build_device_model(config, data).fingerprint()
     transfer = TransferState(config.state_dir, fsync=config.fsync_state)

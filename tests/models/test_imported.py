@@ -6,6 +6,11 @@ import numpy as np
 import pytest
 from torch import nn
 
+from edge_client.config import ClientConfig
+from edge_client.train.data import DeviceData
+from edge_client.train.local_update import local_update
+from edge_client.train.task import LocalTask
+from edge_client.train.trainer import build_device_model
 from models import (
     ImportedClassifier,
     ModelConfigError,
@@ -78,3 +83,24 @@ def test_an_import_path_that_does_not_import_is_refused() -> None:
         build_classifier("tests.models:")
     with pytest.raises(UnknownModelError, match="or a factory's import path"):
         build_classifier("lenet7")
+
+
+def test_a_users_model_takes_samples_of_any_shape_and_a_device_trains_it() -> None:
+    """Series (T, C) on a model of the user's; the built-in classifiers take square
+    images only and say so."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((24, 9, 6)).astype(np.float32)
+    y = (x.mean(axis=(1, 2)) > 0).astype(np.int64)
+    data = DeviceData("watch-1", x, y, x[:4], y[:4], 2)
+    config = ClientConfig(device_id="watch-1", model=f"{HERE}:build_flat")
+    model = build_device_model(config, data)
+    assert model.input_shape == (9, 6)
+    assert model.features[1].in_features == 54  # type: ignore[index]
+    task = LocalTask("fedavg", {"batch_size": 8, "local_epochs": 2}, {})
+    result = local_update(model, data, task)
+    assert result.steps == 6 and result.num_samples == 24
+    assert all(np.isfinite(v).all() for v in result.sets["weights"].values())
+    with pytest.raises(ModelConfigError, match=r"takes square images \(C, H, W\), not samples"):
+        build_classifier("lenet5", num_classes=2, input_shape=(9, 6))
+    with pytest.raises(ModelConfigError, match="every dimension of a sample must be >= 1"):
+        build_classifier(f"{HERE}:build_flat", num_classes=2, input_shape=(9, 0))

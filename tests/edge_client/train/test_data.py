@@ -61,15 +61,30 @@ def test_device_id_falls_back_to_the_file_stem_and_test_set_may_be_empty(tmp_pat
     assert len(data.y_test) == 0
 
 
+def test_samples_of_any_shape_load_and_only_images_have_an_image_shape(tmp_path: Path) -> None:
+    """Series (T, C) or feature vectors (F,) for a user's model (docs/models.md)."""
+    for shape in ((9, 6), (36,)):
+        path = write(
+            tmp_path / "series.npz",
+            x=np.zeros((12, *shape), np.float32),
+            x_test=np.zeros((3, *shape), np.float32),
+        )
+        data = load_device_data(path)
+        assert data.sample_shape == shape
+        with pytest.raises(DataError, match="are not images"):
+            data.image_shape  # noqa: B018
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"y": None}, "missing key 'y'"),
         ({"x": np.zeros((12, 1, 6, 6))}, "'x' must be float32"),
         ({"y_test": np.zeros(3, np.int32)}, "'y_test' must be int64"),
-        ({"x": np.zeros((12, 36), np.float32)}, r"'x' must be a float32 array \(N, C, H, W\)"),
+        ({"x": np.zeros(12, np.float32)}, r"'x' must be a float32 array \(N, \*sample_shape\)"),
         ({"y": np.zeros((12, 1), np.int64)}, r"'y' must be an int64 array \(N,\)"),
-        ({"y": np.zeros(5, np.int64)}, "12 images but 'y' 5"),
+        ({"y": np.zeros(5, np.int64)}, "12 samples but 'y' 5"),
+        ({"x": np.zeros((12, 36), np.float32)}, "samples differ in shape"),
         ({"y": np.full(12, 4, np.int64)}, r"labels must lie in \[0, 4\)"),
         ({"y_test": np.array([0, -1, 2], np.int64)}, r"'y_test' labels must lie in \[0, 4\)"),
         ({"x_test": np.zeros((3, 1, 5, 5), np.float32)}, "differ in shape"),
