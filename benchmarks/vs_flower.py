@@ -195,7 +195,7 @@ def export_partitions(data: Path, out: Path, workload: Workload) -> dict[str, in
         test_fraction=workload.test_fraction,
         seed=workload.seed,
     )
-    federation, _, _ = build_federation(config)
+    federation, _ = build_federation(config)
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "devtest"):
         parts = [d.train if split == "train" else d.test for d in federation.devices]

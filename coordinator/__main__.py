@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(
         p.add_argument_group("model shape"),
         CoordinatorConfig,
-        include=("num_classes", "in_channels", "image_size"),
+        include=("num_classes", "in_channels", "image_size", "input_shape"),
+        metavars={"input_shape": "D1,D2,..."},
     )
     add_training_flags(p.add_argument_group("training (sent to the devices)"), flags)
     flags.add(

@@ -77,9 +77,9 @@ def unsupported_precision(hello: Hello, config: CoordinatorConfig) -> str | None
 def describe_group(group: ArchitectureGroup, config: CoordinatorConfig) -> str:
     """``lenet5 (10 classes, input 1x28x28, fingerprint ...)``: a fleet's model as a
     person at a device can compare it with the device's."""
-    side = config.image_size
+    shape = "x".join(str(d) for d in config.sample_shape)
     return (
-        f"{group.name} ({group.num_classes} classes, input {config.in_channels}x{side}x{side}, "
+        f"{group.name} ({group.num_classes} classes, input {shape}, "
         f"fingerprint {group.fingerprint})"
     )
 

@@ -344,6 +344,10 @@ class CoordinatorConfig(MonitorSettings, FleetSettings):
     """Input channels of the model."""
     image_size: int = Field(default=28, ge=8)
     """Input side of the model, in pixels."""
+    input_shape: tuple[int, ...] | None = Field(default=None, min_length=1, max_length=8)
+    """Shape of one input sample when the samples are not images (a model of the user's
+    on series or feature vectors, docs/models.md); unset: in_channels x image_size x
+    image_size."""
     min_devices: int = Field(default=1, ge=1)
     """Online devices needed to start a round."""
     connect_retry_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
@@ -422,22 +426,40 @@ class CoordinatorConfig(MonitorSettings, FleetSettings):
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """Settings that must not change across ``--resume`` (the rest may)."""
-        return self.model_dump(
-            mode="json",
-            include={
-                "fleet",
-                "strategy",
-                "downlink",
-                "sharing",
-                "model",
-                "num_classes",
-                "in_channels",
-                "image_size",
-                "seed",
-            },
-        ) | (  # absent at the default, so that runs persisted before the option resume
-            {} if self.distill_data == "proxy" else {"distill_data": self.distill_data}
+        return (
+            self.model_dump(
+                mode="json",
+                include={
+                    "fleet",
+                    "strategy",
+                    "downlink",
+                    "sharing",
+                    "model",
+                    "num_classes",
+                    "in_channels",
+                    "image_size",
+                    "seed",
+                },
+            )
+            | (  # absent at the default, so that runs persisted before the option resume
+                {} if self.distill_data == "proxy" else {"distill_data": self.distill_data}
+            )
+            | ({} if self.input_shape is None else {"input_shape": list(self.input_shape)})
         )
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """The shape of one input sample: ``input_shape``, or the images'
+        ``(in_channels, image_size, image_size)``."""
+        if self.input_shape is not None:
+            return self.input_shape
+        return (self.in_channels, self.image_size, self.image_size)
+
+    @property
+    def images(self) -> bool:
+        """Whether the samples are square images (C, H, W)."""
+        shape = self.sample_shape
+        return len(shape) == 3 and shape[1] == shape[2]
 
 
 def run_weight_format(

@@ -118,10 +118,7 @@ def build_models(config: CoordinatorConfig) -> dict[str, Classifier]:
         try:
             with seeded(config.seed):
                 templates[name] = build_classifier(
-                    name,
-                    num_classes=config.num_classes,
-                    in_channels=config.in_channels,
-                    image_size=config.image_size,
+                    name, num_classes=config.num_classes, input_shape=config.sample_shape
                 )
         except ModelError as exc:
             raise ConfigError(str(exc)) from exc

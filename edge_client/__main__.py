@@ -172,12 +172,12 @@ def _device_settings(args: argparse.Namespace) -> DeviceSettings:
 def _add_infer_parser(commands: Any) -> argparse.ArgumentParser:
     infer: argparse.ArgumentParser = commands.add_parser(
         "infer",
-        help="classify images with an ONNX model",
-        description="Classify float32 images (N, C, H, W) or one image (C, H, W) "
-        "stored as .npy with an ONNX classifier; prints a JSON object.",
+        help="classify samples with an ONNX model",
+        description="Classify float32 samples (N, *sample_shape), images (N, C, H, W), or "
+        "one sample stored as .npy with an ONNX classifier; prints a JSON object.",
     )
     infer.add_argument("--model", required=True, type=Path, help="ONNX model file")
-    infer.add_argument("--input", required=True, type=Path, help=".npy file of float32 images")
+    infer.add_argument("--input", required=True, type=Path, help=".npy file of float32 samples")
     infer.add_argument("--output", type=Path, help="save predictions (int64) as .npy here")
     infer.add_argument(
         "--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)"

@@ -61,7 +61,7 @@ _CALIBRATION_BATCH = 64  # images per calibration step of the int8 quantizer
 _RUN_CHUNK = 1024  # images per onnxruntime call when scoring large arrays
 
 
-def export_onnx(model: nn.Module, input_shape: tuple[int, int, int], *, opset: int = 17) -> bytes:
+def export_onnx(model: nn.Module, input_shape: tuple[int, ...], *, opset: int = 17) -> bytes:
     """Export ``model`` to a serialized ONNX model with a dynamic batch dimension.
 
     Uses torch's TorchScript-based exporter (``torch.onnx.export(..., dynamo=False)``):
@@ -73,7 +73,7 @@ def export_onnx(model: nn.Module, input_shape: tuple[int, int, int], *, opset: i
     Args:
         model: the module to export; ``forward`` maps (B, C, H, W) float32 images to
             (B, classes) logits.
-        input_shape: (C, H, W) of one input image.
+        input_shape: the shape of one input sample ((C, H, W) for images).
         opset: ONNX opset version of the exported graph.
 
     Returns:
@@ -254,15 +254,17 @@ def _strip_for_deployment(proto: onnx.ModelProto) -> None:
 
 def torchscript_export(
     model: nn.Module,
-    input_shape: tuple[int, int, int],
+    input_shape: tuple[int, ...],
     *,
     opset: int,
     constant_folding: bool,
     initializers_as_inputs: bool,
 ) -> bytes:
     """Serialized TorchScript export of ``model`` (eval mode; training flag restored)."""
-    if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
-        raise ModelError(f"input_shape must be (C, H, W) with positive sizes, got {input_shape}")
+    if not 1 <= len(input_shape) <= 8 or any(int(d) < 1 for d in input_shape):
+        raise ModelError(
+            f"input_shape must be 1 to 8 positive sizes ((C, H, W) for images), got {input_shape}"
+        )
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     dummy = torch.zeros((1, *input_shape), dtype=torch.float32, device=device)
@@ -320,12 +322,13 @@ def root_warnings_to_debug() -> Iterator[None]:
 
 
 def _check_images(images: np.ndarray) -> np.ndarray:
-    """Validate a float32 (N, C, H, W) array with N >= 1; return it C-contiguous."""
+    """Validate a float32 (N, *sample_shape) array with N >= 1 (images: (N, C, H, W));
+    return it C-contiguous."""
     if not isinstance(images, np.ndarray) or images.dtype != np.float32:
         dtype = getattr(images, "dtype", type(images).__name__)
         raise ModelError(f"expected a float32 numpy array of images, got {dtype}")
-    if images.ndim != 4 or images.shape[0] < 1:
-        raise ModelError(f"expected images of shape (N>=1, C, H, W), got {images.shape}")
+    if images.ndim < 2 or images.shape[0] < 1:
+        raise ModelError(f"expected samples of shape (N>=1, *sample_shape), got {images.shape}")
     return np.ascontiguousarray(images)
 
 

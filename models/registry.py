@@ -144,16 +144,17 @@ def build_classifier(
             a user's factory failed its checks (:mod:`models.imported`).
     """
     cls = classifier_class(name)
+    imported = issubclass(cls, ImportedClassifier)
     shape: dict[str, object] = {"in_channels": in_channels, "image_size": image_size}
-    if issubclass(cls, ImportedClassifier):
+    if input_shape is not None and len(input_shape) == 3 and input_shape[1] == input_shape[2]:
+        shape = {"in_channels": input_shape[0], "image_size": input_shape[1]}  # images
+    elif input_shape is not None and not imported:
+        raise ModelConfigError(
+            f"{name} takes square images (C, H, W), not samples of shape {input_shape}: "
+            "bring a model of your own for them (docs/models.md)"
+        )
+    if imported:
         shape["input_shape"] = input_shape or (in_channels, image_size, image_size)
-    elif input_shape is not None:
-        if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
-            raise ModelConfigError(
-                f"{name} takes square images (C, H, W), not samples of shape {input_shape}: "
-                "bring a model of your own for them (docs/models.md)"
-            )
-        shape = {"in_channels": input_shape[0], "image_size": input_shape[1]}
     fields = {"num_classes": num_classes, **shape, **options}
     config = _validate(cls.config_type, f"classifier {name!r}", fields)
     model = cls(config)

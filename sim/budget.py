@@ -355,8 +355,8 @@ class _Emulation:
         self.codec = Codec()
         self.topics = Topics(config.fleet)
         self._step(f"loading {config.dataset} and partitioning it across the devices")
-        federation, channels, side = build_federation(config)
-        coordinator = config.coordinator_config(federation.num_classes, channels, side)
+        federation, shape = build_federation(config)
+        coordinator = config.coordinator_config(federation.num_classes, shape)
         try:  # as coordinator.runtime.Coordinator builds its engine
             templates = build_models(coordinator)
             strategy: Strategy = build_strategy(coordinator, templates)
@@ -381,15 +381,15 @@ class _Emulation:
             client = config.device_config(index, split.device_id).model_copy(
                 update={"state_dir": None}
             )
-            shape = (data.sample_shape, data.num_classes)
-            if shape not in fingerprints:
+            key = (client.model, data.sample_shape, data.num_classes)
+            if key not in fingerprints:
                 try:
-                    fingerprints[shape] = build_device_model(client, data).fingerprint()
+                    fingerprints[key] = build_device_model(client, data).fingerprint()
                 except DeviceConfigError as exc:
                     raise SimError(str(exc)) from exc
             session = dev.DeviceSession(
                 client,
-                fingerprint=fingerprints[shape],
+                fingerprint=fingerprints[key],
                 num_samples=data.num_samples,
                 label_counts=tuple(int(c) for c in data.label_counts()),
                 memory_bytes=memory_bytes,

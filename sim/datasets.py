@@ -1,9 +1,10 @@
-"""Image-classification datasets for the emulator, as plain numpy arrays.
+"""Classification datasets for the emulator, as plain numpy arrays.
 
 :func:`load_dataset` picks a dataset from a registry by name: ``"synthetic"`` (the
-embedded default: generated, no files needed) or a standard release read from a folder
+embedded default: generated, no files needed), a standard release read from a folder
 holding its official files (``"mnist"``, ``"fashion-mnist"``, ``"emnist-letters"``,
-``"cifar10"``). Readers use numpy only; torch is imported only by the optional
+``"cifar10"``), or ``"npz"``: samples of any shape from one ``.npz`` file (for a model
+of the user's, docs/models.md). Readers use numpy only; torch is imported only by the optional
 torchvision downloader (``download=True`` with torchvision installed).
 
 The types live in :mod:`sim.arrays`, the generator in :mod:`sim.synthetic`; the file
@@ -98,6 +99,61 @@ def _load_files(
     return splits
 
 
+# ---------------------------------------------------------------------- npz datasets
+
+NPZ_KEYS = ("x", "y", "x_test", "y_test", "num_classes")
+"""Keys an ``npz`` dataset file may hold (``x`` and ``y`` are required)."""
+
+
+def _npz_loader(data_dir: Path | None, seed: int) -> DatasetSplits:
+    """A dataset of any sample shape from one ``.npz`` file (``--data-dir FILE.npz``):
+    ``x`` (N, *sample_shape) numbers, ``y`` (N,) integer labels, optionally ``x_test``
+    and ``y_test`` (its test split) and ``num_classes`` (else the largest label + 1).
+    Read without unpickling; samples become float32 as they are (no scaling)."""
+    del seed  # read as it is
+    if data_dir is None or not data_dir.is_file():
+        raise DatasetError(f"dataset 'npz' reads one .npz file given as --data-dir; got {data_dir}")
+    try:
+        with np.load(data_dir, allow_pickle=False) as z:
+            arrays = {key: z[key] for key in z.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise DatasetError(f"{data_dir}: not a readable .npz file: {exc}") from exc
+    unknown = sorted(set(arrays) - set(NPZ_KEYS))
+    missing = [key for key in ("x", "y") if key not in arrays]
+    if missing or unknown:
+        raise DatasetError(
+            f"{data_dir}: an npz dataset holds {', '.join(NPZ_KEYS)} (x and y required); "
+            f"missing {missing}, unknown {unknown}"
+        )
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise DatasetError(f"{data_dir}: x_test and y_test come together")
+    for key in ("x", "x_test"):
+        if key in arrays and arrays[key].dtype.kind not in "biuf":
+            raise DatasetError(f"{data_dir}: {key!r} must hold numbers, got {arrays[key].dtype}")
+    for key in ("y", "y_test"):
+        if key in arrays and arrays[key].dtype.kind not in "iu":
+            raise DatasetError(
+                f"{data_dir}: {key!r} must hold integer labels, got {arrays[key].dtype}"
+            )
+    labels = [arrays["y"], arrays.get("y_test", np.zeros(0, np.int64))]
+    found = max((int(y.max()) + 1 for y in labels if y.size), default=1)
+    classes = int(arrays["num_classes"]) if "num_classes" in arrays else found
+    if classes < found:
+        raise DatasetError(f"{data_dir}: num_classes {classes} but a label is {found - 1}")
+    name = data_dir.stem
+
+    def split(x: str, y: str, part: str) -> ArrayDataset:
+        return ArrayDataset(
+            np.ascontiguousarray(arrays[x], dtype=np.float32),
+            np.ascontiguousarray(arrays[y], dtype=np.int64),
+            classes,
+            f"{name}/{part}",
+        )
+
+    test = split("x_test", "y_test", "test") if "x_test" in arrays else None
+    return DatasetSplits(train=split("x", "y", "train"), test=test)
+
+
 # ------------------------------------------------------------------------- registry
 
 _Loader = Callable[..., DatasetSplits]  # (data_dir: Path | None, seed: int, **options)
@@ -132,6 +188,7 @@ _REGISTRY: dict[str, tuple[_Loader, frozenset[str]]] = {
         ),
     ),
     **{name: (_file_loader(name), frozenset({"download"})) for name in RELEASES},
+    "npz": (_npz_loader, frozenset()),
 }
 
 
@@ -163,8 +220,8 @@ def load_dataset(
         name: one of :func:`dataset_names` (``"synthetic"``, ``"mnist"``,
             ``"fashion-mnist"``, ``"emnist-letters"``, ``"cifar10"``).
         data_dir: folder with the official files (file datasets; the files may also sit
-            in a subfolder named after the dataset, or torchvision's layout). Ignored
-            by ``"synthetic"``.
+            in a subfolder named after the dataset, or torchvision's layout); the
+            ``.npz`` file itself for ``"npz"``. Ignored by ``"synthetic"``.
         seed: generation seed of ``"synthetic"``; the file datasets ignore it.
         options: ``"synthetic"``: the keyword arguments of :func:`make_synthetic`;
             file datasets: ``download`` (bool, uses torchvision when files are missing).

@@ -48,7 +48,7 @@ from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
-from models import build_classifier
+from models import ModelError, build_classifier
 from models.devices import resolve_device
 from protocol.auth import Keyring, KeySource, derive_device_key, new_key
 from protocol.errors import BrokerError
@@ -204,16 +204,19 @@ class SimConfig(MonitorSettings, FleetSettings):
             parse_device(token)
         return value
 
-    def coordinator_config(self, num_classes: int, channels: int, side: int) -> CoordinatorConfig:
+    def coordinator_config(self, num_classes: int, shape: tuple[int, ...]) -> CoordinatorConfig:
         """The coordinator's settings for this emulation: the fleet's settings, the data
-        shape from the federation, every device needed to start a round, no ONNX export."""
+        shape from the federation (``shape``: one sample's), every device needed to start
+        a round, no ONNX export."""
         fleet = {name: getattr(self, name) for name in FleetSettings.model_fields}
+        images = len(shape) == 3 and shape[1] == shape[2]
+        size = {"in_channels": shape[0], "image_size": shape[1]} if images else {}
         return CoordinatorConfig(
             **fleet,
+            **size,
+            input_shape=None if images else shape,
             fleet=self.fleet,
             num_classes=num_classes,
-            in_channels=channels,
-            image_size=side,
             min_devices=self.devices,
             export_onnx=False,
         )
@@ -351,7 +354,13 @@ def _subsample(data: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
     return ArrayDataset(data.x[index], data.y[index], data.num_classes, f"{data.name}[{fraction}]")
 
 
-def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
+def build_federation(config: SimConfig) -> tuple[Federation, tuple[int, ...]]:
+    """The run's dataset partitioned across its devices, and the shape of one sample.
+
+    Raises:
+        DatasetError: the dataset cannot be loaded or partitioned.
+        SimError: its images are not square (a built-in classifier needs squares).
+    """
     options: dict[str, int] = {}
     if config.dataset == "synthetic":
         options = synthetic_size(config.devices, config.samples_per_device)
@@ -368,10 +377,12 @@ def build_federation(config: SimConfig) -> tuple[Federation, int, int]:
         test_fraction=config.test_fraction,
         in_place=True,  # the splits are this function's: no second copy of the fleet's data
     )
-    _, channels, height, width = splits.train.x.shape
-    if height != width:
-        raise SimError(f"{config.dataset}: images are {height}x{width}; the models need squares")
-    return federation, channels, height
+    shape = tuple(int(d) for d in splits.train.x.shape[1:])
+    if len(shape) == 3 and shape[1] != shape[2] and config.dataset != "npz":
+        raise SimError(
+            f"{config.dataset}: images are {shape[1]}x{shape[2]}; the models need squares"
+        )
+    return federation, shape
 
 
 def device_data(federation: Federation, index: int) -> DeviceData:
@@ -477,13 +488,13 @@ def run_simulation(
         trainer = config.trainer_factory()
     if progress is not None:
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
-    federation, channels, side = build_federation(config)
+    federation, shape = build_federation(config)
     ids = [d.device_id for d in federation.devices]
     poisoned = poisoned_devices(ids, config.poisoned, config.seed)
     if poisoned:
         log.warning("attack emulation: %d device(s) poison their uploads", len(poisoned))
         trainer = _poisoning(trainer, poisoned, config.poison, config.poison_scale)
-    coordinator_config = config.coordinator_config(federation.num_classes, channels, side)
+    coordinator_config = config.coordinator_config(federation.num_classes, shape)
     token = fleet_token(shard)
     keyring = fleet_keyring(ids, token=token)
     signing_key = run_signing_key(token)
@@ -491,12 +502,13 @@ def run_simulation(
     if config.enrol:
         coordinator_keys = FleetKeys(Keyring(), token=token, max_enrolled=len(ids))
     proxy = config.proxy_images()
-    scratch = {
-        name: build_classifier(
-            name, num_classes=federation.num_classes, in_channels=channels, image_size=side
-        )
-        for name in config.architectures
-    }
+    try:
+        scratch = {
+            name: build_classifier(name, num_classes=federation.num_classes, input_shape=shape)
+            for name in config.architectures
+        }
+    except ModelError as exc:
+        raise SimError(str(exc)) from exc
     mine = range(len(federation.devices)) if shard is None else shard.devices(config.devices)
     devices = [
         (

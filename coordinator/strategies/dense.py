@@ -244,6 +244,7 @@ class Dense(Strategy):
     """
 
     name = "dense"
+    needs_images = True
     robust_aggregation = False
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 32}
     defaults: ClassVar[DenseSettings] = DenseSettings()

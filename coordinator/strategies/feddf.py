@@ -288,6 +288,7 @@ class FedDF(Strategy):
     """
 
     name = "feddf"
+    needs_images = True
     distills_on_proxy = True
     robust_aggregation = False
 

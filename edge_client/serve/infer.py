@@ -70,14 +70,15 @@ class OnnxClassifier:
                 f"and {len(outputs)} outputs"
             )
         meta = inputs[0]
-        if len(meta.shape) != 4 or not all(isinstance(d, int) for d in meta.shape[1:]):
+        if len(meta.shape) < 2 or not all(isinstance(d, int) for d in meta.shape[1:]):
             raise InferenceError(
-                f"expected a model input (batch, C, H, W) with fixed C, H, W, got {meta.shape}"
+                "expected a model input (batch, *sample_shape) with a fixed sample shape "
+                f"(images: C, H, W), got {meta.shape}"
             )
         if meta.type not in _ORT_DTYPES:
             raise InferenceError(f"unsupported model input type {meta.type}")
         self._input_name: str = meta.name
-        self._image_shape: tuple[int, int, int] = tuple(meta.shape[1:])
+        self._sample_shape: tuple[int, ...] = tuple(meta.shape[1:])
         self._dtype = _ORT_DTYPES[meta.type]
         fixed_batch = meta.shape[0]
         self._fixed_batch: int | None = fixed_batch if isinstance(fixed_batch, int) else None
@@ -92,9 +93,10 @@ class OnnxClassifier:
         )
 
     @property
-    def image_shape(self) -> tuple[int, int, int]:
-        """(C, H, W) of one input image, as the model declares it."""
-        return self._image_shape
+    def sample_shape(self) -> tuple[int, ...]:
+        """The shape of one input sample, as the model declares it: (C, H, W) for
+        images."""
+        return self._sample_shape
 
     @property
     def num_classes(self) -> int | None:
@@ -138,15 +140,17 @@ class OnnxClassifier:
                 f"expected {self._dtype} input, got {x.dtype}; scale and convert images "
                 f"(for example uint8 / 255) before inference"
             )
-        if x.ndim == 3:
+        rank = len(self._sample_shape)
+        if x.ndim == rank:
             x = x[np.newaxis]
-        if x.ndim != 4:
+        if x.ndim != rank + 1:
             raise InferenceError(
-                f"expected input of rank 4 (B, C, H, W) or 3 (C, H, W), got shape {x.shape}"
+                f"expected input of rank {rank + 1} (B, *{self._sample_shape}) or {rank} "
+                f"(one sample), got shape {x.shape}"
             )
-        if x.shape[1:] != self._image_shape:
+        if x.shape[1:] != self._sample_shape:
             raise InferenceError(
-                f"expected images of shape {self._image_shape}, got {x.shape[1:]} "
+                f"expected samples of shape {self._sample_shape}, got {x.shape[1:]} "
                 f"(input shape {x.shape})"
             )
         if x.shape[0] == 0:

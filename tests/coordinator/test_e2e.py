@@ -224,3 +224,42 @@ def test_reusing_a_state_dir_without_resume_is_refused(broker: Mosquitto, tmp_pa
 
     assert result.returncode == 2
     assert "--resume" in result.stderr
+
+
+def test_a_users_model_on_series_trains_across_processes_and_exports_to_onnx(
+    broker: Mosquitto, device_files: list[Path], tmp_path: Path
+) -> None:
+    """Samples of shape (9, 6) from an npz dataset, partitioned into device files, and a
+    model of the user's that takes them: the coordinator is told the sample shape."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 240)
+    x = rng.standard_normal((240, 9, 6)).astype(np.float32)
+    x[:, :, 0] += 2.0 * y[:, None]
+    np.savez(tmp_path / "watch.npz", x=x, y=y)
+    keys = device_files[0].parent
+    federation = partition_dataset(
+        load_dataset("npz", tmp_path / "watch.npz"), DEVICES, float("inf"), seed=0
+    )
+    files = []
+    for split in federation.devices:
+        path = tmp_path / f"{split.device_id}.npz"
+        save_device_file(path, split)
+        path.with_suffix(".key").write_bytes(keys.joinpath(f"{split.device_id}.key").read_bytes())
+        files.append(path)
+    (tmp_path / "coordinator.key.pub").write_bytes((keys / "coordinator.key.pub").read_bytes())
+    model = "tests.models.user_models:build_series"
+    state = tmp_path / "state"
+    shape = ("--input-shape", "9,6", "--num-classes", "3")
+    server = coordinator(
+        broker, "e2e-series", state, 2, keyring_of(device_files), *shape, model=model
+    )
+    devices = edge_clients(broker, "e2e-series", files, tmp_path / "devices", model=model)
+
+    (server_log,) = wait_all([server], 180)
+    device_logs = wait_all(devices, 60)
+
+    assert server.returncode == 0, server_log[-3000:]
+    assert "round 2/2 closed" in server_log
+    assert all(p.returncode == 0 for p in devices), device_logs
+    onnx = OnnxClassifier((state / "final" / "aca.onnx").read_bytes())
+    assert onnx.predict_logits(x[:2]).shape == (2, 3)

@@ -339,7 +339,7 @@ def test_flags_of_the_sim_reach_its_coordinator() -> None:
     attack = ["--poisoned", "0.2", "--poison", "sign_flip", "--poison-scale", "5"]
     sim = sim_config(build_parser().parse_args(["run", *FLAGS, *attack]))
     assert (sim.poisoned, sim.poison, sim.poison_scale) == (0.2, "sign_flip", 5.0)
-    cfg = sim.coordinator_config(10, 1, 28)
+    cfg = sim.coordinator_config(10, (1, 28, 28))
     assert (cfg.max_update_norm_ratio, cfg.max_update_norm) == (5.0, 100.0)
     assert (cfg.aggregation, cfg.trim_fraction) == ("trimmed_mean", 0.1)
 

@@ -201,7 +201,7 @@ def test_quantization_and_agreement_reject_bad_arrays() -> None:
     with pytest.raises(ModelError, match="not a valid ONNX"):
         quantize_onnx_int8(b"not onnx", np.zeros((4, 1, 28, 28), dtype=np.float32))
     with pytest.raises(ModelError, match="shape"):
-        top1_agreement(fp32, fp32, np.zeros((28, 28), dtype=np.float32))
+        top1_agreement(fp32, fp32, np.zeros(28, dtype=np.float32))
 
 
 def test_short_activation_names_never_collide_with_kept_names() -> None:

@@ -500,4 +500,4 @@ def test_invalid_arguments_are_refused() -> None:
     with pytest.raises(ModelError, match="precision"):
         export_template(model, model.input_shape, precision="int4")  # type: ignore[arg-type]
     with pytest.raises(ModelError, match="input_shape"):
-        export_template(model, (1, 28))  # type: ignore[arg-type]
+        export_template(model, (1, 0, 28))

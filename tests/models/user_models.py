@@ -69,3 +69,21 @@ def build_stray(*, num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
 
 
 NOT_CALLABLE = 5
+
+
+class _Series(nn.Module):
+    """Series (T, C) to a class: a small MLP over the flattened window, split declared."""
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Flatten(), nn.Linear(math.prod(input_shape), 16), nn.ReLU()
+        )
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))  # type: ignore[no-any-return]
+
+
+def build_series(*, num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    return _Series(num_classes, input_shape)

@@ -58,7 +58,7 @@ def test_flags_left_out_take_the_models_defaults() -> None:
 def test_sim_config_holds_the_coordinators_fleet_settings() -> None:
     config = SimConfig(strategy="fedkf", rounds=2, devices=3, teacher_budget=0.5)
 
-    coordinator = config.coordinator_config(10, 1, 28)
+    coordinator = config.coordinator_config(10, (1, 28, 28))
 
     for name in FleetSettings.model_fields:
         assert getattr(coordinator, name) == getattr(config, name), name

@@ -283,9 +283,10 @@ def test_cifar_reader_rejects_wrong_contents(tmp_path: Path) -> None:
     ("x", "y", "message"),
     [
         (np.zeros((2, 1, 4, 4), np.float64), np.zeros(2, np.int64), "float32"),
-        (np.zeros((2, 4, 4), np.float32), np.zeros(2, np.int64), "float32"),
+        (np.zeros(2, np.float32), np.zeros(2, np.int64), "float32"),  # no sample axis
+        (np.full((2, 9, 6), np.inf, np.float32), np.zeros(2, np.int64), "non-finite"),
         (np.zeros((2, 1, 4, 4), np.float32), np.zeros(2, np.int32), "int64"),
-        (np.zeros((2, 1, 4, 4), np.float32), np.zeros(3, np.int64), "2 images but 3 labels"),
+        (np.zeros((2, 1, 4, 4), np.float32), np.zeros(3, np.int64), "2 samples but 3 labels"),
         (np.zeros((2, 1, 4, 4), np.float32), np.array([0, 3]), r"labels must lie in \[0, 3\)"),
         (np.full((2, 1, 4, 4), 1.5, np.float32), np.zeros(2, np.int64), "pixel values"),
         (np.full((2, 1, 4, 4), np.nan, np.float32), np.zeros(2, np.int64), "pixel values"),
@@ -356,7 +357,14 @@ def test_synthetic_rejects_bad_sizes() -> None:
 
 
 def test_registry_names() -> None:
-    assert dataset_names() == ["cifar10", "emnist-letters", "fashion-mnist", "mnist", "synthetic"]
+    assert dataset_names() == [
+        "cifar10",
+        "emnist-letters",
+        "fashion-mnist",
+        "mnist",
+        "npz",
+        "synthetic",
+    ]
 
 
 def test_unknown_dataset_and_option_are_dataset_errors() -> None:
@@ -457,3 +465,29 @@ def test_a_proxy_size_draws_that_many_distinct_images_by_seed(tmp_path: Path) ->
     assert len(set(rows)) == 5 and rows == sorted(rows)  # distinct, in file order
     assert np.array_equal(some, again) and not np.array_equal(some, other)
     assert load_proxy_images(tmp_path / "mnist", size=50).shape == every.shape
+
+
+def test_an_npz_dataset_reads_samples_of_any_shape_and_refuses_bad_files(tmp_path: Path) -> None:
+    x = np.random.default_rng(0).standard_normal((30, 9, 6))  # float64: read as float32
+    y = np.arange(30) % 3
+    path = tmp_path / "watch.npz"
+    np.savez(path, x=x, y=y, x_test=x[:6], y_test=y[:6], num_classes=np.int64(4))
+    splits = load_dataset("npz", path)
+    assert splits.train.x.shape == (30, 9, 6) and splits.train.x.dtype == np.float32
+    assert splits.test is not None and len(splits.test.y) == 6
+    assert splits.train.num_classes == 4  # as the file says, not only the labels seen
+    np.savez(path, x=x, y=y)
+    found = load_dataset("npz", path)
+    assert found.test is None and found.train.num_classes == 3
+    for content, message in [
+        ({"x": x}, r"missing \['y'\]"),
+        ({"x": x, "y": y, "labels": y}, r"unknown \['labels'\]"),
+        ({"x": x, "y": y.astype(np.float32)}, "integer labels"),
+        ({"x": x, "y": y, "x_test": x}, "x_test and y_test come together"),
+        ({"x": x, "y": y, "num_classes": np.int64(2)}, "num_classes 2 but a label is 2"),
+    ]:
+        np.savez(path, **content)
+        with pytest.raises(DatasetError, match=message):
+            load_dataset("npz", path)
+    with pytest.raises(DatasetError, match=r"reads one \.npz file given as --data-dir"):
+        load_dataset("npz", tmp_path)

@@ -123,10 +123,10 @@ def running(
 ) -> Iterator[Run]:
     """The coordinator of ``config`` and its fleet, started on ``make_transport``'s broker
     (devices join once the coordinator is up), stopped at the end."""
-    federation, channels, side = build_federation(config)
+    federation, shape = build_federation(config)
     keyring = fleet_keyring([d.device_id for d in federation.devices])
     coordinator = Coordinator(
-        config.coordinator_config(federation.num_classes, channels, side),
+        config.coordinator_config(federation.num_classes, shape),
         make_transport(f"{config.fleet}-coordinator"),
         keyring=keyring,
         signing_key=SIGNING,

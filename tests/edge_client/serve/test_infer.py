@@ -72,7 +72,7 @@ def test_classifier_matches_onnxruntime_from_path_and_from_bytes(
     predictions = from_path.predict(images)
     assert predictions.dtype == np.int64
     np.testing.assert_array_equal(predictions, expected.argmax(axis=1))
-    assert from_path.image_shape == (1, 28, 28)
+    assert from_path.sample_shape == (1, 28, 28)
     assert from_path.num_classes == 10
 
 

@@ -134,10 +134,10 @@ QUICK = TrainingSettings(local_epochs=1, local_steps=1, batch_size=16)
 def _run(config: SimConfig, codec: Codec) -> Iterator[tuple[Fleet, list[int]]]:
     """A coordinator (its channel on ``codec``) and its fleet over one in-memory broker."""
     broker = MemoryBroker()
-    federation, channels, side = build_federation(config)
+    federation, shape = build_federation(config)
     keyring = fleet_keyring([d.device_id for d in federation.devices])
     coordinator = Coordinator(
-        config.coordinator_config(federation.num_classes, channels, side),
+        config.coordinator_config(federation.num_classes, shape),
         MemoryTransport(broker, "coordinator"),
         codec=codec,
         keyring=keyring,
