@@ -27,6 +27,18 @@ SERVER_STEPS = {  # the distilling strategies' server work, kept small
 }
 
 
+def sim_cli(*flags: str) -> subprocess.CompletedProcess[str]:
+    """``python -m sim`` with two devices for one round in process, and ``flags``."""
+    command = ["--devices", "2", "--rounds", "1", "--transport", "inproc", *flags]
+    return subprocess.run(
+        [sys.executable, "-m", "sim", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
 def config(model: str, strategy: str, **overrides: object) -> SimConfig:
     settings: dict[str, object] = {
         "devices": 4,
@@ -90,49 +102,13 @@ def test_a_mode_that_needs_the_split_refuses_a_model_without_one(
 ) -> None:
     with pytest.raises(SimError, match=reason):
         run_simulation(config(FLAT, strategy, sharing=sharing))
-    flags = ["--strategy", strategy, "--sharing", sharing]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sim",
-            "--devices",
-            "2",
-            "--rounds",
-            "1",
-            "--transport",
-            "inproc",
-            "--model",
-            FLAT,
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    result = sim_cli("--model", FLAT, "--strategy", strategy, "--sharing", sharing)
     assert result.returncode == 2
     assert reason in result.stderr.strip().splitlines()[-1]  # after the run's banner
 
 
 def test_a_model_path_that_does_not_import_is_refused_at_start() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sim",
-            "--devices",
-            "2",
-            "--transport",
-            "inproc",
-            "--model",
-            "tests.models.user_models:no_such_factory",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    result = sim_cli("--model", "tests.models.user_models:no_such_factory")
     assert result.returncode == 2
     assert "has no no_such_factory" in result.stderr
 
