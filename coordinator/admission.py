@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from coordinator.config import CoordinatorConfig
 from coordinator.groups import ArchitectureGroup
 from coordinator.strategies.base import Strategy
+from models.imported import is_import_path
 from protocol.arrays import architecture_fingerprint
 from protocol.messages import Hello, ReasonCode
 
@@ -105,7 +106,7 @@ def fingerprint_refusal(
             f"its {group.name} differs from the fleet's: other data (classes, channels or "
             "image size) or other model options"
         )
-        if ":" in group.name:  # a user's model by import path
+        if is_import_path(group.name):  # a user's model
             why += ", or another version of that factory's code on one side"
     return f"fleet runs {runs}; device announced {announced}: {why}"
 

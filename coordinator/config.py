@@ -29,7 +29,7 @@ from coordinator.strategies.dense_settings import DenseOptions
 from coordinator.strategies.feddf_settings import FedDFOptions
 from coordinator.strategies.fedkf_settings import FedKFOptions
 from coordinator.strategies.options import StrategyOptions
-from models import ModelConfigError, UnknownModelError, classifier_class
+from models import classifier_problem, square_images
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN, WeightFormat
 from protocol.tensors import Precision
@@ -279,10 +279,8 @@ class FleetSettings(DenseOptions, FedDFOptions, FedKFOptions, _SharedFleetSettin
     def _known_models(cls, value: str) -> str:
         names = [name.strip() for name in value.split(",")]
         for name in names:  # a registered name, or a user's factory that imports
-            try:
-                classifier_class(name)
-            except (UnknownModelError, ModelConfigError) as exc:
-                raise ValueError(str(exc).strip("'\"")) from None
+            if (problem := classifier_problem(name)) is not None:
+                raise ValueError(problem)
         if len(set(names)) != len(names):
             raise ValueError(f"{value!r} names an architecture twice")
         return ",".join(names)
@@ -458,8 +456,7 @@ class CoordinatorConfig(MonitorSettings, FleetSettings):
     @property
     def images(self) -> bool:
         """Whether the samples are square images (C, H, W)."""
-        shape = self.sample_shape
-        return len(shape) == 3 and shape[1] == shape[2]
+        return square_images(self.sample_shape)
 
 
 def run_weight_format(

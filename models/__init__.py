@@ -17,6 +17,7 @@ from models.classifiers import (
     DEFAULT_NUM_CLASSES,
     Classifier,
     ClassifierConfig,
+    square_images,
 )
 from models.errors import (
     ModelConfigError,
@@ -38,6 +39,7 @@ from models.registry import (
     build_generator,
     classifier_class,
     classifier_names,
+    classifier_problem,
     generator_kinds,
     seeded,
 )
@@ -78,10 +80,12 @@ __all__ = [
     "build_classifier",
     "build_generator",
     "classifier_class",
+    "classifier_problem",
     "classifier_names",
     "generator_kinds",
     "lacks_split",
     "seeded",
+    "square_images",
     # state
     "StateSubset",
     "load_state_arrays",

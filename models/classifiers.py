@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_NUM_CLASSES",
     "Classifier",
     "ClassifierConfig",
+    "square_images",
 ]
 
 DEFAULT_NUM_CLASSES = 10
@@ -32,6 +33,13 @@ DEFAULT_IN_CHANNELS = 1
 """Grey-scale input (MNIST family)."""
 DEFAULT_IMAGE_SIZE = 28
 """MNIST-family image side, pixels."""
+
+
+def square_images(shape: tuple[int, ...]) -> bool:
+    """Whether samples of ``shape`` are square images (C, H, W) with H == W, what the
+    built-in classifiers and the image generators take."""
+    return len(shape) == 3 and shape[1] == shape[2]
+
 
 HEAD_PREFIX = "head."
 FEATURES_PREFIX = "features."

@@ -26,6 +26,7 @@ from models.classifiers import (
     DEFAULT_IN_CHANNELS,
     DEFAULT_NUM_CLASSES,
     Classifier,
+    square_images,
 )
 from models.errors import ModelConfigError, UnknownModelError
 from models.generators import (
@@ -42,6 +43,7 @@ from models.small import MLP, FedGenCNN
 __all__ = [
     "build_classifier",
     "classifier_class",
+    "classifier_problem",
     "build_generator",
     "classifier_names",
     "generator_kinds",
@@ -113,6 +115,16 @@ def classifier_class(name: str) -> type[Classifier]:
     )
 
 
+def classifier_problem(name: str) -> str | None:
+    """Why ``name`` names no classifier (:func:`classifier_class`), or None: a registered
+    name, or an import path that imports to a callable."""
+    try:
+        classifier_class(name)
+    except (UnknownModelError, ModelConfigError) as exc:
+        return str(exc.args[0])
+    return None
+
+
 def build_classifier(
     name: str,
     *,
@@ -146,7 +158,7 @@ def build_classifier(
     cls = classifier_class(name)
     imported = issubclass(cls, ImportedClassifier)
     shape: dict[str, object] = {"in_channels": in_channels, "image_size": image_size}
-    if input_shape is not None and len(input_shape) == 3 and input_shape[1] == input_shape[2]:
+    if input_shape is not None and square_images(input_shape):
         shape = {"in_channels": input_shape[0], "image_size": input_shape[1]}  # images
     elif input_shape is not None and not imported:
         raise ModelConfigError(

@@ -40,7 +40,7 @@ from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
 from edge_client.train.exchange import Job, JobResult, TrainJob
-from models import ModelConfigError, UnknownModelError, classifier_class
+from models import classifier_problem
 from models.devices import resolve_device
 from protocol.auth import Keyring
 from protocol.flags import ModelFlags
@@ -237,10 +237,8 @@ def run_devices(config: DevicesConfig) -> DevicesReport:
     started = time.perf_counter()
     keyring = load_keyring(config.device_keys)
     public = coordinator_key(config)
-    try:
-        classifier_class(config.model)
-    except (UnknownModelError, ModelConfigError) as exc:
-        raise SimError(str(exc).strip("'\"")) from None
+    if (problem := classifier_problem(config.model)) is not None:
+        raise SimError(problem)
     try:
         device = resolve_device(config.device)
     except ValueError as exc:

@@ -48,7 +48,7 @@ from coordinator.store import FileStore, MemoryStore, Store
 from edge_client.config import ClientConfig
 from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.train.data import DeviceData
-from models import ModelError, build_classifier
+from models import ModelError, build_classifier, square_images
 from models.devices import resolve_device
 from protocol.auth import Keyring, KeySource, derive_device_key, new_key
 from protocol.errors import BrokerError
@@ -209,7 +209,7 @@ class SimConfig(MonitorSettings, FleetSettings):
         shape from the federation (``shape``: one sample's), every device needed to start
         a round, no ONNX export."""
         fleet = {name: getattr(self, name) for name in FleetSettings.model_fields}
-        images = len(shape) == 3 and shape[1] == shape[2]
+        images = square_images(shape)
         size = {"in_channels": shape[0], "image_size": shape[1]} if images else {}
         return CoordinatorConfig(
             **fleet,

@@ -93,9 +93,9 @@ class TransferState:
         )
         if names and hold:
             model = out[names[0]]
-            # a shared decoding is read-only: held as it is, one copy for every device
+            # the shared decoding is read-only: held as it is, one copy for every device
             # of a fleet that received the message
-            self._held = {k: v if not v.flags.writeable else v.copy() for k, v in model.items()}
+            self._held = dict(model)
             known = shared_fingerprint(sets[names[0]])
             self._held_fingerprint = known or content_fingerprint(self._held)
             self._write(BASE_FILE, self._held)
