@@ -88,7 +88,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     proxy = None
     if strategy.needs_proxy_data:
         images = read_proxy_data(Path(spec["proxy_file"]))  # as python -m coordinator does
-        proxy = proxy_tensor(images, config.in_channels, config.image_size)
+        proxy = proxy_tensor(images, config.sample_shape)
     current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
     context = ServerContext.for_round(device, config.seed, 1, proxy_data=proxy)
     setup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -29,7 +29,7 @@ from coordinator.strategies.dense_settings import DenseOptions
 from coordinator.strategies.feddf_settings import FedDFOptions
 from coordinator.strategies.fedkf_settings import FedKFOptions
 from coordinator.strategies.options import StrategyOptions
-from models import classifier_problem, square_images
+from models import classifier_problem
 from protocol.hyperparams import LocalTraining
 from protocol.messages import ID_PATTERN, WeightFormat
 from protocol.tensors import Precision
@@ -452,11 +452,6 @@ class CoordinatorConfig(MonitorSettings, FleetSettings):
         if self.input_shape is not None:
             return self.input_shape
         return (self.in_channels, self.image_size, self.image_size)
-
-    @property
-    def images(self) -> bool:
-        """Whether the samples are square images (C, H, W)."""
-        return square_images(self.sample_shape)
 
 
 def run_weight_format(

@@ -424,16 +424,17 @@ def evaluate_held_out(
 
 
 def read_eval_data(
-    path: Path, *, channels: int, side: int, num_classes: int
+    path: Path, *, shape: tuple[int, ...], num_classes: int
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
     """The held-out set of ``--eval-data``: an ``.npz`` (read without unpickling) with
-    ``x``, images (N, C, H, W) or (N, H, W), uint8 (scaled to [0, 1] as the devices'
-    data is) or floats taken as they are, and ``y``, integer labels (N,) in
+    ``x``, samples (N, *shape) (one-channel images also (N, H, W)), uint8 (scaled to
+    [0, 1] as the devices' data is) or floats taken as they are, and ``y``, integer
+    labels (N,) in
     [0, num_classes). A device file of ``python -m sim partition`` is one (its ``x`` and
     ``y``; other keys are ignored).
 
     Returns:
-        ``(x, y)``: float32 (N, channels, side, side) and int64 (N,).
+        ``(x, y)``: float32 (N, *shape) and int64 (N,).
 
     Raises:
         ConfigError: no such file, not a readable ``.npz``, a key missing, or arrays of
@@ -457,11 +458,11 @@ def read_eval_data(
     if missing:
         raise ConfigError(f"{what}: missing key(s) {missing}; expected x and y")
     x, y = arrays["x"], arrays["y"]
-    images = proxy_tensor(x, channels, side, what=f"{what}: x").numpy()
+    samples = proxy_tensor(x, shape, what=f"{what}: x").numpy()
     if y.dtype.kind not in "iu" or y.shape != (len(x),):
         raise ConfigError(
             f"{what}: y must be integer labels of shape ({len(x)},), got {y.dtype} {y.shape}"
         )
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise ConfigError(f"{what}: labels must lie in [0, {num_classes})")
-    return images, y.astype(np.int64)
+    return samples, y.astype(np.int64)

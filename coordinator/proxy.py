@@ -1,7 +1,8 @@
-"""Unlabeled proxy images for server-side distillation (FedDF), and where they come from.
+"""Unlabeled proxy samples for server-side distillation (FedDF), and where they come from.
 
-The coordinator never sees device data. A run may give it public, unlabeled images of the
-same shape as the devices' (``--proxy-data PATH``: a ``.npy`` array, or a folder holding
+The coordinator never sees device data. A run may give it public, unlabeled samples of
+the same shape as the devices' (``--proxy-data PATH``: a ``.npy`` array of any sample
+shape, or, for images, a folder holding
 the official train files of any dataset :mod:`models.datafiles` reads, such as EMNIST
 letters, itself or in the dataset's usual subfolder, as ``--data-dir`` takes them;
 ``--proxy-size N`` draws N of them, seeded by the run's seed): strategies find them in
@@ -80,7 +81,7 @@ def server_proxy(
     """
     if images is not None:
         check_proxy_use(type(strategy), config.distill_data)
-    proxy = None if images is None else proxy_tensor(images, config.in_channels, config.image_size)
+    proxy = None if images is None else proxy_tensor(images, config.sample_shape)
     if strategy.needs_proxy_data and proxy is None:
         raise ConfigError(
             f"strategy {strategy.name!r} distils on the server's proxy data: give --proxy-data "
@@ -130,31 +131,32 @@ def check_proxy_use(strategy: str | type[Strategy], distill_data: str) -> None:
 
 
 def proxy_tensor(
-    images: npt.NDArray[Any], channels: int, side: int, *, what: str = "proxy data"
+    samples: npt.NDArray[Any], shape: tuple[int, ...], *, what: str = "proxy data"
 ) -> torch.Tensor:
-    """``images`` as the models' inputs: float32 ``(N, channels, side, side)``.
+    """``samples`` as the models' inputs: float32 ``(N, *shape)``.
 
-    Accepts ``(N, H, W)`` (one channel) or ``(N, C, H, W)``; uint8 pixels are scaled to
-    [0, 1] as the devices' data is, floats are taken as they are. Errors name the images
-    ``what`` (the coordinator's held-out ``--eval-data`` are read the same way).
+    Accepts ``(N, *shape)``, and for one-channel images ``(1, H, W)`` also ``(N, H, W)``;
+    uint8 values (pixels) are scaled to [0, 1] as the devices' data is, floats are taken
+    as they are. Errors name the samples ``what`` (the coordinator's held-out
+    ``--eval-data`` are read the same way).
 
     Raises:
-        ConfigError: no image, a shape that does not fit the models, another dtype, or
+        ConfigError: no sample, a shape that does not fit the models, another dtype, or
             values that are not finite.
     """
-    if images.ndim == 3:
-        images = images[:, None]
-    expected = (channels, side, side)
-    if images.ndim != 4 or tuple(images.shape[1:]) != expected or len(images) == 0:
+    if len(shape) == 3 and shape[0] == 1 and samples.ndim == 3:
+        samples = samples[:, None]
+    if tuple(samples.shape[1:]) != tuple(shape) or len(samples) == 0:
+        extra = f" or, with one channel, (N, {shape[1]}, {shape[2]})" if len(shape) == 3 else ""
+        dims = ", ".join(str(d) for d in shape)
         raise ConfigError(
-            f"{what} of shape {images.shape}; the models take (N, {channels}, {side}, "
-            f"{side}) or, with one channel, (N, {side}, {side}) images, N >= 1"
+            f"{what} of shape {samples.shape}; the models take (N, {dims}){extra}, N >= 1"
         )
-    if images.dtype == np.uint8:
-        return torch.from_numpy(np.multiply(images, np.float32(1 / 255), dtype=np.float32))
-    if images.dtype.kind != "f":
-        raise ConfigError(f"{what} of dtype {images.dtype}: give uint8 or float pixels")
-    out = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32))
+    if samples.dtype == np.uint8:
+        return torch.from_numpy(np.multiply(samples, np.float32(1 / 255), dtype=np.float32))
+    if samples.dtype.kind != "f":
+        raise ConfigError(f"{what} of dtype {samples.dtype}: give uint8 or float values")
+    out = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))
     if not torch.isfinite(out).all():
         raise ConfigError(f"{what} holds values that are not finite")
     return out

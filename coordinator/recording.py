@@ -113,14 +113,9 @@ def check_outputs(config: CoordinatorConfig) -> HeldOut | None:
             "--eval-data needs sharing full: with head sharing every device keeps its own "
             "feature extractor, and the coordinator has no whole model to evaluate"
         )
-    if not config.images:
-        raise ConfigError(
-            f"--eval-data reads images; this fleet's samples have shape {config.sample_shape}"
-        )
     held_out = read_eval_data(
         config.eval_data,
-        channels=config.in_channels,
-        side=config.image_size,
+        shape=config.sample_shape,
         num_classes=config.num_classes,
     )
     log.info(

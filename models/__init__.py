@@ -31,6 +31,10 @@ from models.generators import (
     ImageGeneratorConfig,
     LatentGenerator,
     LatentGeneratorConfig,
+    SampleGenerator,
+    SampleGeneratorConfig,
+    build_sample_generator,
+    sample_generator_config,
 )
 from models.imported import ImportedClassifier, lacks_split
 from models.lenet import LeNet5, LeNet5Config
@@ -76,6 +80,10 @@ __all__ = [
     "ImageGeneratorConfig",
     "LatentGenerator",
     "LatentGeneratorConfig",
+    "SampleGenerator",
+    "SampleGeneratorConfig",
+    "build_sample_generator",
+    "sample_generator_config",
     # registry
     "build_classifier",
     "build_generator",

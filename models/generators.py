@@ -1,12 +1,18 @@
-"""Generators: FedGen's conditional latent generator and a DCGAN-style image generator.
+"""Generators: FedGen's conditional latent generator and the sample generators.
 
 :class:`LatentGenerator` produces classifier *latents* ``G(eps, y)`` that the coordinator
-trains against the ensemble of uploaded heads (FedGen). :class:`ImageGenerator`
-produces pseudo-images from noise for FedKF's local generator and for DENSE.
-:mod:`models.registry` builds both by kind name ("latent", "image").
+trains against the ensemble of uploaded heads (FedGen). The sample generators produce
+pseudo-samples of the classifiers' input shape from noise, for FedKF's local generator,
+DENSE and FedDF without proxy data: :class:`ImageGenerator` (DCGAN-style) for square
+images whose side is a multiple of 4, :class:`SampleGenerator` (an MLP) for samples of
+any other shape, series ``(T, C)`` or feature vectors ``(F,)``;
+:func:`sample_generator_config` picks the one for a sample shape.
+:mod:`models.registry` builds them by kind name ("latent", "image", "sample").
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -16,7 +22,16 @@ from torch import nn
 from models.classifiers import Classifier
 from models.errors import ModelInputError
 
-__all__ = ["ImageGenerator", "ImageGeneratorConfig", "LatentGenerator", "LatentGeneratorConfig"]
+__all__ = [
+    "ImageGenerator",
+    "ImageGeneratorConfig",
+    "LatentGenerator",
+    "LatentGeneratorConfig",
+    "SampleGenerator",
+    "SampleGeneratorConfig",
+    "build_sample_generator",
+    "sample_generator_config",
+]
 
 
 class LatentGeneratorConfig(BaseModel):
@@ -215,3 +230,113 @@ class ImageGenerator(nn.Module):
             dtype=weight.dtype,
         )
         return self(z)  # type: ignore[no-any-return]
+
+
+class SampleGeneratorConfig(BaseModel):
+    """Options of the MLP sample generator (samples of any shape)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    noise_dim: int = Field(default=100, ge=1, description="Width of the noise vector z.")
+    sample_shape: tuple[int, ...] = Field(
+        min_length=1, max_length=8, description="Shape of one generated sample."
+    )
+    width: int = Field(
+        default=64, ge=1, description="Width unit: the hidden layers have 4x and 2x as many."
+    )
+
+    @field_validator("sample_shape")
+    @classmethod
+    def _check_shape(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(d < 1 for d in value):
+            raise ValueError(f"sample_shape must be positive sizes, got {value}")
+        return value
+
+
+class SampleGenerator(nn.Module):
+    """MLP generator: noise ``z (B, noise_dim)`` -> samples ``(B, *sample_shape)``.
+
+    ``Linear(noise, 4w) -> BatchNorm1d -> LeakyReLU(0.2) -> Linear(4w, 2w) -> BatchNorm1d
+    -> LeakyReLU(0.2) -> Linear(2w, prod(sample_shape))``, reshaped (``w`` is ``width``).
+    The output is unbounded, as standardised series and features are (images come from
+    :class:`ImageGenerator`, in [0, 1]). Parameters with the defaults and 54 features
+    (a 9 x 6 series): 66,486.
+    """
+
+    def __init__(self, config: SampleGeneratorConfig) -> None:
+        super().__init__()
+        self.config = config
+        wide, narrow = 4 * config.width, 2 * config.width
+        self.project = nn.Linear(config.noise_dim, wide)
+        self.body = nn.Sequential(
+            nn.BatchNorm1d(wide),
+            nn.LeakyReLU(0.2),
+            nn.Linear(wide, narrow),
+            nn.BatchNorm1d(narrow),
+            nn.LeakyReLU(0.2),
+            nn.Linear(narrow, math.prod(config.sample_shape)),
+        )
+
+    @property
+    def noise_dim(self) -> int:
+        """Width of the noise input z."""
+        return self.config.noise_dim
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """Shape of one generated sample."""
+        return self.config.sample_shape
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Samples ``(B, *sample_shape)`` for noise ``z (B, noise_dim)``.
+
+        Raises:
+            ModelInputError: ``z`` is not ``(B, noise_dim)``.
+        """
+        if z.dim() != 2 or z.shape[1] != self.noise_dim:
+            raise ModelInputError(f"expected z (B, {self.noise_dim}), got {tuple(z.shape)}")
+        flat = self.body(self.project(z))  # (B, prod(sample_shape))
+        return flat.reshape(z.shape[0], *self.output_shape)  # type: ignore[no-any-return]
+
+    def sample(self, batch_size: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Samples for ``batch_size`` fresh noise vectors z ~ N(0, 1), drawn on the
+        module's device and dtype (from ``generator`` when given, on that device)."""
+        weight = self.project.weight
+        z = torch.randn(
+            batch_size,
+            self.noise_dim,
+            generator=generator,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        return self(z)  # type: ignore[no-any-return]
+
+
+def sample_generator_config(
+    sample_shape: tuple[int, ...], *, noise_dim: int, width: int
+) -> ImageGeneratorConfig | SampleGeneratorConfig:
+    """The generator for samples of ``sample_shape``: an image generator for square
+    images ``(C, S, S)`` with ``S`` a multiple of 4 (``width`` its ``base_channels``),
+    the MLP sample generator for any other shape.
+
+    Raises:
+        ValueError: a noise width or width below 1, or an empty or non-positive shape.
+    """
+    if len(sample_shape) == 3 and sample_shape[1] == sample_shape[2] and sample_shape[1] % 4 == 0:
+        return ImageGeneratorConfig(
+            noise_dim=noise_dim,
+            image_size=sample_shape[1],
+            channels=sample_shape[0],
+            base_channels=width,
+        )
+    return SampleGeneratorConfig(noise_dim=noise_dim, sample_shape=sample_shape, width=width)
+
+
+def build_sample_generator(
+    config: ImageGeneratorConfig | SampleGeneratorConfig,
+) -> ImageGenerator | SampleGenerator:
+    """The generator ``config`` describes (built on the CPU, or under the caller's
+    default device, with the caller's RNG)."""
+    if isinstance(config, ImageGeneratorConfig):
+        return ImageGenerator(config)
+    return SampleGenerator(config)

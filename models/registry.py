@@ -34,6 +34,8 @@ from models.generators import (
     ImageGeneratorConfig,
     LatentGenerator,
     LatentGeneratorConfig,
+    SampleGenerator,
+    SampleGeneratorConfig,
 )
 from models.imported import ImportedClassifier, imported_class
 from models.lenet import LeNet5
@@ -55,7 +57,7 @@ logger = logging.getLogger(__name__)
 _CLASSIFIERS: Mapping[str, type[Classifier]] = MappingProxyType(
     {cls.architecture: cls for cls in (LeNet5, ResNet8, FedGenCNN, MLP)}
 )
-_GENERATOR_KINDS = ("image", "latent")
+_GENERATOR_KINDS = ("image", "latent", "sample")
 
 _ConfigT = TypeVar("_ConfigT", bound=BaseModel)
 
@@ -80,7 +82,7 @@ def classifier_names() -> tuple[str, ...]:
 
 
 def generator_kinds() -> tuple[str, ...]:
-    """Registered generator kinds, sorted: ``("image", "latent")``."""
+    """Registered generator kinds, sorted: ``("image", "latent", "sample")``."""
     return _GENERATOR_KINDS
 
 
@@ -184,18 +186,24 @@ def build_generator(
 ) -> ImageGenerator: ...
 @overload
 def build_generator(
+    kind: Literal["sample"], *, device: torch.device | str | None = None, **options: object
+) -> SampleGenerator: ...
+@overload
+def build_generator(
     kind: str, *, device: torch.device | str | None = None, **options: object
 ) -> nn.Module: ...
 def build_generator(
     kind: str, *, device: torch.device | str | None = None, **options: object
 ) -> nn.Module:
-    """Build a generator of ``kind`` ``"latent"`` (FedGen) or ``"image"`` (FedKF, DENSE).
+    """Build a generator of ``kind`` ``"latent"`` (FedGen), ``"image"`` or ``"sample"``
+    (FedKF, DENSE, FedDF: images, or samples of any shape).
 
     Args:
         kind: one of :func:`generator_kinds`.
         device: where to place the module (CPU when None); built on the CPU first.
         **options: fields of :class:`~models.generators.LatentGeneratorConfig` or
-            :class:`~models.generators.ImageGeneratorConfig`.
+            :class:`~models.generators.ImageGeneratorConfig` or
+            :class:`~models.generators.SampleGeneratorConfig`.
 
     Raises:
         UnknownModelError: ``kind`` is not registered.
@@ -206,6 +214,8 @@ def build_generator(
         module = LatentGenerator(_validate(LatentGeneratorConfig, "latent generator", options))
     elif kind == "image":
         module = ImageGenerator(_validate(ImageGeneratorConfig, "image generator", options))
+    elif kind == "sample":
+        module = SampleGenerator(_validate(SampleGeneratorConfig, "sample generator", options))
     else:
         known = ", ".join(_GENERATOR_KINDS)
         raise UnknownModelError(f"unknown generator kind {kind!r}; known: {known}")

@@ -28,7 +28,7 @@ Modules:
   the round engine (``Contribution``, ``Aggregated``, ``NothingToAggregate``);
 - ``registry``: the strategies by name, ``build_strategy``;
 - one module per strategy, named after it (``fedavg`` holds ``FedAvg``), with its server
-  step; ``ensemble`` and ``image_generation`` hold what FedDF and DENSE share;
+  step; ``ensemble`` and ``sample_generation`` hold what FedDF and DENSE share;
 - ``options`` and the ``NAME_settings`` modules: the fleet settings one strategy reads
   (FedKF's, FedDF's, DENSE's), light to import: the fleet's configuration
   (:mod:`coordinator.config`) mixes them in without importing any strategy.

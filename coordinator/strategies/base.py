@@ -137,10 +137,6 @@ class Strategy(abc.ABC):
     needs_split: ClassVar[bool] = False
     """Whether the strategy needs each model's features / head split whatever the
     sharing (FedGen: its generator feeds the head); ``sharing head`` always does."""
-    needs_images: ClassVar[bool] = False
-    """Whether the strategy works on images only (FedKF's and DENSE's generators make
-    images; FedDF distils on proxy or generated images): it refuses samples of another
-    shape."""
     robust_aggregation: ClassVar[bool] = True
     """Whether ``aggregation median`` / ``trimmed_mean`` is supported (the updates are
     averaged into the ACA; strategies that fuse by distillation refuse it)."""
@@ -160,11 +156,6 @@ class Strategy(abc.ABC):
             raise ConfigError(
                 f"distill_data {config.distill_data!r} is a feddf setting; strategy "
                 f"{self.name!r} does not distil (leave it out)"
-            )
-        if self.needs_images and not config.images:
-            raise ConfigError(
-                f"strategy {self.name!r} works on square images (C, H, W) only; this fleet's "
-                f"samples have shape {config.sample_shape} (docs/models.md)"
             )
         if self.needs_split or config.sharing == "head":
             why = f"strategy {self.name!r}" if self.needs_split else "sharing 'head'"

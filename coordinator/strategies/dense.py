@@ -6,7 +6,7 @@ upload per device and no data on the server: it trains an image generator ``G(z)
 against the ensemble of the received models and distils the ensemble into a fresh
 global model on the generated images. Epochs alternate two phases:
 
-* **generator phase** (:func:`~coordinator.strategies.image_generation.generator_phase`,
+* **generator phase** (:func:`~coordinator.strategies.sample_generation.generator_phase`,
   shared with FedDF's generated images): Adam steps on the generator and one batch of
   noise against the ensemble's cross entropy to sampled labels, BatchNorm statistic
   matching and the boundary-support term; the phase's lowest-loss batch is kept in a
@@ -55,13 +55,13 @@ from coordinator.strategies.base import (
 )
 from coordinator.strategies.dense_settings import DenseSettings
 from coordinator.strategies.ensemble import ensemble_logits, kl_to_ensemble, teacher_logits
-from coordinator.strategies.image_generation import (
+from coordinator.strategies.sample_generation import (
     frozen,
     generator_phase,
     new_generator,
-    run_image_generator,
+    run_generator,
 )
-from models import Classifier, ImageGenerator, state_arrays
+from models import Classifier, ImageGenerator, SampleGenerator, state_arrays
 from models import load_state_arrays as load_arrays
 from models.optim import Adam
 from models.weight_formats import run_weights_
@@ -149,7 +149,7 @@ def student_phase(
 def dense_distill(
     students: Mapping[str, nn.Module],
     teachers: Sequence[nn.Module],
-    generator: ImageGenerator,
+    generator: ImageGenerator | SampleGenerator,
     *,
     classes: int,
     settings: DenseSettings,
@@ -244,7 +244,6 @@ class Dense(Strategy):
     """
 
     name = "dense"
-    needs_images = True
     robust_aggregation = False
     training_defaults: ClassVar[Mapping[str, int]] = {"local_epochs": 10, "batch_size": 32}
     defaults: ClassVar[DenseSettings] = DenseSettings()
@@ -265,7 +264,7 @@ class Dense(Strategy):
                 f"dense is one-shot: run it with --rounds 1 (the default for dense), "
                 f"not {config.rounds}"
             )
-        self._generator_config = run_image_generator(self.settings, config, "dense")
+        self._generator_config = run_generator(self.settings, config)
         self._templates = {name: copy.deepcopy(t) for name, t in templates.items()}
 
     def aggregate(

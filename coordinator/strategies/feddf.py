@@ -27,7 +27,7 @@ averaged logits), whatever their architectures. Here:
 
 Without proxy images (``distill_data generator``) the server makes its own:
 :func:`generate_images` runs ``batches`` of DENSE's generator phases
-(:func:`coordinator.strategies.image_generation.generator_phase`: the ensemble's cross
+(:func:`coordinator.strategies.sample_generation.generator_phase`: the ensemble's cross
 entropy to sampled labels, BatchNorm statistic matching, and the boundary-support term
 against the students as they start, the groups' averages), each on its own noise and
 labels, and keeps each phase's lowest-loss batch; FedDF then treats the images as it
@@ -69,14 +69,14 @@ from coordinator.strategies.base import (
 )
 from coordinator.strategies.ensemble import evaluating, kl_to_ensemble, teacher_logits
 from coordinator.strategies.feddf_settings import DistillSettings, GeneratedSettings
-from coordinator.strategies.image_generation import (
+from coordinator.strategies.sample_generation import (
     GeneratorPhase,
     frozen,
     generator_phase,
     new_generator,
-    run_image_generator,
+    run_generator,
 )
-from models import Classifier, ImageGenerator, state_arrays
+from models import Classifier, ImageGenerator, SampleGenerator, state_arrays
 from models import load_state_arrays as load_arrays
 from models.optim import Adam
 from models.weight_formats import run_weights_, weights_at
@@ -220,7 +220,7 @@ class GeneratedImages:
 
 
 def generate_images(
-    generator: ImageGenerator,
+    generator: ImageGenerator | SampleGenerator,
     teachers: Sequence[nn.Module],
     students: Sequence[nn.Module],
     *,
@@ -288,7 +288,6 @@ class FedDF(Strategy):
     """
 
     name = "feddf"
-    needs_images = True
     distills_on_proxy = True
     robust_aggregation = False
 
@@ -310,7 +309,7 @@ class FedDF(Strategy):
         )
         """How the images are generated with ``distill_data generator``."""
         self._generator_config = (
-            run_image_generator(self.generation.dense, config, "feddf")
+            run_generator(self.generation.dense, config)
             if config.distill_data == "generator"
             else None
         )

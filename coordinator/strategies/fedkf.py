@@ -28,7 +28,6 @@ class FedKF(Strategy):
     """
 
     name = "fedkf"
-    needs_images = True
     uses_oca = True
     training_defaults: ClassVar[Mapping[str, int]] = {
         "local_epochs": 10,

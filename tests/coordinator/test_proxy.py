@@ -21,7 +21,7 @@ from tests.coordinator.helpers import config
 def test_uint8_images_are_scaled_and_get_their_channel() -> None:
     images = np.arange(2 * 8 * 8, dtype=np.uint8).reshape(2, 8, 8)
 
-    tensor = proxy_tensor(images, channels=1, side=8)
+    tensor = proxy_tensor(images, (1, 8, 8))
 
     assert tensor.shape == (2, 1, 8, 8) and tensor.dtype == torch.float32
     assert torch.allclose(tensor[1, 0], torch.from_numpy(images[1] / 255).float())
@@ -30,9 +30,18 @@ def test_uint8_images_are_scaled_and_get_their_channel() -> None:
 def test_float_images_are_taken_as_they_are() -> None:
     images = np.random.default_rng(0).random((3, 3, 8, 8))
 
-    tensor = proxy_tensor(images, channels=3, side=8)
+    tensor = proxy_tensor(images, (3, 8, 8))
 
     assert torch.allclose(tensor, torch.from_numpy(images).float())
+
+
+def test_series_and_feature_vectors_are_taken_in_the_models_shape() -> None:
+    series = np.random.default_rng(0).standard_normal((4, 9, 6)).astype(np.float32)
+
+    assert torch.equal(proxy_tensor(series, (9, 6)), torch.from_numpy(series))
+    assert proxy_tensor(np.zeros((3, 30)), (30,)).shape == (3, 30)
+    with pytest.raises(ConfigError, match=r"the models take \(N, 9, 6\), N >= 1"):
+        proxy_tensor(series, (6, 9))  # a (T, C) series is not (C, T)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +55,7 @@ def test_float_images_are_taken_as_they_are() -> None:
 )
 def test_images_that_do_not_fit_the_models_are_refused(images: np.ndarray, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        proxy_tensor(images, channels=1, side=8)
+        proxy_tensor(images, (1, 8, 8))
 
 
 def test_a_npy_file_is_read_without_pickle(tmp_path: Path) -> None:

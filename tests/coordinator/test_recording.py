@@ -198,7 +198,7 @@ def test_uint8_images_without_a_channel_axis_are_scaled(tmp_path: Path) -> None:
     path = tmp_path / "data.npz"
     np.savez(path, x=np.full((3, 28, 28), 255, np.uint8), y=np.array([0, 1, 9], np.uint8))
 
-    x, y = read_eval_data(path, channels=1, side=28, num_classes=10)
+    x, y = read_eval_data(path, shape=(1, 28, 28), num_classes=10)
 
     assert x.shape == (3, 1, 28, 28) and x.dtype == np.float32 and float(x.max()) == 1.0
     assert y.tolist() == [0, 1, 9] and y.dtype == np.int64
@@ -223,7 +223,7 @@ def test_bad_held_out_files_are_refused(
     np.savez(path, **arrays)
 
     with pytest.raises(ConfigError, match=message):
-        read_eval_data(path, channels=1, side=28, num_classes=10)
+        read_eval_data(path, shape=(1, 28, 28), num_classes=10)
 
 
 def test_a_file_that_is_no_npz_is_refused(tmp_path: Path) -> None:
@@ -232,9 +232,9 @@ def test_a_file_that_is_no_npz_is_refused(tmp_path: Path) -> None:
     text.write_text("hello")
 
     with pytest.raises(ConfigError, match=r"a single \.npy array"):
-        read_eval_data(single, channels=1, side=28, num_classes=10)
+        read_eval_data(single, shape=(1, 28, 28), num_classes=10)
     with pytest.raises(ConfigError, match=r"not a readable \.npz"):
-        read_eval_data(text, channels=1, side=28, num_classes=10)
+        read_eval_data(text, shape=(1, 28, 28), num_classes=10)
 
 
 def test_the_scratch_models_are_not_the_coordinators() -> None:

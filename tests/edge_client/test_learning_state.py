@@ -33,7 +33,7 @@ from edge_client.train.client_state import (
 from edge_client.train.data import DeviceData
 from edge_client.train.runtime import EdgeClient
 from edge_client.train.strategies import learning_state_entries, restore_learning_state
-from edge_client.train.strategies.fedkf import GENERATOR_STATE_KEY, LocalImageGenerator
+from edge_client.train.strategies.fedkf import GENERATOR_STATE_KEY, LocalGenerator
 from edge_client.train.transfer import RESIDUAL_FILE
 from models import build_classifier, state_arrays
 from protocol import Ack, Message, ModelPayload, RoundTask, Update, UploadSpec, encode_tensors
@@ -250,14 +250,16 @@ def test_a_generator_for_other_images_does_not_restore(tmp_path: Path) -> None:
     cpu = torch.device("cpu")
     fits = build_classifier("mlp", num_classes=4, in_channels=1, image_size=8)
     restored = restore_learning_state(saved.entries, fits, cpu)[GENERATOR_STATE_KEY]
-    assert isinstance(restored, LocalImageGenerator)
+    assert isinstance(restored, LocalGenerator)
     # what it stores again is what it was restored from, bit for bit
     again = learning_state_entries({GENERATOR_STATE_KEY: restored})[GENERATOR_STATE_KEY]
     assert_same_arrays(dict(again.arrays), dict(saved.entries[GENERATOR_STATE_KEY].arrays))
     assert dict(again.settings) == dict(saved.entries[GENERATOR_STATE_KEY].settings)
 
     rgb = build_classifier("mlp", num_classes=4, in_channels=3, image_size=8)
-    with pytest.raises(ValueError, match="makes 1x8x8 images, the model takes 3x8x8"):
+    with pytest.raises(
+        ValueError, match=r"makes samples of shape \(1, 8, 8\), the model takes \(3, 8, 8\)"
+    ):
         restore_learning_state(saved.entries, rgb, cpu)
     entry = saved.entries[GENERATOR_STATE_KEY]
     shrunk = {k: v[..., :1] if k.startswith("exp_avg/") else v for k, v in entry.arrays.items()}

@@ -1,4 +1,5 @@
-"""Generators: shapes, value range, conditioning on labels, parameter counts, builders."""
+"""Generators: shapes, value range, conditioning on labels, parameter counts, builders,
+the sample generator for series and feature vectors (and its stacked form)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import torch
 
 from models import (
     ImageGenerator,
+    ImageGeneratorConfig,
     LatentGenerator,
     ModelConfigError,
     ModelInputError,
+    SampleGenerator,
+    SampleGeneratorConfig,
     UnknownModelError,
     build_classifier,
     build_generator,
+    build_sample_generator,
     generator_kinds,
+    sample_generator_config,
 )
+from models.stacked import StackedModule
 
 
 def n_params(module: torch.nn.Module) -> int:
@@ -22,7 +29,7 @@ def n_params(module: torch.nn.Module) -> int:
 
 
 def test_generator_kinds() -> None:
-    assert generator_kinds() == ("image", "latent")
+    assert generator_kinds() == ("image", "latent", "sample")
 
 
 def test_latent_generator_defaults_and_parameter_count() -> None:
@@ -148,3 +155,68 @@ def test_build_generator_same_seed_same_weights() -> None:
         torch.equal(a, b)
         for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    ("shape", "kind"),
+    [
+        ((1, 28, 28), ImageGeneratorConfig),
+        ((3, 32, 32), ImageGeneratorConfig),
+        ((1, 30, 30), SampleGeneratorConfig),  # a side no multiple of 4
+        ((3, 32, 16), SampleGeneratorConfig),  # not square
+        ((9, 6), SampleGeneratorConfig),  # a series, (T, C)
+        ((30,), SampleGeneratorConfig),  # a feature vector
+    ],
+)
+def test_the_generator_for_a_sample_shape_makes_that_shape(
+    shape: tuple[int, ...], kind: type[object]
+) -> None:
+    config = sample_generator_config(shape, noise_dim=16, width=4)
+    assert isinstance(config, kind)
+    torch.manual_seed(0)
+    generator = build_sample_generator(config)
+    samples = generator.sample(5)
+    assert tuple(samples.shape) == (5, *shape) == (5, *generator.output_shape)
+    assert torch.isfinite(samples).all()
+    samples.sum().backward()
+    assert all(p.grad is not None for p in generator.parameters())
+
+
+def test_sample_generator_parameter_count_seed_and_unbounded_output() -> None:
+    torch.manual_seed(0)
+    a = build_generator("sample", sample_shape=(9, 6))
+    torch.manual_seed(0)
+    b = build_generator("sample", sample_shape=(9, 6))
+    assert isinstance(a, SampleGenerator)
+    # 100 -> 256 -> 128 -> 54, two BatchNorm1d layers: the count the docstring states
+    assert n_params(a) == (100 * 256 + 256) + 2 * 256 + (256 * 128 + 128) + 2 * 128 + (
+        128 * 54 + 54
+    )
+    assert n_params(a) == 66_486
+    z = torch.randn(64, 100, generator=torch.Generator().manual_seed(1))
+    out = a(z)
+    torch.testing.assert_close(out, b(z))
+    assert out.min() < 0 < out.max()  # standardised samples, not [0, 1] pixels
+    with pytest.raises(ModelInputError, match=r"expected z \(B, 100\)"):
+        a(torch.zeros(2, 99))
+    with pytest.raises(ModelConfigError, match="sample_shape"):
+        build_generator("sample", sample_shape=(9, 0))
+
+
+def test_sample_generator_stacks_as_its_rows_compute() -> None:
+    """Its layers all have stacked forms, so FedKF's batched engine runs it batched:
+    each row computes what that device's own generator computes."""
+    shape = (9, 6)
+    rows = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        rows.append(build_generator("sample", sample_shape=shape, noise_dim=8, width=4))
+    stacked_module = StackedModule(rows[0])
+    assert not stacked_module.unstackable
+    tensors = [dict(r.named_parameters()) | dict(r.named_buffers()) for r in rows]
+    state = {name: torch.stack([t[name].detach() for t in tensors]) for name in tensors[0]}
+    z = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(2))
+    out = stacked_module(state, z)
+    assert tuple(out.shape) == (3, 5, *shape)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(out[i], row(z[i]), rtol=1e-5, atol=1e-5)

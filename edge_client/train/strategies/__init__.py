@@ -78,7 +78,7 @@ from edge_client.train.strategies.fedavg import FedAvg
 from edge_client.train.strategies.fedavg_oca import FedAvgOCA
 from edge_client.train.strategies.feddf import FedDF
 from edge_client.train.strategies.fedgen import FedGen
-from edge_client.train.strategies.fedkf import GENERATOR_STATE_KEY, FedKF, LocalImageGenerator
+from edge_client.train.strategies.fedkf import GENERATOR_STATE_KEY, FedKF, LocalGenerator
 from edge_client.train.strategies.fedprox import FedProx
 from edge_client.train.strategies.strategy import DeviceStrategy
 from models import Classifier
@@ -109,8 +109,8 @@ def device_strategy(name: str) -> DeviceStrategy:
         raise TaskError(f"unknown strategy {name!r}; known: {known}") from None
 
 
-_PERSISTED: Mapping[str, type[LocalImageGenerator]] = MappingProxyType(
-    {GENERATOR_STATE_KEY: LocalImageGenerator}
+_PERSISTED: Mapping[str, type[LocalGenerator]] = MappingProxyType(
+    {GENERATOR_STATE_KEY: LocalGenerator}
 )
 """Every key of the learning state and the type of what it holds, which stores itself
 (``entry()``) and is restored from what it stored (``from_entry(entry, model, device)``)."""

@@ -1,11 +1,11 @@
-"""FedKF's device side: a local image generator lets the teacher distil into the student.
+"""FedKF's device side: a local sample generator lets the teacher distil into the student.
 
 From "Handling Data Heterogeneity in Federated Learning via Knowledge Distillation and
 Fusion" (FedKF), Algorithm 1, device part T2. The device receives the student (the ACA
 model) and the teacher (the OCA model; in the single-downlink variant FedKF- a frozen
 copy of the student as received) and, for its local mini-batches ``(x, y)``:
 
-1. every ``generator_every``-th batch, one Adam step of the local image generator G on
+1. every ``generator_every``-th batch, one Adam step of the local generator G on
    ``L_G = L_IE + lambda1 * L_OH + lambda2 * L_A`` of the teacher's outputs on
    ``G(z)``, ``z ~ N(0, I)`` of shape (Bg, noise_dim) (:func:`models.losses.
    fedkf_generator_loss`; the teacher is frozen, only G learns);
@@ -29,10 +29,15 @@ batched engine) takes each device's generator step with its own Adam state and a
 same :func:`~models.losses.distillation_kl` (G's BatchNorm sees Bg generated samples
 whatever the data batch's size, so all of a step's devices step together). G is never
 uploaded: it stays in the device's learning state across rounds together with its Adam
-moments (:func:`local_image_generator`), and is persisted with the device's model
-(:meth:`LocalImageGenerator.entry`, :meth:`LocalImageGenerator.from_entry`;
+moments (:func:`local_generator`), and is persisted with the device's model
+(:meth:`LocalGenerator.entry`, :meth:`LocalGenerator.from_entry`;
 ``learning_state.npz``, :mod:`edge_client.train.client_state`), so a restarted device
 goes on with the same G.
+
+G makes samples of the model's input shape (:func:`models.sample_generator_config`): the
+DCGAN-style image generator for square images, the MLP sample generator for series and
+feature vectors. ``L_A`` is a term of the teacher's latents: a user's model that
+declares no features / head split gives its logits as its latents.
 
 Sets (:class:`FedKF`): ``"student"`` (required), ``"teacher"`` (optional; absent, the
 teacher is a frozen copy of the received student: FedKF-). ``gamma`` 0: FedAvg on the
@@ -68,7 +73,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
-from edge_client.errors import TaskError
 from edge_client.train.batched import (
     BatchedHook,
     StackedAdam,
@@ -92,9 +96,10 @@ from edge_client.train.training import TrainConfig, TrainHook
 from models import (
     Classifier,
     ImageGenerator,
-    ModelConfigError,
-    build_generator,
+    SampleGenerator,
+    build_sample_generator,
     load_state_arrays,
+    sample_generator_config,
     seeded,
     state_arrays,
     state_shapes,
@@ -113,17 +118,17 @@ __all__ = [
     "GENERATOR_STATE_KEY",
     "FedKF",
     "FedKFHook",
-    "LocalImageGenerator",
+    "LocalGenerator",
     "frozen_teacher",
-    "local_image_generator",
+    "local_generator",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NOISE_DIM = 100
-"""Noise width of the local image generator when ``generator_noise_dim`` is 0."""
+"""Noise width of the local generator when ``generator_noise_dim`` is 0."""
 GENERATOR_STATE_KEY = "fedkf_generator"
-"""Key of the :class:`LocalImageGenerator` in the device's learning state."""
+"""Key of the :class:`LocalGenerator` in the device's learning state."""
 
 
 def frozen_teacher(
@@ -159,14 +164,13 @@ its Adam moments, by G's parameter names."""
 
 
 class _StoredGenerator(BaseModel):
-    """The settings of a stored :class:`LocalImageGenerator`: its build signature (the
+    """The settings of a stored :class:`LocalGenerator`: its build signature (the
     device left out: it is the one it is restored on) and its Adam optimizer's."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     noise_dim: int
-    image_size: int
-    channels: int
+    sample_shape: list[int] = Field(min_length=1, max_length=8)
     width: int
     lr: float
     betas: list[float] = Field(min_length=2, max_length=2)
@@ -174,16 +178,21 @@ class _StoredGenerator(BaseModel):
     steps: list[int]
 
 
-@dataclass(eq=False)
-class LocalImageGenerator:
-    """The device's image generator G with its Adam optimizer, kept across rounds."""
+Signature = tuple[int, tuple[int, ...], int, str]
+"""What a local generator was built for: noise width, sample shape, width, device."""
 
-    module: ImageGenerator
-    """G: noise (B, noise_dim) -> images (B, C, H, W) in [0, 1]; always in train mode."""
+
+@dataclass(eq=False)
+class LocalGenerator:
+    """The device's sample generator G with its Adam optimizer, kept across rounds."""
+
+    module: ImageGenerator | SampleGenerator
+    """G: noise (B, noise_dim) -> samples (B, *sample_shape) (images in [0, 1]); always
+    in train mode."""
     optimizer: Adam
     """Adam over G's parameters; its moments persist with G."""
-    signature: tuple[int, int, int, int, str]
-    """What G was built for (noise width, image size, channels, width, device); a round whose
+    signature: Signature
+    """What G was built for (noise width, sample shape, width, device); a round whose
     config or model differs in any of them rebuilds G."""
 
     @property
@@ -194,7 +203,7 @@ class LocalImageGenerator:
     def entry(self) -> LearningStateEntry:
         """G's state, its Adam moments and step counts and its build signature, as the
         device's store keeps them (:class:`~edge_client.train.client_state.DeviceStore`)."""
-        noise_dim, image_size, channels, width, _device = self.signature
+        noise_dim, shape, width, _device = self.signature
         optimizer = self.optimizer
         arrays = {_MODULE + name: value for name, value in state_arrays(self.module).items()}
         names = [name for name, _ in self.module.named_parameters()]
@@ -203,8 +212,7 @@ class LocalImageGenerator:
             arrays[_EXP_AVG_SQ + name] = _numpy(optimizer.exp_avg_sq[index])
         settings = _StoredGenerator(
             noise_dim=noise_dim,
-            image_size=image_size,
-            channels=channels,
+            sample_shape=list(shape),
             width=width,
             lr=optimizer.lr,
             betas=list(optimizer.betas),
@@ -216,31 +224,29 @@ class LocalImageGenerator:
     @classmethod
     def from_entry(
         cls, entry: LearningStateEntry, model: Classifier, device: torch.device
-    ) -> LocalImageGenerator:
-        """The generator :meth:`entry` stored, on ``device``, for ``model``'s images.
+    ) -> LocalGenerator:
+        """The generator :meth:`entry` stored, on ``device``, for ``model``'s samples.
 
         Raises:
-            ValueError: the entry is not a generator for ``model``'s image size and
-                channels, or its arrays do not fit the generator its settings describe.
+            ValueError: the entry is not a generator of ``model``'s sample shape, or its
+                arrays do not fit the generator its settings describe.
         """
         try:
             stored = _StoredGenerator.model_validate(dict(entry.settings))
         except ValidationError as exc:
-            raise ValueError(f"not the settings of a FedKF image generator: {exc}") from None
-        wanted = (model.config.image_size, model.config.in_channels)
-        if (stored.image_size, stored.channels) != wanted:
+            raise ValueError(f"not the settings of a FedKF generator: {exc}") from None
+        shape = tuple(stored.sample_shape)
+        if shape != tuple(model.input_shape):
             raise ValueError(
-                f"the FedKF image generator makes {stored.channels}x{stored.image_size}"
-                f"x{stored.image_size} images, the model takes {wanted[1]}x{wanted[0]}x{wanted[0]}"
+                f"the FedKF generator makes samples of shape {shape}, the model takes "
+                f"{tuple(model.input_shape)}"
             )
+        try:
+            config = sample_generator_config(shape, noise_dim=stored.noise_dim, width=stored.width)
+        except ValueError as exc:
+            raise ValueError(f"not the settings of a FedKF generator: {exc}") from None
         with torch.device("meta"):  # every tensor comes from the entry: no RNG used
-            module = build_generator(
-                "image",
-                noise_dim=stored.noise_dim,
-                image_size=stored.image_size,
-                channels=stored.channels,
-                base_channels=stored.width,
-            )
+            module = build_sample_generator(config)
         module = module.to_empty(device=device)
         load_state_arrays(module, _prefixed(entry.arrays, _MODULE))  # StateMismatchError
         betas = (stored.betas[0], stored.betas[1])
@@ -261,14 +267,7 @@ class LocalImageGenerator:
                     )
                 kept[index] = torch.from_numpy(value.copy()).to(device=device, dtype=param.dtype)
         optimizer.steps = list(stored.steps)
-        signature = (
-            stored.noise_dim,
-            stored.image_size,
-            stored.channels,
-            stored.width,
-            str(device),
-        )
-        return cls(module, optimizer, signature)
+        return cls(module, optimizer, (stored.noise_dim, shape, stored.width, str(device)))
 
     def noise(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """Noise ``z ~ N(0, I)`` of shape (batch_size, noise_dim), drawn on the CPU from
@@ -294,8 +293,8 @@ class LocalImageGenerator:
             :func:`models.losses.fedkf_generator_loss`).
         """
         self.module.train()
-        images = self.module(self.noise(batch_size, generator))  # (B, C, H, W)
-        features = teacher.features(images)  # (B, latent_dim)
+        samples = self.module(self.noise(batch_size, generator))  # (B, *sample_shape)
+        features = teacher.features(samples)  # (B, latent_dim)
         logits = teacher.head(features)  # (B, num_classes)
         loss, parts = fedkf_generator_loss(logits, features, lambda1, lambda2)
         self.optimizer.zero_grad()
@@ -304,7 +303,7 @@ class LocalImageGenerator:
         return float(loss.detach()), parts
 
     def sample(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        """Generated images (batch_size, C, H, W), detached from G (no gradient)."""
+        """Generated samples (batch_size, *sample_shape), detached from G (no gradient)."""
         self.module.train()
         with torch.no_grad():
             return self.module(self.noise(batch_size, generator))  # type: ignore[no-any-return]
@@ -325,51 +324,44 @@ def _prefixed(arrays: Mapping[str, npt.NDArray[Any]], prefix: str) -> dict[str, 
     return {name[len(prefix) :]: v for name, v in arrays.items() if name.startswith(prefix)}
 
 
-def local_image_generator(
+def local_generator(
     state: MutableMapping[str, Any],
     model: Classifier,
     config: TrainConfig,
     device: torch.device,
-) -> LocalImageGenerator:
+) -> LocalGenerator:
     """The device's generator from ``state``, built (or rebuilt) when needed.
 
-    A new G is built when ``state`` has none or when the one there was built for
-    another noise width, image shape, ``generator_width`` or device; its weights come
+    G makes samples of ``model``'s input shape
+    (:func:`~models.generators.sample_generator_config`). A new G is built when
+    ``state`` has none or when the one there was built for another noise width, sample
+    shape, ``generator_width`` or device; its weights come
     from ``torch.manual_seed(config.seed)`` inside a forked RNG (the global RNG is left
     as it was). The Adam learning rate is set to ``config.generator_lr`` every round.
 
     Args:
         state: the device's learning state (updated under :data:`GENERATOR_STATE_KEY`).
-        model: the classifier G feeds (its image shape and channels).
+        model: the classifier G feeds (its input shape).
         config: the round's hyperparameters.
         device: where G lives.
-
-    Raises:
-        TaskError: no image generator fits the model's images (size not a multiple of 4).
     """
     noise_dim = _noise_dim(config)
-    size, channels = model.config.image_size, model.config.in_channels
-    signature = (noise_dim, size, channels, config.generator_width, str(device))
+    shape = tuple(model.input_shape)
+    signature = (noise_dim, shape, config.generator_width, str(device))
     existing = state.get(GENERATOR_STATE_KEY)
-    if isinstance(existing, LocalImageGenerator) and existing.signature == signature:
+    if isinstance(existing, LocalGenerator) and existing.signature == signature:
         existing.optimizer.lr = config.generator_lr
         return existing
+    generator_config = sample_generator_config(
+        shape, noise_dim=noise_dim, width=config.generator_width
+    )
     with seeded(config.seed):
-        try:
-            module = build_generator(
-                "image",
-                noise_dim=noise_dim,
-                image_size=size,
-                channels=channels,
-                base_channels=config.generator_width,
-            )
-        except ModelConfigError as exc:
-            raise TaskError(f"no FedKF image generator for this model: {exc}") from exc
+        module = build_sample_generator(generator_config)
     module.to(device)
     optimizer = Adam(module.parameters(), lr=config.generator_lr)
-    local = LocalImageGenerator(module, optimizer, signature)
+    local = LocalGenerator(module, optimizer, signature)
     state[GENERATOR_STATE_KEY] = local
-    logger.debug("built the FedKF image generator %s", signature)
+    logger.debug("built the FedKF generator %s", signature)
     return local
 
 
@@ -399,7 +391,7 @@ class FedKFHook(BatchedHook):
         self.noise = torch.Generator().manual_seed(config.seed)
         """Where the generator's noise comes from (drawn on the CPU, per batch: the
         generator step's, then the distillation sample's)."""
-        self.generator: LocalImageGenerator | None = None
+        self.generator: LocalGenerator | None = None
         self.batch_size = config.generator_batch_size or config.batch_size
         """Generated samples per generator step and per distillation step."""
         self._sample: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -411,7 +403,7 @@ class FedKFHook(BatchedHook):
     def before_training(self, model: nn.Module) -> None:
         device = next(model.parameters()).device
         self.teacher.to(device)
-        self.generator = local_image_generator(self._state, self.teacher, self.config, device)
+        self.generator = local_generator(self._state, self.teacher, self.config, device)
 
     def before_batch(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         cfg = self.config
@@ -428,7 +420,7 @@ class FedKFHook(BatchedHook):
         if self.generator is None:
             return None
         if self._sample is None or self._steps % self.config.sample_reuse == 0:
-            generated = self.generator.sample(self.batch_size, self.noise)  # (Bg, C, H, W)
+            generated = self.generator.sample(self.batch_size, self.noise)  # (Bg, *shape)
             with torch.no_grad():
                 self._sample = generated, self.teacher(generated)  # logits (Bg, classes)
         generated, teacher_logits = self._sample
@@ -447,7 +439,7 @@ class FedKFHook(BatchedHook):
         }
 
     def unbatchable(self) -> str:
-        return "FedKF without an image generator" if self.generator is None else ""
+        return "FedKF without a generator" if self.generator is None else ""
 
     @classmethod
     def stack(cls, hooks: Sequence[Self], device: torch.device) -> StackedTerm:
@@ -455,7 +447,7 @@ class FedKFHook(BatchedHook):
 
 
 class _StackedFedKF(StackedTerm):
-    """The batched form of :class:`FedKFHook`: each device's image generator (its own
+    """The batched form of :class:`FedKFHook`: each device's generator (its own
     Adam state) and its frozen teacher, stacked; per step, each device's generator step
     and generated batch, then the distillation term."""
 
@@ -582,7 +574,7 @@ class FedKF(DeviceStrategy):
 
     Sets: ``"student"`` (required), ``"teacher"`` (optional; absent, the teacher is a
     frozen copy of the received student: FedKF-). The generator persists in the
-    learning state (see :func:`local_image_generator`). ``gamma`` 0: FedAvg on the student.
+    learning state (see :func:`local_generator`). ``gamma`` 0: FedAvg on the student.
     """
 
     name = "fedkf"

@@ -18,13 +18,13 @@ from coordinator.strategies.base import Aggregated, Contribution, NothingToAggre
 from coordinator.strategies.dense import Dense, dense_distill
 from coordinator.strategies.dense_settings import DenseSettings
 from coordinator.strategies.ensemble import ensemble_logits
-from coordinator.strategies.image_generation import (
+from coordinator.strategies.registry import build_strategy
+from coordinator.strategies.sample_generation import (
     BatchNormMatching,
     adversarial_loss,
     batch_norm_loss,
     generator_phase,
 )
-from coordinator.strategies.registry import build_strategy
 from models import ImageGenerator, ImageGeneratorConfig, build_classifier, seeded, state_arrays
 from models.optim import Adam
 from sim.synthetic import make_synthetic

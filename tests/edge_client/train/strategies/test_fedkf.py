@@ -14,9 +14,9 @@ from edge_client.train.strategies.fedkf import (
     GENERATOR_STATE_KEY,
     FedKF,
     FedKFHook,
-    LocalImageGenerator,
+    LocalGenerator,
     frozen_teacher,
-    local_image_generator,
+    local_generator,
 )
 from edge_client.train.task import LocalTask
 from edge_client.train.training import TrainConfig, TrainHook, train_local
@@ -74,7 +74,7 @@ class BatchRecorder(TrainHook):
         self.labels.append(y.tolist())
 
 
-def mean_generator_loss(local: LocalImageGenerator, teacher: Classifier) -> float:
+def mean_generator_loss(local: LocalGenerator, teacher: Classifier) -> float:
     noise = torch.Generator().manual_seed(123)
     total = 0.0
     with torch.no_grad():
@@ -92,7 +92,7 @@ def test_the_generator_lowers_its_loss_against_a_trained_teacher() -> None:
     train_local(net, x, y, TrainConfig(local_steps=40, batch_size=32, lr=0.1, momentum=0.9))
     teacher = frozen_teacher(net)
     config = TrainConfig(generator_width=16, generator_lr=1e-3, seed=0)
-    local = local_image_generator({}, teacher, config, CPU)
+    local = local_generator({}, teacher, config, CPU)
     noise = torch.Generator().manual_seed(0)
     before = mean_generator_loss(local, teacher)
 
@@ -167,7 +167,7 @@ def test_the_generator_persists_across_rounds_with_its_optimizer(
 
     local_update(model, device_data, task, state)
     first = state[GENERATOR_STATE_KEY]
-    assert isinstance(first, LocalImageGenerator)
+    assert isinstance(first, LocalGenerator)
     after_one = state_arrays(first.module)
     steps_one = list(first.optimizer.steps)
     local_update(model, device_data, task, state)
@@ -179,7 +179,7 @@ def test_the_generator_persists_across_rounds_with_its_optimizer(
     wider = LocalTask("fedkf", {**HP, "generator_width": 8}, task.sets)
     local_update(model, device_data, wider, state)
     rebuilt = state[GENERATOR_STATE_KEY]
-    assert isinstance(rebuilt, LocalImageGenerator) and rebuilt is not first
+    assert isinstance(rebuilt, LocalGenerator) and rebuilt is not first
     assert rebuilt.module.config.base_channels == 8
 
 
@@ -188,13 +188,13 @@ def test_the_generator_is_seeded_without_touching_the_global_rng() -> None:
     config = TrainConfig(generator_width=4, seed=11)
     rng_before = torch.get_rng_state()
 
-    a = local_image_generator({}, teacher, config, CPU)
-    b = local_image_generator({}, teacher, config, CPU)
+    a = local_generator({}, teacher, config, CPU)
+    b = local_generator({}, teacher, config, CPU)
 
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert same(state_arrays(a.module), state_arrays(b.module))
     assert a.module.noise_dim == 100
-    c = local_image_generator({}, teacher, TrainConfig(generator_noise_dim=7), CPU)
+    c = local_generator({}, teacher, TrainConfig(generator_noise_dim=7), CPU)
     assert c.module.noise_dim == 7
 
 

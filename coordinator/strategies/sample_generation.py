@@ -1,8 +1,11 @@
-"""An image generator trained against a round's ensemble: DENSE's generator phase, pure.
+"""A sample generator trained against a round's ensemble: DENSE's generator phase, pure.
 
 DENSE (:mod:`coordinator.strategies.dense`) and FedDF with ``distill_data generator``
-(:mod:`coordinator.strategies.feddf`) make the images they distil on with an image
-generator ``G(z)`` trained against the ensemble of the round's models. A **generator
+(:mod:`coordinator.strategies.feddf`) make the samples they distil on with a generator
+``G(z)`` of the models' input shape (:func:`run_generator`: images for square images,
+the MLP sample generator for series and feature vectors) trained against the ensemble
+of the round's models. The code below calls them images; they are samples of any
+shape. A **generator
 phase** (:func:`generator_phase`) takes Adam steps on the generator's loss
 (:func:`generator_loss`) of the generator and of one batch of noise ``z``, learnt with
 it, for labels ``y`` sampled at the start of the phase:
@@ -38,10 +41,17 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import ConfigError
 from coordinator.strategies.dense_settings import DenseSettings
 from coordinator.strategies.ensemble import ensemble_logits
-from models import ImageGenerator, ImageGeneratorConfig, seeded
+from models import (
+    ImageGenerator,
+    ImageGeneratorConfig,
+    SampleGenerator,
+    SampleGeneratorConfig,
+    build_sample_generator,
+    sample_generator_config,
+    seeded,
+)
 from models.optim import Adam
 
 __all__ = [
@@ -53,9 +63,8 @@ __all__ = [
     "frozen",
     "generator_loss",
     "generator_phase",
-    "image_generator_config",
     "new_generator",
-    "run_image_generator",
+    "run_generator",
 ]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -157,7 +166,7 @@ def generator_loss(
     students: Sequence[nn.Module],
     matching: BatchNormMatching,
 ) -> GeneratorLoss:
-    """The parts of the generator's loss for generated ``images`` ``(B, C, H, W)`` and
+    """The parts of the generator's loss for generated ``images`` ``(B, *shape)`` and
     their sampled ``labels`` ``(B,)``; ``matching`` must hook the ``teachers`` (the
     BatchNorm terms of this forward are taken from it). The adversarial term is the
     mean over the ``students``."""
@@ -168,43 +177,23 @@ def generator_loss(
     return GeneratorLoss(ce=ce, bn=bn, adv=adv)
 
 
-def image_generator_config(
-    settings: DenseSettings, *, channels: int, image_size: int
-) -> ImageGeneratorConfig:
-    """The image generator of ``settings`` (noise and width) for the models' images.
-
-    Raises:
-        ValueError: images it cannot make (a side that is no multiple of 4).
-    """
-    return ImageGeneratorConfig(
-        noise_dim=settings.noise_dim,
-        image_size=image_size,
-        channels=channels,
-        base_channels=settings.generator_width,
+def run_generator(
+    settings: DenseSettings, config: CoordinatorConfig
+) -> ImageGeneratorConfig | SampleGeneratorConfig:
+    """The generator of ``settings`` (noise and width) for the run's samples: an image
+    generator for square images, the MLP sample generator for any other shape
+    (:func:`~models.generators.sample_generator_config`)."""
+    return sample_generator_config(
+        config.sample_shape, noise_dim=settings.noise_dim, width=settings.generator_width
     )
 
 
-def run_image_generator(
-    settings: DenseSettings, config: CoordinatorConfig, who: str
-) -> ImageGeneratorConfig:
-    """The image generator of ``settings`` for the run's images (its channels and side);
-    ``who`` names the strategy in the error.
-
-    Raises:
-        ConfigError: the models' images are none it can make.
-    """
-    try:
-        return image_generator_config(
-            settings, channels=config.in_channels, image_size=config.image_size
-        )
-    except ValueError as exc:
-        raise ConfigError(f"{who} cannot generate the models' images: {exc}") from exc
-
-
-def new_generator(config: ImageGeneratorConfig, rng: torch.Generator) -> ImageGenerator:
-    """A new image generator, its initial weights seeded by a draw of ``rng``."""
+def new_generator(
+    config: ImageGeneratorConfig | SampleGeneratorConfig, rng: torch.Generator
+) -> ImageGenerator | SampleGenerator:
+    """A new generator, its initial weights seeded by a draw of ``rng``."""
     with seeded(int(torch.randint(2**62, (), generator=rng))):
-        return ImageGenerator(config)
+        return build_sample_generator(config)
 
 
 def _draw(
@@ -221,7 +210,8 @@ class GeneratorPhase:
     """What one generator phase did: its lowest-loss batch and the mean loss parts."""
 
     best: torch.Tensor
-    """The generated images ``(B, C, H, W)`` of the step with the lowest total loss."""
+    """The generated samples ``(B, *sample_shape)`` of the step with the lowest total
+    loss."""
     labels: torch.Tensor
     """The labels ``(B,)`` the phase's images were generated for."""
     ce: float
@@ -230,7 +220,7 @@ class GeneratorPhase:
 
 
 def generator_phase(
-    generator: ImageGenerator,
+    generator: ImageGenerator | SampleGenerator,
     teachers: Sequence[nn.Module],
     students: Sequence[nn.Module],
     *,
