@@ -40,7 +40,7 @@ def test_series_and_feature_vectors_are_taken_in_the_models_shape() -> None:
 
     assert torch.equal(proxy_tensor(series, (9, 6)), torch.from_numpy(series))
     assert proxy_tensor(np.zeros((3, 30)), (30,)).shape == (3, 30)
-    with pytest.raises(ConfigError, match=r"the models take \(N, 9, 6\), N >= 1"):
+    with pytest.raises(ConfigError, match=r"of shape \(4, 9, 6\); the models take \(N, 6, 9\)"):
         proxy_tensor(series, (6, 9))  # a (T, C) series is not (C, T)
 
 
