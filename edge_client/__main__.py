@@ -201,6 +201,13 @@ def _add_template_parser(commands: Any) -> argparse.ArgumentParser:
     template.add_argument("--num-classes", type=int, default=10, help="default 10")
     template.add_argument("--in-channels", type=int, default=1, help="default 1")
     template.add_argument("--image-size", type=int, default=28, help="default 28")
+    template.add_argument(
+        "--input-shape",
+        type=_sample_shape,
+        metavar="D1,D2,...",
+        help="shape of one sample, for a model of your own on series or feature vectors "
+        "(e.g. 6,100); unset: in-channels x image-size x image-size",
+    )
     template.add_argument("--precision", choices=("fp32", "int8"), default="fp32")
     template.add_argument("--out", required=True, type=Path, help="template file to write")
     template.set_defaults(handler=_run_template)
@@ -374,6 +381,17 @@ def _serve(service: _Service) -> int:
     return EXIT_OK
 
 
+def _sample_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape``: ``D1,D2,...``, 1 to 8 positive sizes."""
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not sizes D1,D2,... (e.g. 6,100)") from None
+    if not 1 <= len(shape) <= 8 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 8 sizes, each at least 1")
+    return shape
+
+
 def _run_template(args: argparse.Namespace) -> int:
     from edge_client.errors import OnnxTemplateError
     from edge_client.serve.checks import verify_template
@@ -392,6 +410,7 @@ def _run_template(args: argparse.Namespace) -> int:
                 num_classes=args.num_classes,
                 in_channels=args.in_channels,
                 image_size=args.image_size,
+                input_shape=args.input_shape,
             )
         data = export_template(
             model, model.input_shape, precision=args.precision, model_name=args.model

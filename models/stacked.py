@@ -15,6 +15,8 @@ so that ``(B * N, C, H, W)`` is ``(B, N * C, H, W)`` as it lies in memory); only
 layers with weights are replaced:
 
 * ``Linear``: one batched matrix product, ``(N, B, in) @ (N, in, out)``;
+* ``Conv1d``: a grouped convolution with the N models as groups, on the batch seen as
+  ``(B, N * C, L)`` (a view of the sample-major flat batch);
 * ``Conv2d``: a grouped convolution with the N models as groups (the batch moved into
   the channels: ``(B, N * C, H, W)``, channels-last, which the CPU's kernels run about as
   fast as one model's convolution over ``N * B`` samples), or a batched matrix product
@@ -71,6 +73,7 @@ PER_SAMPLE_LAYERS: tuple[type[nn.Module], ...] = (
     nn.AvgPool2d,
     nn.AdaptiveAvgPool1d,
     nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool1d,
     nn.AdaptiveMaxPool2d,
     nn.Flatten,
     nn.Upsample,
@@ -99,6 +102,30 @@ class _Linear(nn.Module):
             out = torch.baddbmm(self.bias.unsqueeze(1), rows, self.weight.transpose(1, 2))
         out = out.reshape(n, samples, -1, out.shape[-1]).transpose(0, 1)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _Conv1d(nn.Module):
+    def __init__(self, layer: nn.Conv1d) -> None:
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.stride = layer.stride
+        self.padding = layer.padding
+        self.dilation = layer.dilation
+        self.groups = layer.groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A grouped convolution of the flat ``(B * N, C, L)`` batch seen as ``(B, N * C,
+        L)`` (sample-major: a view), the N models as groups; back to ``(B * N, C', L')``."""
+        n = _rows(self.weight)
+        out_channels = int(self.weight.shape[1])
+        grouped = x.reshape(x.shape[0] // n, n * x.shape[1], x.shape[2])
+        weight = self.weight.reshape(n * out_channels, *self.weight.shape[2:])
+        bias = None if self.bias is None else self.bias.reshape(n * out_channels)
+        out = F.conv1d(
+            grouped, weight, bias, self.stride, self.padding, self.dilation, self.groups * n
+        )
+        return out.reshape(x.shape[0], out_channels, out.shape[-1])
 
 
 class _Conv2d(nn.Module):
@@ -292,6 +319,8 @@ def _stacked_layer(layer: nn.Module) -> nn.Module | None:
         return _Linear(layer)
     if type(layer) is nn.Conv2d and layer.padding_mode == "zeros":
         return _Conv2d(layer)
+    if type(layer) is nn.Conv1d and layer.padding_mode == "zeros":
+        return _Conv1d(layer)
     if type(layer) is nn.GroupNorm:
         return _GroupNorm(layer)
     if type(layer) in (nn.BatchNorm1d, nn.BatchNorm2d):

@@ -4,7 +4,8 @@
 - edge_client never imports coordinator or sim;
 - coordinator never imports edge_client or sim;
 - models imports protocol only among our packages;
-- deploy (the provisioning tool) imports protocol only among our packages, and no torch.
+- deploy (the provisioning tool) imports protocol only among our packages, and no torch;
+- edgefl_examples (the worked examples: what a user writes) imports none of them.
 
 Checked statically over every module's import statements (including imports inside
 functions) and dynamically for protocol, by importing all of it in a fresh interpreter.
@@ -20,13 +21,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"protocol", "models", "edge_client", "coordinator", "sim", "deploy"}
+OURS = {"protocol", "models", "edge_client", "coordinator", "sim", "deploy", "edgefl_examples"}
 FORBIDDEN = {
     "protocol": {"torch", "torchvision", "models", "edge_client", "coordinator", "sim", "deploy"},
     "models": {"edge_client", "coordinator", "sim"},
     "edge_client": {"coordinator", "sim"},
     "coordinator": {"edge_client", "sim"},
     "deploy": {"torch", "torchvision", "models", "edge_client", "coordinator", "sim"},
+    "edgefl_examples": {"protocol", "models", "edge_client", "coordinator", "sim", "deploy"},
 }
 
 

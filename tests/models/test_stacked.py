@@ -120,6 +120,27 @@ def test_a_chain_hands_grouped_tensors_only_to_layers_that_act_on_each_plane() -
     assert [n for n, _ in twin.named_parameters()] == [n for n, _ in chain.named_parameters()]
 
 
+def test_each_row_is_its_own_1d_convolutional_network() -> None:
+    """Series models (the wearable example's kind): Conv1d with padding, stride,
+    dilation and groups, BatchNorm1d and the 1-D pooling between them."""
+    torch.manual_seed(4)
+    chain = nn.Sequential(
+        nn.Conv1d(6, 8, 5, padding=2),
+        nn.BatchNorm1d(8),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(8, 8, 3, stride=2, dilation=2, groups=2, bias=False),
+        nn.ReLU(),
+        nn.AdaptiveMaxPool1d(3),
+        nn.Conv1d(8, 4, 1),
+        nn.AdaptiveAvgPool1d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
+    for train in (True, False):
+        _check(_distinct(chain, ROWS), [torch.randn(ROWS, BATCH, 6, 20)], train)
+
+
 def test_a_layer_without_a_stacked_form_is_named() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     stacked = StackedModule(model)

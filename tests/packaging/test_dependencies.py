@@ -28,6 +28,7 @@ PACKAGES = (
     "coordinator",
     "sim",
     "deploy",
+    "edgefl_examples",
     "benchmarks",
     "tests",
 )
