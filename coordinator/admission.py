@@ -3,15 +3,17 @@ step 3, in their order. Pure: the engine answers the refusal and changes nothing
 
 A refusal's detail is written for the person at the device, who reads it in the
 device's log: a fingerprint mismatch names the fleet's models in human terms (their
-architecture, classes and input shape; never a key) and, where the device's fingerprint
-is the fleet's architecture with another number of classes, that number (26-class data
-in a 10-class fleet says so).
+architecture, classes and input shape; never a key) and how the device's model differs:
+from what its hello describes (the shape of its samples, its classes and its tensors'
+names and shapes, :func:`model_difference`) or, from a hello without that description,
+where the device's fingerprint is the fleet's architecture with another number of
+classes, that number (26-class data in a 10-class fleet says so).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from coordinator.config import CoordinatorConfig
 from coordinator.groups import ArchitectureGroup
@@ -25,6 +27,8 @@ __all__ = [
     "fingerprint_refusal",
     "guess_classes",
     "hello_refusal",
+    "model_difference",
+    "tensor_difference",
     "unsupported_precision",
 ]
 
@@ -96,6 +100,8 @@ def fingerprint_refusal(
     if group is None:
         names = ", ".join(groups)
         why = f"this fleet runs no {hello.architecture}: start the device with --model {names}"
+    elif (described := model_difference(hello, group, config)) is not None:
+        why = described
     elif (classes := guess_classes(group, hello.fingerprint)) is not None:
         why = (
             f"that is {group.name} with {classes} classes: the device's data have {classes} "
@@ -109,6 +115,70 @@ def fingerprint_refusal(
         if is_import_path(group.name):  # a user's model
             why += ", or another version of that factory's code on one side"
     return f"fleet runs {runs}; device announced {announced}: {why}"
+
+
+def model_difference(
+    hello: Hello, group: ArchitectureGroup, config: CoordinatorConfig
+) -> str | None:
+    """How the model ``hello`` describes (its ``input_shape``, ``num_classes`` and
+    ``layout``) differs from ``group``'s, in words: the samples' shape and the classes
+    where they differ, else the tensors (:func:`tensor_difference`). None when the hello
+    describes nothing (a device of before the description: the caller guesses)."""
+    if hello.input_shape is None and hello.num_classes is None and hello.layout is None:
+        return None
+    parts = []
+    if hello.input_shape is not None and tuple(hello.input_shape) != config.sample_shape:
+        parts.append(
+            f"the device's samples are {_dims(hello.input_shape)}, the fleet's "
+            f"{_dims(config.sample_shape)}"
+        )
+    if hello.num_classes is not None and hello.num_classes != group.num_classes:
+        parts.append(
+            f"the device's data have {hello.num_classes} classes, the fleet's model "
+            f"{group.num_classes}"
+        )
+    if parts:
+        return "; ".join(parts)
+    code = "another version of that factory's code" if is_import_path(group.name) else ""
+    options = " or ".join(filter(None, ["other model options", code]))
+    same = f"same samples and classes, other tensors ({options} on one side)"
+    if hello.layout is None:
+        return same
+    return f"{same}: {tensor_difference(hello.layout, group.shapes)}"
+
+
+MAX_NAMED_TENSORS = 3
+"""Tensors named per kind of difference in a refusal (the rest are counted)."""
+
+
+def tensor_difference(
+    device: Mapping[str, Sequence[int]], fleet: Mapping[str, Sequence[int]]
+) -> str:
+    """The tensors a device's model and the fleet's do not share, by name: those only
+    one side has and those shaped differently (at most :data:`MAX_NAMED_TENSORS` of
+    each named, the rest counted)."""
+
+    def named(names: list[str], describe: Callable[[str], str] = str) -> str:
+        shown = ", ".join(describe(n) for n in names[:MAX_NAMED_TENSORS])
+        more = len(names) - MAX_NAMED_TENSORS
+        return shown + (f" (+{more} more)" if more > 0 else "")
+
+    only_device = sorted(set(device) - set(fleet))
+    only_fleet = sorted(set(fleet) - set(device))
+    reshaped = sorted(n for n in set(device) & set(fleet) if tuple(device[n]) != tuple(fleet[n]))
+    parts = []
+    if only_device:
+        parts.append(f"tensors only the device's model has: {named(only_device)}")
+    if only_fleet:
+        parts.append(f"tensors only the fleet's has: {named(only_fleet)}")
+    if reshaped:
+        shapes = named(reshaped, lambda n: f"{n} {_dims(device[n])} (fleet {_dims(fleet[n])})")
+        parts.append(f"tensors shaped otherwise: {shapes}")
+    return "; ".join(parts) or "the same tensors"
+
+
+def _dims(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape) or "scalar"
 
 
 def guess_classes(group: ArchitectureGroup, fingerprint: str) -> int | None:

@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from protocol.arrays import architecture_fingerprint
 from protocol.tensors import Precision
 from protocol.tensorset import TensorSet
 
@@ -46,6 +47,8 @@ __all__ = [
     "CoordinatorStatus",
     "DeviceStatus",
     "Hello",
+    "MAX_LAYOUT_NAME_CHARS",
+    "MAX_LAYOUT_TENSORS",
     "Message",
     "ModelPayload",
     "ReasonCode",
@@ -71,6 +74,22 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Scalar = bool | int | FiniteFloat | Text
 Metrics = Annotated[dict[ShortText, FiniteFloat], Field(max_length=64)]
 Sets = Annotated[dict[ShortText, TensorSet], Field(max_length=16)]
+MAX_LAYOUT_TENSORS = 1024
+"""Most tensors a hello's ``layout`` may list (a device with more leaves it out)."""
+MAX_LAYOUT_NAME_CHARS = 256
+"""Longest tensor name a hello's ``layout`` may hold (a device with longer ones leaves
+the layout out)."""
+Dimension = Annotated[int, Field(ge=0, le=2**31 - 1)]
+SampleShape = Annotated[
+    tuple[Annotated[int, Field(ge=1, le=2**31 - 1)], ...], Field(min_length=1, max_length=8)
+]
+Layout = Annotated[
+    dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYOUT_NAME_CHARS)],
+        Annotated[tuple[Dimension, ...], Field(max_length=8)],
+    ],
+    Field(min_length=1, max_length=MAX_LAYOUT_TENSORS),
+]
 WeightFormat = Literal["float", "int8", "binary"]
 """The number format a device runs its classifier's weights at (``models.weight_formats``):
 as trained, int8 per output channel (the int8 ONNX model) or binarized per output channel."""
@@ -113,23 +132,40 @@ class Hello(_Body):
     device through it (``binary``: the ``binarize`` hyperparameter) and FedDF takes the
     device's teacher at it. Absent (older devices): ``float``; left out of the
     encoding when ``float``."""
+    input_shape: SampleShape | None = None
+    """The shape of one of the device's samples (None: not said). With ``num_classes``
+    and ``layout``, what a refusal of the device's model names the difference by."""
+    num_classes: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    """The classes of the device's model (None: not said)."""
+    layout: Layout | None = None
+    """The device model's tensors, name -> shape: what its ``fingerprint`` is computed
+    from (section 6), which the layout must give. None: not said (a model of more than
+    :data:`MAX_LAYOUT_TENSORS` tensors, or with a longer name)."""
 
     @model_validator(mode="after")
     def _asks_what_it_speaks(self) -> Hello:
         for asked in (self.downlink_precision, self.uplink_precision):
             if asked is not None and asked not in self.precisions:
                 raise ValueError(f"precision {asked.value} asked for but not in precisions")
+        if self.layout is not None and architecture_fingerprint(self.layout) != self.fingerprint:
+            raise ValueError(
+                "the layout does not give the fingerprint (docs/protocol.md, section 6)"
+            )
         return self
 
     @model_serializer(mode="wrap")
-    def _float_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Leave ``weight_format`` out when it is ``float``: a float device's hello is then
-        the bytes it was before the field existed (version 3 coordinators accept it),
-        while a coordinator that does not know the field refuses the hello of a device
-        that needs it (docs/protocol.md, section 4)."""
+    def _defaults_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Leave ``weight_format`` out when it is ``float``, and the model's description
+        (``input_shape``, ``num_classes``, ``layout``) where it is not said: a hello
+        without them is then the bytes it was before the fields existed, while a
+        coordinator that does not know a field refuses a hello carrying it
+        (docs/protocol.md, section 4)."""
         data: dict[str, Any] = handler(self)
         if self.weight_format == "float":
             data.pop("weight_format", None)
+        for key in ("input_shape", "num_classes", "layout"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

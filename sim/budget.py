@@ -55,7 +55,7 @@ from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import exchange
 from edge_client.train import session as dev
 from edge_client.train.shell import DeviceShell
-from edge_client.train.trainer import build_device_model
+from edge_client.train.trainer import build_device_model, describe_model
 from edge_client.train.transfer import TransferState
 from models import Classifier
 from models.devices import resolve_device
@@ -372,7 +372,7 @@ class _Emulation:
         )
         self.devices: dict[str, _Device] = {}
         specs: list[FleetDevice] = []
-        fingerprints: dict[tuple[object, ...], str] = {}
+        fingerprints: dict[tuple[object, ...], tuple[str, dev.ModelDescription]] = {}
         memory_bytes = total_memory_bytes()
         self._step("building the devices", total=len(federation.devices))
         for index, split in enumerate(federation.devices):
@@ -384,12 +384,14 @@ class _Emulation:
             key = (client.model, data.sample_shape, data.num_classes)
             if key not in fingerprints:
                 try:
-                    fingerprints[key] = build_device_model(client, data).fingerprint()
+                    model = build_device_model(client, data)
+                    fingerprints[key] = model.fingerprint(), describe_model(model)
                 except DeviceConfigError as exc:
                     raise SimError(str(exc)) from exc
             session = dev.DeviceSession(
                 client,
-                fingerprint=fingerprints[key],
+                fingerprint=fingerprints[key][0],
+                model=fingerprints[key][1],
                 num_samples=data.num_samples,
                 label_counts=tuple(int(c) for c in data.label_counts()),
                 memory_bytes=memory_bytes,

@@ -68,7 +68,7 @@ def add_budget_parser(sub: Any) -> None:
         SimConfig,
         include=("dataset", "data_dir", "alpha", "proxy_data", "proxy_size"),
         choices=DATA_CHOICES,
-        metavars={"proxy_data": "DIR", "proxy_size": "N"},
+        metavars={"proxy_data": "PATH", "proxy_size": "N"},
     )
     add_engine_flags(
         parser,

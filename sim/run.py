@@ -115,8 +115,9 @@ class SimConfig(MonitorSettings, FleetSettings):
     test_fraction: float = Field(default=0.2, ge=0, lt=1)
     """Local test share of each device's data."""
     proxy_data: Path | None = None
-    """Folder with the files of a dataset the readers know: its train images, labels
-    ignored, are the coordinator's unlabeled proxy data (feddf distils on them)."""
+    """The coordinator's unlabeled proxy data (feddf distils on them): a ``.npy`` array of
+    samples of the models' shape, or a folder with the files of a dataset the readers
+    know (its train images, labels ignored)."""
     proxy_size: int | None = Field(default=None, ge=2)
     """Proxy images to use, drawn at random (seeded by the run's seed) from the proxy
     dataset's train images (unset: all of them)."""
@@ -191,7 +192,8 @@ class SimConfig(MonitorSettings, FleetSettings):
         """The coordinator's proxy images (``proxy_size`` of them where set), or None.
 
         Raises:
-            DatasetError: ``proxy_data`` holds no known dataset, or its files are corrupt.
+            DatasetError: ``proxy_data`` is no plain ``.npy`` array and holds no known
+                dataset, or its files are corrupt.
         """
         if self.proxy_data is None:
             return None

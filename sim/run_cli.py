@@ -101,7 +101,7 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
         SimConfig,
         include=DATA_FIELDS,
         choices=DATA_CHOICES,
-        metavars={"proxy_data": "DIR", "proxy_size": "N", "samples_per_device": "N"},
+        metavars={"proxy_data": "PATH", "proxy_size": "N", "samples_per_device": "N"},
     )
     flags.add(
         run.add_argument_group("transport"),

@@ -84,6 +84,7 @@ from edge_client.train.trainer import (
     CancelHook,
     LocalTrainer,
     build_device_model,
+    describe_model,
     resumed_learning_state,
 )
 from edge_client.train.transfer import TransferState
@@ -209,7 +210,7 @@ class EdgeClient:
             held_base=transfer.held_fingerprint,
             saved=None if store is None else store.load_state(),
             unacked=unacked,
-            model_summary=_summary(config.model, model),
+            model=describe_model(model),
         )
         self._shell = DeviceShell(self._session, _Effects(self), store=store, lock=self._lock)
         if self._session.restored and store is not None:
@@ -474,12 +475,6 @@ class EdgeClient:
             trainer.learning_state.update(restored)
             if restored:
                 logger.info("resumed the learning state %s", sorted(restored))
-
-
-def _summary(name: str, model: Classifier) -> str:
-    """``lenet5, 26 classes, input 1x28x28``: the device's model for people."""
-    shape = "x".join(str(d) for d in model.input_shape)
-    return f"{name}, {model.num_classes} classes, input {shape}"
 
 
 class _Effects:

@@ -71,7 +71,7 @@ import math
 import platform
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -120,6 +120,8 @@ from edge_client.train.retry import RetrySchedule
 from protocol import __version__ as protocol_version
 from protocol.errors import DecodeError
 from protocol.messages import (
+    MAX_LAYOUT_NAME_CHARS,
+    MAX_LAYOUT_TENSORS,
     Ack,
     CoordinatorStatus,
     Hello,
@@ -134,7 +136,7 @@ from protocol.sets import WEIGHTS_SET
 from protocol.tensors import Precision
 from protocol.topics import Topics, parse_topic
 
-__all__ = ["DeviceSession", "device_hello"]
+__all__ = ["DeviceSession", "ModelDescription", "device_hello"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,42 @@ def _software_version() -> str:
         return protocol_version
 
 
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a device's hello says of its model beside its fingerprint: the shape of one
+    sample, the classes and the tensors' names and shapes, so that a coordinator that
+    refuses the model can name how it differs from the fleet's (docs/protocol.md,
+    section 4)."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    layout: Mapping[str, tuple[int, ...]] | None
+    """Tensor name -> shape (what the fingerprint is computed from); None when it does
+    not fit a hello (more than :data:`~protocol.messages.MAX_LAYOUT_TENSORS` tensors,
+    or a name longer than :data:`~protocol.messages.MAX_LAYOUT_NAME_CHARS`)."""
+
+    @classmethod
+    def of(
+        cls,
+        input_shape: Sequence[int],
+        num_classes: int,
+        shapes: Mapping[str, Sequence[int]],
+    ) -> ModelDescription:
+        """The description of a model with these tensors (the layout left out where it
+        does not fit a hello)."""
+        fits = 0 < len(shapes) <= MAX_LAYOUT_TENSORS and all(
+            0 < len(name) <= MAX_LAYOUT_NAME_CHARS and len(shape) <= 8
+            for name, shape in shapes.items()
+        )
+        layout = {n: tuple(int(d) for d in shape) for n, shape in shapes.items()} if fits else None
+        return cls(tuple(int(d) for d in input_shape), int(num_classes), layout)
+
+    def summary(self, architecture: str) -> str:
+        """``lenet5, 26 classes, input 1x28x28``: the model for people."""
+        shape = "x".join(str(d) for d in self.input_shape)
+        return f"{architecture}, {self.num_classes} classes, input {shape}"
+
+
 def device_hello(
     config: ClientConfig,
     *,
@@ -158,9 +196,11 @@ def device_hello(
     num_samples: int,
     held_base: str | None,
     memory_bytes: int,
+    model: ModelDescription | None = None,
 ) -> Hello:
     """The hello a device with ``config`` announces itself with (``memory_bytes``: the
-    machine's physical memory, 0 if unknown)."""
+    machine's physical memory, 0 if unknown; ``model``: what it says of its model
+    beside the fingerprint, None: nothing)."""
     return Hello(
         device_id=config.device_id,
         architecture=config.model,
@@ -176,6 +216,9 @@ def device_hello(
         uplink_precision=config.uplink_precision,
         held_base=held_base,
         weight_format=config.weight_format,
+        input_shape=None if model is None else model.input_shape,
+        num_classes=None if model is None else model.num_classes,
+        layout=None if model is None else model.layout,
     )
 
 
@@ -198,8 +241,9 @@ class DeviceSession:
         label_counts: samples per class, sent when a task asks and the device consents.
         memory_bytes: the machine's physical memory (for the hello), 0 if unknown.
         held_base: content fingerprint of the model the device holds, None: none.
-        model_summary: the device's model for people (``lenet5, 26 classes, input
-            1x28x28``), logged beside a refusal of its hello; "": its architecture's name.
+        model: what the hello says of the model beside its fingerprint (input shape,
+            classes, tensors), also logged beside a refusal of the hello; None: nothing
+            (its architecture's name is logged).
         saved: the state persisted by an earlier run of this device; ignored (with a
             warning) when it belongs to another fleet or device.
         unacked: the update an earlier run of this device sent and never saw
@@ -220,7 +264,7 @@ class DeviceSession:
         saved: SavedState | None = None,
         unacked: Message | None = None,
         wall_clock: Callable[[], float] = time.time,
-        model_summary: str = "",
+        model: ModelDescription | None = None,
     ) -> None:
         self.config = config
         self._wall = wall_clock
@@ -249,7 +293,8 @@ class DeviceSession:
         self._seen_live_coordinator = False  # a starting / waiting / running status came
         self._newest_status_ms = -1  # send time of the newest coordinator status taken
         self._newest_will_ms = -1  # send time of the newest coordinator's will (stopped)
-        self._model_summary = model_summary or config.model
+        self._model = model
+        self._model_summary = config.model if model is None else model.summary(config.model)
         self._hellos: deque[str] = deque(maxlen=HELLOS_REMEMBERED)  # ids of the last hellos
         self._hello_watch = False  # a hello awaits its answer (with hello_timeout_s)
         self._hello_since: float | None = None  # when the wait began (set at the next tick)
@@ -332,6 +377,7 @@ class DeviceSession:
             num_samples=self._num_samples,
             held_base=self._held_base,
             memory_bytes=self._memory_bytes,
+            model=self._model,
         )
         message = self._message(hello)
         self._hellos.append(message.message_id)

@@ -41,6 +41,7 @@ from edge_client.train.exchange import (
     TrainJob,
 )
 from edge_client.train.local_update import local_update, validate_task
+from edge_client.train.session import ModelDescription
 from edge_client.train.strategies import restore_learning_state
 from edge_client.train.task import LocalResult, LocalTask
 from edge_client.train.training import TrainHook
@@ -56,6 +57,7 @@ __all__ = [
     "LocalTrainer",
     "Trainer",
     "build_device_model",
+    "describe_model",
     "resumed_learning_state",
 ]
 
@@ -101,6 +103,13 @@ def build_device_model(config: ClientConfig, data: DeviceData) -> Classifier:
             )
     except ModelError as exc:
         raise ConfigError(f"cannot build model {config.model!r} for the data: {exc}") from exc
+
+
+def describe_model(model: Classifier) -> ModelDescription:
+    """What the device's hello says of ``model`` beside its fingerprint: its input
+    shape, classes and tensors (the names and shapes its fingerprint is computed from)."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return ModelDescription.of(model.input_shape, model.num_classes, shapes)
 
 
 def resumed_learning_state(

@@ -15,8 +15,8 @@ from typing import Any
 from edge_client.config import ClientConfig
 from edge_client.train.client_state import DeviceStore
 from edge_client.train.data import DeviceData
-from edge_client.train.session import DeviceSession
-from edge_client.train.trainer import build_device_model
+from edge_client.train.session import DeviceSession, ModelDescription
+from edge_client.train.trainer import build_device_model, describe_model
 from edge_client.train.transfer import TransferState
 from sim.fleet.trainer import FleetDevice
 
@@ -27,7 +27,7 @@ def build_device(
     config: ClientConfig,
     data: DeviceData,
     memory_bytes: int,
-    fingerprints: dict[tuple[Any, ...], str],
+    fingerprints: dict[tuple[Any, ...], tuple[str, ModelDescription]],
 ) -> tuple[FleetDevice, DeviceSession, DeviceStore | None]:
     """A device's trainer spec, session and state folder (None: it has none), resumed
     from that folder if it has one.
@@ -37,14 +37,18 @@ def build_device(
             created.
     """
     store = DeviceStore.of(config)
-    # the architecture fingerprint depends on the model, the classes and the image shape
+    # the architecture fingerprint (and the hello's description of the model) depends on
+    # the model, the classes and the sample shape: one model built per kind
     key = (config.model, data.num_classes, data.sample_shape)
     if key not in fingerprints:
-        fingerprints[key] = build_device_model(config, data).fingerprint()
+        model = build_device_model(config, data)
+        fingerprints[key] = model.fingerprint(), describe_model(model)
+    fingerprint, description = fingerprints[key]
     transfer = TransferState(config.state_dir, fsync=config.fsync_state)
     session = DeviceSession(
         config,
-        fingerprint=fingerprints[key],
+        fingerprint=fingerprint,
+        model=description,
         num_samples=data.num_samples,
         label_counts=tuple(int(c) for c in data.label_counts()),
         memory_bytes=memory_bytes,

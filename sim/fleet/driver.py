@@ -56,7 +56,7 @@ from edge_client.train.exchange import (
     Started,
     Tick,
 )
-from edge_client.train.session import DeviceSession
+from edge_client.train.session import DeviceSession, ModelDescription
 from edge_client.train.shell import DeviceShell
 from models import Classifier
 from protocol.codec import Codec
@@ -144,7 +144,7 @@ class Fleet:
         self._devices: dict[str, _Device] = {}
         specs = []
         memory = total_memory_bytes()
-        fingerprints: dict[tuple[Any, ...], str] = {}
+        fingerprints: dict[tuple[Any, ...], tuple[str, ModelDescription]] = {}
         for config, data in devices:
             if config.device_id in self._devices:
                 raise ValueError(f"two devices named {config.device_id!r}")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.admission import fingerprint_refusal, guess_classes
+from coordinator.admission import fingerprint_refusal, guess_classes, tensor_difference
 from coordinator.config import CoordinatorConfig
 from coordinator.groups import ArchitectureGroup
 from edge_client.config import ClientConfig, DeviceSettings
@@ -23,8 +23,9 @@ from edge_client.train.exchange import (
     Stop,
     Tick,
 )
-from edge_client.train.session import DeviceSession
-from models import build_classifier
+from edge_client.train.session import DeviceSession, ModelDescription, device_hello
+from edge_client.train.trainer import describe_model
+from models import Classifier, build_classifier
 from protocol.messages import Ack, CoordinatorStatus, Hello, Message, ReasonCode, RoundTask
 from protocol.tensors import Precision
 from protocol.topics import Topics
@@ -44,7 +45,7 @@ def make_session(**fields: Any) -> DeviceSession:
         num_samples=40,
         label_counts=(10,) * 26,
         memory_bytes=2**30,
-        model_summary=SUMMARY,
+        model=ModelDescription((1, 28, 28), 26, None),
     )
 
 
@@ -357,3 +358,59 @@ def test_the_refusal_of_a_users_model_names_its_classes_or_a_code_difference() -
     detail = fingerprint_refusal(hello_of(path, colour), groups, config)
     assert detail.endswith("or another version of that factory's code on one side")
     assert len(detail) <= 512
+
+
+def described_hello(architecture: str, model: Classifier) -> Hello:
+    """The hello a device of this build announces: its model described."""
+    config = ClientConfig(device_id=DEVICE, fleet=FLEET, insecure_no_auth=True, model=architecture)
+    return device_hello(
+        config,
+        fingerprint=model.fingerprint(),
+        num_samples=10,
+        held_base=None,
+        memory_bytes=0,
+        model=describe_model(model),
+    )
+
+
+SERIES = "tests.models.user_models:build_series"
+
+
+def test_a_described_model_of_other_samples_or_classes_is_named_so() -> None:
+    groups = {SERIES: ArchitectureGroup.of(build_classifier(SERIES, input_shape=(9, 6)))}
+    config = CoordinatorConfig(model=SERIES, input_shape=(9, 6))
+
+    transposed = build_classifier(SERIES, input_shape=(6, 9))  # same tensors: no guess could tell
+    assert transposed.fingerprint() == groups[SERIES].fingerprint
+    detail = fingerprint_refusal(described_hello(SERIES, transposed), groups, config)
+    assert detail.endswith("the device's samples are 6x9, the fleet's 9x6"), detail
+
+    both = build_classifier(SERIES, input_shape=(12, 6), num_classes=3)
+    detail = fingerprint_refusal(described_hello(SERIES, both), groups, config)
+    assert detail.endswith(
+        "the device's samples are 12x6, the fleet's 9x6; the device's data have 3 classes, "
+        "the fleet's model 10"
+    ), detail
+    assert len(detail) <= 512
+
+
+def test_a_described_model_with_other_tensors_names_them() -> None:
+    """Same name, samples and classes, other code (another version of the factory on
+    one side): the tensors that differ are named, the rest counted."""
+    split = "tests.models.user_models:build_split"
+    groups = {split: ArchitectureGroup.of(build_classifier(split))}
+    config = CoordinatorConfig(model=split)
+    other = build_classifier("tests.models.user_models:build_flat")  # another version
+    detail = fingerprint_refusal(described_hello(split, other), groups, config)
+    assert detail.endswith(
+        "same samples and classes, other tensors (other model options or another version "
+        "of that factory's code on one side): tensors only the device's model has: "
+        "features.1.bias, features.1.weight, features.3.bias (+1 more); tensors only the "
+        "fleet's has: features.0.bias, features.0.weight, head.bias (+1 more)"
+    ), detail
+    assert len(detail) <= 512
+
+    wider = {name: (shape[0] * 2, *shape[1:]) for name, shape in groups[split].shapes.items()}
+    text = tensor_difference(wider, groups[split].shapes)
+    assert text.startswith("tensors shaped otherwise: features.0.bias 8 (fleet 4), ")
+    assert text.endswith("(+1 more)")

@@ -132,7 +132,8 @@ def test_refused_and_misdirected_devices_say_why_and_exit(setup: Setup) -> None:
     (line,) = [x for x in log.splitlines() if "refused this device" in x]
     assert " ERROR " in line and "fingerprint_mismatch" in line
     assert "lenet5 (10 classes, input 1x28x28" in line  # the fleet's, from the nack
-    assert "that is lenet5 with 26 classes" in line  # the coordinator's guess
+    # the difference, from the model the device's hello describes
+    assert "the device's data have 26 classes, the fleet's model 10" in line
     assert "this device: lenet5, 26 classes, input 1x28x28" in line  # the device's own
     assert "--model" in line and "the device stops" in line
     assert "no answer from" not in log

@@ -402,3 +402,51 @@ def weight_format(env: dict[str, Any]) -> str:
     if value not in WEIGHT_FORMATS:
         raise RejectedError("weight_format")
     return str(value)
+
+
+# -- hello's model description (sections 4 and 6) ----------------------------------------------
+
+
+def architecture_fingerprint(layout: dict[str, list[int]]) -> str:
+    """Section 6: SHA-256 over one ``name:d0xd1...\\n`` line per tensor, sorted by name
+    (byte order), the first 16 lowercase hex digits."""
+    lines = sorted(f"{name}:{'x'.join(str(d) for d in dims)}\n" for name, dims in layout.items())
+    lines.sort(key=lambda line: line.encode("utf-8"))
+    return hashlib.sha256("".join(lines).encode("utf-8")).hexdigest()[:16]
+
+
+def _ints(value: Any, low: int, most: int, what: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > most:
+        raise RejectedError(what)
+    if not all(type(d) is int and low <= d <= 2**31 - 1 for d in value):
+        raise RejectedError(what)
+    return list(value)
+
+
+def model_description(
+    env: dict[str, Any],
+) -> tuple[list[int] | None, int | None, dict[str, list[int]] | None]:
+    """A hello's optional ``input_shape``, ``num_classes`` and ``layout`` (section 4),
+    each None when absent; the layout must give the hello's ``fingerprint``."""
+    if env["kind"] != "hello":
+        raise RejectedError("not a hello")
+    body = env["body"]
+    shape = body.get("input_shape")
+    if shape is not None:
+        shape = _ints(shape, 1, 8, "input_shape")
+        if not shape:
+            raise RejectedError("input_shape")
+    classes = body.get("num_classes")
+    if classes is not None and not (type(classes) is int and 1 <= classes <= 2**31 - 1):
+        raise RejectedError("num_classes")
+    layout = body.get("layout")
+    if layout is not None:
+        if not isinstance(layout, dict) or not 1 <= len(layout) <= 1024:
+            raise RejectedError("layout")
+        for name in layout:
+            if not isinstance(name, str) or not 1 <= len(name) <= 256:
+                raise RejectedError("layout")
+        layout = {name: _ints(dims, 0, 8, "layout") for name, dims in layout.items()}
+        if architecture_fingerprint(layout) != body["fingerprint"]:
+            raise RejectedError("layout does not give the fingerprint")
+    return shape, classes, layout

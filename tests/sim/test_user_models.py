@@ -4,6 +4,7 @@ at start with one line."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -162,3 +163,79 @@ def test_a_built_in_classifier_refuses_series_with_the_reason(tmp_path: Path) ->
     path = series_file(tmp_path / "watch.npz")
     with pytest.raises(SimError, match=r"takes square images \(C, H, W\), not samples of shape"):
         run_simulation(config("mlp", "fedavg", dataset="npz", data_dir=path))
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_a_user_model_on_series_travels_quantized_with_deltas(
+    precision: str, tmp_path: Path
+) -> None:
+    """Quantized transfers both ways, lossy uplink deltas with error feedback and
+    downlink deltas against the held model: fewer bytes than fp32, and it still learns."""
+    path = series_file(tmp_path / "watch.npz")
+    training = TrainingSettings(local_epochs=2, batch_size=16, lr=0.05)
+    runs = {
+        p: run_simulation(
+            config(
+                SERIES,
+                "fedavg",
+                dataset="npz",
+                data_dir=path,
+                training=training,
+                downlink_precision=p,
+                uplink_precision=p,
+                **LEARNS,
+            )
+        )
+        for p in ("fp32", precision)
+    }
+    fp32, quantized = runs["fp32"], runs[precision]
+    assert quantized.final["bytes_up"] < 0.5 * fp32.final["bytes_up"]
+    assert quantized.final["bytes_down"] < 0.6 * fp32.final["bytes_down"]
+    last = quantized.rounds[-1].models["aca"]
+    assert last.global_acc is not None and last.global_acc > 60
+
+
+def test_feddf_distils_a_user_model_on_proxy_series(tmp_path: Path) -> None:
+    """Proxy data of the model's own shape, a plain .npy of unlabeled windows."""
+    path = series_file(tmp_path / "watch.npz")
+    proxy = tmp_path / "proxy.npy"
+    with np.load(path) as data:
+        np.save(proxy, data["x_test"])  # unlabeled windows of the same shape
+    training = TrainingSettings(local_epochs=2, batch_size=16, lr=0.05)
+    report = run_simulation(
+        config(
+            SERIES,
+            "feddf",
+            dataset="npz",
+            data_dir=path,
+            training=training,
+            proxy_data=proxy,
+            distill_data="proxy",
+            distill_steps=20,
+            **LEARNS,
+        )
+    )
+    last = report.rounds[-1].models["aca"]
+    assert last.global_acc is not None and last.global_acc > 60
+
+
+def test_the_budget_tool_and_the_int8_template_take_a_user_model(tmp_path: Path) -> None:
+    path = series_file(tmp_path / "watch.npz")
+    budget = subprocess.run(
+        [sys.executable, "-m", "sim", "budget", "--model", SERIES, "--dataset", "npz",
+         "--data-dir", str(path), "--devices", "4", "--rounds", "1", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert budget.returncode == 0, budget.stderr[-2000:]
+    figures = json.loads(budget.stdout)
+    assert figures["config"]["model"] == SERIES
+    assert json.dumps(figures).count('"update"') >= 1
+    template = tmp_path / "series-int8.onnx"
+    made = subprocess.run(
+        [sys.executable, "-m", "edge_client", "template", "--model", SERIES,
+         "--num-classes", "3", "--input-shape", "9,6", "--precision", "int8",
+         "--out", str(template)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert template.stat().st_size > 0 and "int8 template" in made.stdout
