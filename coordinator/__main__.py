@@ -231,7 +231,7 @@ def run(config: CoordinatorConfig) -> int:
             log.info("embedded broker at %s", url)
         assert url is not None
         transport = MqttTransport(settings.mqtt_config(url, f"edgefl-coordinator-{config.fleet}"))
-        coordinator = Coordinator(config, transport, store, proxy_data=proxy)
+        coordinator = Coordinator(config, transport, store, proxy_data=proxy, held_out=held_out)
         if config.state_dir is not None:
             status = RunStatus(config.state_dir / STATUS_FILE, config, resume=config.resume)
             coordinator.add_observer(status)

@@ -7,7 +7,8 @@ round, run an aggregation off the engine thread (answered by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from coordinator.aggregation_phase import AggregationJob
 from coordinator.groups import GroupModels
@@ -67,6 +68,9 @@ class RoundClosed:
     aggregate_s: float = 0.0
     """How long the round's server step ran (distillation, generator training ...),
     seconds."""
+    server_metrics: Mapping[str, float] = field(default_factory=dict)
+    """What the server step measured (:attr:`~coordinator.strategies.base.Aggregated.
+    metrics`), by name; empty for most strategies."""
 
 
 @dataclass(frozen=True)

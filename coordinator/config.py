@@ -28,6 +28,7 @@ from coordinator.errors import ConfigError
 from coordinator.strategies.dense_settings import DenseOptions
 from coordinator.strategies.feddf_settings import FedDFOptions
 from coordinator.strategies.fedkf_settings import FedKFOptions
+from coordinator.strategies.oneshot_settings import OneShotOptions
 from coordinator.strategies.options import StrategyOptions
 from models import classifier_problem
 from protocol.hyperparams import LocalTraining
@@ -243,7 +244,7 @@ class _SharedFleetSettings(_Frozen):
     """What each selected device is asked to do per round (sent in the task)."""
 
 
-class FleetSettings(DenseOptions, FedDFOptions, FedKFOptions, _SharedFleetSettings):
+class FleetSettings(OneShotOptions, DenseOptions, FedDFOptions, FedKFOptions, _SharedFleetSettings):
     """How a federated run trains its fleet: the settings ``python -m coordinator`` and
     the lab emulator (``sim.run.SimConfig``) share, with their one set of defaults.
 
@@ -443,6 +444,21 @@ class CoordinatorConfig(MonitorSettings, FleetSettings):
                 {} if self.distill_data == "proxy" else {"distill_data": self.distill_data}
             )
             | ({} if self.input_shape is None else {"input_shape": list(self.input_shape)})
+            | self._oneshot_fields()
+        )
+
+    def _oneshot_fields(self) -> dict[str, Any]:
+        """oneshot's server step settings: its result depends on every one of them."""
+        if self.strategy != "oneshot":
+            return {}
+        return self.model_dump(
+            mode="json",
+            include={
+                "oneshot_weighting",
+                "dense_epochs",
+                "dense_generator_steps",
+                "dense_student_steps",
+            },
         )
 
     @property

@@ -35,8 +35,12 @@ class ServerContext:
     server step comes from it (drawn on the CPU, then moved, so a seed gives the same
     draws on every device)."""
     proxy_data: torch.Tensor | None = None
-    """Unlabeled proxy images ``(N, C, H, W)`` float32 for server-side distillation;
-    None: the run has none."""
+    """Unlabeled proxy samples ``(N, *sample_shape)`` float32 for server-side
+    distillation; None: the run has none."""
+    held_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The run's labelled held-out set ``(x, y)`` on the CPU (the coordinator's
+    ``--eval-data``, the sim's test set), for what a server step measures and reports
+    (never trained on); None: the run has none."""
 
     @classmethod
     def for_round(
@@ -45,10 +49,11 @@ class ServerContext:
         seed: int,
         round_number: int,
         proxy_data: torch.Tensor | None = None,
+        held_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ServerContext:
         """The context of round ``round_number``'s aggregation in a run seeded ``seed``."""
         rng = torch.Generator().manual_seed(aggregation_seed(seed, round_number))
-        return cls(device=device, rng=rng, proxy_data=proxy_data)
+        return cls(device=device, rng=rng, proxy_data=proxy_data, held_out=held_out)
 
 
 def aggregation_seed(seed: int, round_number: int) -> int:

@@ -713,11 +713,13 @@ class RoundEngine:
         if run.phase != "aggregating" or done.round != run.round:
             raise RuntimeError(f"aggregation of round {done.round} done in {run.phase} {run.round}")
         closing, now = run.round, done.now
+        server_metrics: dict[str, float] = {}
         if isinstance(done.result, NothingToAggregate):
             log.warning("round %d closed, model unchanged: %s", closing, done.result.reason)
             server = self._models
         else:
             server = {name: dict(arrays) for name, arrays in done.result.models.items()}
+            server_metrics = dict(done.result.metrics)
         stats = [self._state.read_update_meta(d, closing) for d in run.aggregating]
         finished = closing >= self.config.rounds
         self._state.save_models(closing + 1, server)
@@ -748,6 +750,7 @@ class RoundEngine:
             train_accuracy=weighted_metric(metrics, "accuracy"),
             device_train_s=mean_metric(metrics, "train_s"),
             aggregate_s=done.seconds,
+            server_metrics=server_metrics,
         )
         actions: list[Action] = [closed]
         if self.config.broadcast_model:

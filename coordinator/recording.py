@@ -209,6 +209,7 @@ class RunRecorder:
             device_train_s=action.device_train_s,
             aggregate_s=action.aggregate_s,
             closed_s=closed - self._started,
+            server_metrics=dict(action.server_metrics),
         )
         if self._held_out is None:
             with self._lock:

@@ -12,7 +12,8 @@ and a ``final`` summary. It is written as
       {"config": {...},
        "rounds": [{"round", "wall_s", "active_devices", "bytes_up", "bytes_down",
                    "wire_bytes_up", "wire_bytes_down", "device_train_s", "aggregate_s",
-                   "closed_s", "models": {"<name>": {"amp", "fm", "wlp", "best", "global_acc"}}}],
+                   "closed_s", "models": {"<name>": {"amp", "fm", "wlp", "best", "global_acc"}},
+                   "server_metrics": {"<name>": float}}],
        "final": {...}}
 
 - ``rounds.csv`` (:func:`write_csv`): one row per round, model metrics flattened into
@@ -118,6 +119,9 @@ class RoundRecord:
         closed_s: seconds from the coordinator's start to the round's close (the
             evaluation comes after, off the rounds' path), or None.
         models: model name (``"aca"``, ``"oca"``) -> its metrics after the round.
+        server_metrics: what the round's server step measured, by name (oneshot: the
+            ensemble's and each student's held-out accuracy); empty for most strategies,
+            absent from reports of before the field.
     """
 
     round: int
@@ -131,11 +135,13 @@ class RoundRecord:
     device_train_s: float | None = None
     aggregate_s: float = 0.0
     closed_s: float | None = None
+    server_metrics: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The round as the JSON object described in the module docstring."""
         data: dict[str, Any] = {name: getattr(self, name) for name in _ROUND_FIELDS}
         data["models"] = {name: metrics.to_dict() for name, metrics in self.models.items()}
+        data["server_metrics"] = dict(self.server_metrics)
         return data
 
     @classmethod
@@ -159,8 +165,9 @@ class RoundRecord:
                 else data[name]
                 for name in _ROUND_FIELDS
             }
-            return cls(**fields, models=models)
-        except (KeyError, TypeError, AttributeError) as exc:
+            server = {str(k): float(v) for k, v in data.get("server_metrics", {}).items()}
+            return cls(**fields, models=models, server_metrics=server)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ReportError(f"malformed round record: {exc!r}") from exc
 
 

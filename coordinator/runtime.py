@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 import numpy.typing as npt
 import torch
 
@@ -211,9 +212,14 @@ class Coordinator:
             (:func:`~coordinator.auth.load_keys`).
         signing_key: signs the fleet-wide frames; None: the one ``config`` names
             (:func:`~coordinator.auth.load_signing_key`). Unused without a keyring.
-        proxy_data: unlabeled images for server-side distillation, ``(N, C, H, W)`` or
-            ``(N, H, W)``, uint8 or floats in [0, 1] (:func:`~coordinator.proxy.
-            proxy_tensor`); every aggregation finds them in its context.
+        proxy_data: unlabeled samples for server-side distillation, ``(N,
+            *sample_shape)`` (one-channel images also ``(N, H, W)``), uint8 or floats
+            (:func:`~coordinator.proxy.proxy_tensor`); every aggregation finds them in
+            its context.
+        held_out: a labelled held-out set ``(x, y)``, float32 ``(N, *sample_shape)``
+            and int64 ``(N,)`` (the ``--eval-data`` :func:`~coordinator.evaluation.
+            read_eval_data` reads); every aggregation finds it in its context, for what
+            its server step reports (never trained on).
 
     Raises:
         ConfigError: no device keys without ``insecure_no_auth``, an unreadable keyring
@@ -232,6 +238,7 @@ class Coordinator:
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.time,
         proxy_data: npt.NDArray[Any] | None = None,
+        held_out: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]] | None = None,
         keyring: KeySource | None = None,
         signing_key: SigningKey | None = None,
     ) -> None:
@@ -258,6 +265,11 @@ class Coordinator:
         """A classifier of each architecture group, by group."""
         strategy = build_strategy(config, self._templates)
         self._proxy = server_proxy(proxy_data, strategy, config)
+        self._held_out = (
+            None
+            if held_out is None
+            else (torch.from_numpy(held_out[0]), torch.from_numpy(held_out[1]))
+        )
         self.engine = RoundEngine(
             config,
             strategy,
@@ -519,7 +531,11 @@ class Coordinator:
     def _aggregate(self, job: AggregationJob) -> None:
         """Run ``job`` on a thread of its own; its outcome comes back as an event."""
         context = ServerContext.for_round(
-            self._server_device, self.config.seed, job.round, proxy_data=self._proxy
+            self._server_device,
+            self.config.seed,
+            job.round,
+            proxy_data=self._proxy,
+            held_out=self._held_out,
         )
 
         def work() -> None:
@@ -561,6 +577,12 @@ class Coordinator:
             acc,
             closed.aggregate_s,
         )
+        if closed.server_metrics:
+            log.info(
+                "round %d: server step measured %s",
+                closed.round,
+                ", ".join(f"{name} {value:.4g}" for name, value in closed.server_metrics.items()),
+            )
 
     def _finish(self, finished: Finished) -> None:
         """Save the final models (under ``state_dir/final``), then mark the run done.

@@ -157,6 +157,7 @@ class RoundRecorder:
             device_train_s=action.device_train_s,
             aggregate_s=action.aggregate_s,
             closed_s=closed - self._started,
+            server_metrics=dict(action.server_metrics),
         )
         # what the evaluation reads of the devices is read now: they train on
         evaluations = [

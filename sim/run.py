@@ -491,6 +491,7 @@ def run_simulation(
     if progress is not None:
         progress.step(f"loading {config.dataset} and partitioning it across the devices")
     federation, shape = build_federation(config)
+    test = federation.test  # the coordinator's held-out set (server steps report on it)
     ids = [d.device_id for d in federation.devices]
     poisoned = poisoned_devices(ids, config.poisoned, config.seed)
     if poisoned:
@@ -541,6 +542,7 @@ def run_simulation(
                 make_transport(f"{config.fleet}-coordinator"),
                 store,
                 proxy_data=proxy,
+                held_out=None if test is None else (test.x, test.y),
                 keyring=coordinator_keys,
                 signing_key=signing_key,
             )

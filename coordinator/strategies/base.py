@@ -35,7 +35,7 @@ from __future__ import annotations
 import abc
 import zlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -98,6 +98,9 @@ class Aggregated:
     """The next round's server models: every group's, by role; each holds ``aca``."""
 
     models: GroupModels
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """What the server step measured, by name (the oneshot ensemble's held-out accuracy
+    ...): logged with the round and kept in its record; not persisted."""
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,14 @@ from models import load_state_arrays as load_arrays
 from models.optim import Adam
 from models.weight_formats import run_weights_
 
-__all__ = ["Dense", "DenseResult", "GeneratedMemory", "dense_distill", "student_phase"]
+__all__ = [
+    "Dense",
+    "DenseResult",
+    "GeneratedMemory",
+    "dense_distill",
+    "hard_samples",
+    "student_phase",
+]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +153,36 @@ def student_phase(
     return total / max(1, settings.student_steps)
 
 
+def hard_samples(
+    samples: torch.Tensor,
+    teachers: Sequence[nn.Module],
+    students: Sequence[nn.Module],
+    *,
+    steps: int,
+    epsilon: float,
+    images: bool,
+) -> torch.Tensor:
+    """``samples`` moved by ``steps`` sign-gradient steps of ``epsilon / steps`` up the
+    students' summed KL to the ensemble of ``teachers``: samples the students do not yet
+    get right, near the ensemble's decision boundaries (images kept in [0, 1]). The
+    students are read in eval mode and left as they were (no gradient kept)."""
+    modes = [student.training for student in students]
+    hard = samples.detach()
+    with frozen(students):
+        for _ in range(steps):
+            with torch.no_grad():
+                target = ensemble_logits(teachers, hard)
+            hard = hard.requires_grad_(True)
+            kl = torch.stack([kl_to_ensemble(s(hard), target) for s in students]).sum()
+            (grad,) = torch.autograd.grad(kl, hard)
+            hard = hard.detach() + (epsilon / steps) * grad.sign()
+            if images:
+                hard = hard.clamp(0.0, 1.0)
+    for student, mode in zip(students, modes, strict=True):
+        student.train(mode)
+    return hard.detach()
+
+
 def dense_distill(
     students: Mapping[str, nn.Module],
     teachers: Sequence[nn.Module],
@@ -194,6 +231,17 @@ def dense_distill(
             )
         with torch.no_grad():
             memory.add(phase.best, ensemble_logits(teachers, phase.best))
+        if settings.hard_steps:
+            hard = hard_samples(
+                phase.best,
+                teachers,
+                list(students.values()),
+                steps=settings.hard_steps,
+                epsilon=settings.hard_epsilon,
+                images=isinstance(generator, ImageGenerator),
+            )
+            with torch.no_grad():
+                memory.add(hard, ensemble_logits(teachers, hard))
         kls = {
             name: student_phase(student, s_opts[name], memory, settings=settings, rng=rng)
             for name, student in students.items()
@@ -261,8 +309,8 @@ class Dense(Strategy):
         """The server step's generator and distillation settings (``--dense-*``)."""
         if config.rounds != 1:
             raise ConfigError(
-                f"dense is one-shot: run it with --rounds 1 (the default for dense), "
-                f"not {config.rounds}"
+                f"{self.name} is one-shot: run it with --rounds 1 (the default for "
+                f"{self.name}), not {config.rounds}"
             )
         self._generator_config = run_generator(self.settings, config)
         self._templates = {name: copy.deepcopy(t) for name, t in templates.items()}

@@ -57,6 +57,13 @@ class DenseSettings:
     """Generated batches kept for the student (the oldest goes first)."""
     eval_size: int = 256
     """Held-out generated images on which the result's KL is measured."""
+    hard_steps: int = 0
+    """Steps of sign-gradient ascent that move each epoch's generated batch towards where
+    the students disagree most with the ensemble (KL), kept beside it in the memory: hard
+    samples near the ensemble's decision boundaries. 0: none (DENSE)."""
+    hard_epsilon: float = 0.1
+    """How far hard samples move from their generated batch, in total (max norm; images
+    stay in [0, 1])."""
 
 
 _DEFAULTS = DenseSettings()

@@ -20,12 +20,13 @@ from coordinator.strategies.feddf import FedDF
 from coordinator.strategies.fedgen import FedGen
 from coordinator.strategies.fedkf import FedKF
 from coordinator.strategies.fedprox import FedProx
+from coordinator.strategies.oneshot import OneShot
 from models import Classifier
 
 __all__ = ["STRATEGIES", "build_strategy", "strategy_names"]
 
 STRATEGIES: Mapping[str, type[Strategy]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen, FedDF, Dense)
+    cls.name: cls for cls in (FedAvg, FedProx, FedAvgOca, FedKF, FedGen, FedDF, Dense, OneShot)
 }
 """Every server strategy, by its registry name (the ``strategy`` setting)."""
 

@@ -36,6 +36,7 @@ ROUND_KEYS = {
     "aggregate_s",
     "closed_s",
     "models",
+    "server_metrics",
 }
 METRIC_KEYS = {"amp", "fm", "wlp", "best", "global_acc"}
 

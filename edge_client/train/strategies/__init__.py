@@ -73,7 +73,7 @@ import torch
 
 from edge_client.errors import TaskError
 from edge_client.train.client_state import LearningStateEntry
-from edge_client.train.strategies.dense import Dense
+from edge_client.train.strategies.dense import Dense, OneShot
 from edge_client.train.strategies.fedavg import FedAvg
 from edge_client.train.strategies.fedavg_oca import FedAvgOCA
 from edge_client.train.strategies.feddf import FedDF
@@ -86,7 +86,7 @@ from models import Classifier
 __all__ = ["device_strategy", "learning_state_entries", "restore_learning_state", "strategy_names"]
 
 _STRATEGIES: Mapping[str, DeviceStrategy] = MappingProxyType(
-    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedDF, Dense, FedProx, FedKF, FedGen)}
+    {cls.name: cls() for cls in (FedAvg, FedAvgOCA, FedDF, Dense, OneShot, FedProx, FedKF, FedGen)}
 )
 """The registry: name -> the strategy's device side."""
 

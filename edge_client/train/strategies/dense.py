@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from edge_client.train.strategies.strategy import DeviceStrategy
 
-__all__ = ["Dense"]
+__all__ = ["Dense", "OneShot"]
 
 
 class Dense(DeviceStrategy):
@@ -17,3 +17,11 @@ class Dense(DeviceStrategy):
     ensemble of the uploads into a fresh model on images of its own generator."""
 
     name = "dense"
+
+
+class OneShot(Dense):
+    """oneshot (:mod:`coordinator.strategies.oneshot`): DENSE's device side; the label
+    counts the server weighs the upload by go with it when the task asks and the device
+    consents, as every strategy's uploads do."""
+
+    name = "oneshot"

@@ -19,6 +19,7 @@ def test_every_strategy_is_registered_under_its_own_name() -> None:
         "fedgen",
         "feddf",
         "dense",
+        "oneshot",
     )
     assert all(cls.name == name for name, cls in STRATEGIES.items())
 
@@ -27,7 +28,7 @@ def test_each_strategys_options_are_mixed_into_the_fleet_settings_and_name_it() 
     options = [c for c in FleetSettings.__mro__ if issubclass(c, StrategyOptions)]
     mixed = [c for c in options if c is not StrategyOptions]
 
-    assert {c.strategy_name for c in mixed} == {"fedkf", "feddf", "dense"}
+    assert {c.strategy_name for c in mixed} == {"fedkf", "feddf", "dense", "oneshot"}
     assert all(c.strategy_name in STRATEGIES for c in mixed)
     for cls in mixed:  # flat keys of the fleet's settings
         assert set(cls.model_fields) <= set(FleetSettings.model_fields)
@@ -54,4 +55,5 @@ def test_the_configuration_loads_no_strategy_and_no_server_step() -> None:
         "coordinator.strategies.fedkf_settings",
         "coordinator.strategies.feddf_settings",
         "coordinator.strategies.dense_settings",
+        "coordinator.strategies.oneshot_settings",
     }

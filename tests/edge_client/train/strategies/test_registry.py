@@ -21,6 +21,7 @@ def test_registry_names_and_unknown_strategy() -> None:
         "fedgen",
         "fedkf",
         "fedprox",
+        "oneshot",
     )
     assert isinstance(device_strategy("fedprox"), FedProx)
     with pytest.raises(
@@ -47,6 +48,7 @@ def test_every_strategy_declares_its_sets() -> None:
         "fedavg_oca": {"global": (True, True)},
         "feddf": {"global": (True, True)},
         "dense": {"global": (True, True)},
+        "oneshot": {"global": (True, True)},
         "fedprox": {"global": (True, True)},
         "fedkf": {"student": (True, True), "teacher": (False, True)},
         "fedgen": {
@@ -61,6 +63,7 @@ def test_every_strategy_declares_its_sets() -> None:
         "fedavg_oca": ("all",),
         "feddf": ("all",),
         "dense": ("all",),
+        "oneshot": ("all",),
         "fedprox": ("all",),
         "fedkf": ("all",),
         "fedgen": ("all", "head"),

@@ -1,0 +1,237 @@
+"""One-shot past DENSE: a label-aware ensemble, distilled as DENSE distils.
+
+DENSE (:mod:`coordinator.strategies.dense`) distils the *mean* of the uploads' logits.
+Where the devices' data are skewed (Dirichlet alpha 0.1: a device holds one to three
+classes), most members have never seen most classes, and on a sample of a class it never
+saw a member still votes, confidently, for one of its own: the mean is where the
+accuracy goes (on MNIST at alpha 0.1 the mean of five LeNet-5 scores 63-77 %,
+docs/results.md). This strategy's ensemble weighs the members instead
+(:class:`LabelAwareEnsemble`), in probability space:
+
+- ``counts``: member ``i``'s probability of class ``k`` counts with its share of the
+  samples of class ``k``, ``n[i, k] / sum_j n[j, k]`` (a class no member saw: equal
+  shares), from the label counts devices upload when they consent (``share_label_counts``
+  in their hello, as for FedGen): a member's vote for a class it did not see weighs 0;
+- ``energy``: per sample, member ``i`` counts with ``softmax_i(logsumexp_k logits[i])``,
+  the members' energies: a model's logits are larger on the kind of data it was trained
+  on, so the member that knows a sample's class tends to speak for it. It needs no label
+  counts (the consent-free estimate);
+- ``auto`` (the default): ``counts`` where every upload carries its counts, else
+  ``energy``.
+
+The ensemble's output is the log of the weighted probabilities, which the generator
+phase and the student's KL take as logits. The server step is then DENSE's
+(:func:`~coordinator.strategies.dense.dense_distill`, ``--dense-*`` sizes it) with this
+ensemble as its one teacher (a generator trained against it, a fresh model per
+architecture group distilled on its samples) and hard samples: each epoch's generated
+batch is also moved 3 sign-gradient steps (0.1 in all) up the students' KL to the
+ensemble (:func:`~coordinator.strategies.dense.hard_samples`), towards the ensemble's
+decision boundaries where the students still disagree, and kept beside it (a memory of
+20 batches, DENSE's 10). When the run has a held-out set (the
+coordinator's ``--eval-data``; the sim's test set) the round's server metrics say how
+well the ensemble itself scores there (the student's ceiling) beside the students.
+
+Devices train once and upload once, as for DENSE; their side is DENSE's.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from coordinator.config import CoordinatorConfig
+from coordinator.context import ServerContext
+from coordinator.groups import GroupModels
+from coordinator.strategies.base import (
+    Aggregated,
+    AggregateResult,
+    Contribution,
+    NothingToAggregate,
+)
+from coordinator.strategies.dense import Dense, dense_distill
+from coordinator.strategies.dense_settings import DenseSettings
+from coordinator.strategies.oneshot_settings import Weighting
+from coordinator.strategies.sample_generation import new_generator
+from models import Classifier, state_arrays
+from models import load_state_arrays as load_arrays
+from models.weight_formats import run_weights_
+from protocol.messages import Hello, UploadSpec
+
+__all__ = ["LabelAwareEnsemble", "OneShot", "class_shares", "held_out_accuracy"]
+
+log = logging.getLogger(__name__)
+
+
+def class_shares(counts: torch.Tensor) -> torch.Tensor:
+    """Each member's share of each class's samples, ``(M, K)`` from counts ``(M, K)``:
+    every column sums to 1 (a class no member saw: ``1 / M`` each)."""
+    totals = counts.sum(0, keepdim=True)
+    shares = counts / totals.clamp_min(1)
+    return torch.where(totals > 0, shares, torch.full_like(shares, 1 / len(counts)))
+
+
+class LabelAwareEnsemble(nn.Module):
+    """Members' probabilities weighed per class (``counts``) or per sample (``energy``):
+    ``forward(x)`` is ``log(sum_i w_i(x, k) softmax(members[i](x))_k)``, ``(B, K)``.
+
+    Args:
+        members: the uploads as their devices run them, in eval mode.
+        counts: samples per member and class ``(M, K)``; required for ``counts``.
+        weighting: ``counts`` or ``energy``.
+    """
+
+    def __init__(
+        self,
+        members: Sequence[nn.Module],
+        weighting: Weighting,
+        counts: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        if weighting == "counts":
+            if counts is None or counts.shape[0] != len(members):
+                raise ValueError("counts weighting needs every member's label counts")
+        elif weighting != "energy":
+            raise ValueError(f"weighting is counts or energy, not {weighting!r}")
+        self.members = nn.ModuleList(members)
+        self.weighting = weighting
+        shares = class_shares(counts.float()) if counts is not None else torch.zeros(0)
+        self.register_buffer("shares", shares)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack([member(x) for member in self.members])  # (M, B, K)
+        probabilities = logits.softmax(-1)
+        if self.weighting == "counts":
+            shares = self.get_buffer("shares")  # (M, K)
+            weighted = shares[:, None, :] * probabilities
+        else:
+            gate = logits.logsumexp(-1).softmax(0)  # (M, B): per sample, sums to 1
+            weighted = gate[..., None] * probabilities
+        return weighted.sum(0).clamp_min(1e-12).log()
+
+
+def held_out_accuracy(
+    model: nn.Module, held_out: tuple[torch.Tensor, torch.Tensor], device: torch.device
+) -> float:
+    """``model``'s accuracy on ``held_out`` ``(x, y)``, percent (batches of 1,024)."""
+    x, y = held_out
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(y), 1024):
+            batch = x[start : start + 1024].to(device)
+            predicted = model(batch).argmax(1).cpu()
+            correct += int((predicted == y[start : start + 1024]).sum())
+    return 100.0 * correct / max(1, len(y))
+
+
+class OneShot(Dense):
+    """One-shot with a label-aware ensemble (module docstring): DENSE's round and server
+    step, a better teacher.
+
+    Devices are asked for their label counts with their upload (sent only by devices
+    that consented in their hello); with ``oneshot_weighting counts`` a device that
+    does not consent is refused at its hello. Exactly one round, as DENSE.
+    """
+
+    name = "oneshot"
+    defaults: ClassVar[DenseSettings] = replace(
+        Dense.defaults, hard_steps=3, hard_epsilon=0.1, memory_batches=20
+    )
+    """DENSE's server step with hard samples beside each generated batch and twice the
+    memory for them."""
+
+    def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
+        super().__init__(config, templates)
+        self.weighting: Weighting = config.oneshot_weighting
+
+    def uplink(self) -> UploadSpec:
+        return super().uplink().model_copy(update={"label_counts": True})
+
+    def refuse(self, hello: Hello) -> str | None:
+        if self.weighting != "counts" or hello.share_label_counts:
+            return None
+        return (
+            "oneshot with --oneshot-weighting counts weighs each upload by its label "
+            "counts: start the device with --share-label-counts (or run the fleet with "
+            "--oneshot-weighting energy, which needs none)"
+        )
+
+    def aggregate(
+        self,
+        current: GroupModels,
+        updates: Iterable[Contribution],
+        round_number: int,
+        context: ServerContext,
+    ) -> AggregateResult:
+        members: list[Classifier] = []
+        counts: list[tuple[int, ...] | None] = []
+        for update in updates:
+            member = copy.deepcopy(self._templates[update.group])
+            load_arrays(member, update.weights)
+            members.append(run_weights_(member, update.weight_format).eval())
+            counts.append(update.label_counts)
+        if not members:
+            return NothingToAggregate(f"no on-time update in round {round_number}")
+        weighting = self._weighting(counts)
+        table = torch.tensor(counts, dtype=torch.float32) if weighting == "counts" else None
+        ensemble = LabelAwareEnsemble(members, weighting, table).to(context.device)
+        students = {group: self._fresh(group) for group in current}
+        generator = new_generator(self._generator_config, context.rng)
+        log.info(
+            "round %d: oneshot distils the %s-weighted ensemble of %d upload(s) into %s "
+            "over %d epochs",
+            round_number,
+            weighting,
+            len(members),
+            ", ".join(students),
+            self.settings.epochs,
+        )
+        result = dense_distill(
+            students,
+            [ensemble],
+            generator,
+            classes=self.config.num_classes,
+            settings=self.settings,
+            rng=context.rng,
+            device=context.device,
+        )
+        metrics: dict[str, float] = {}
+        for group in students:
+            metrics[f"{group}/kl_after"] = result.kl_after[group]
+        if context.held_out is not None:
+            metrics["ensemble_accuracy"] = held_out_accuracy(
+                ensemble, context.held_out, context.device
+            )
+            for group, student in students.items():
+                metrics[f"{group}/student_accuracy"] = held_out_accuracy(
+                    student, context.held_out, context.device
+                )
+            log.info(
+                "round %d: on the held-out set the ensemble scores %.2f %%, %s",
+                round_number,
+                metrics["ensemble_accuracy"],
+                ", ".join(
+                    f"{group}'s student {metrics[f'{group}/student_accuracy']:.2f} %"
+                    for group in students
+                ),
+            )
+        return Aggregated(
+            {group: {"aca": state_arrays(s)} for group, s in students.items()}, metrics
+        )
+
+    def _weighting(self, counts: Sequence[tuple[int, ...] | None]) -> Weighting:
+        """The weighting this round's uploads allow: ``counts`` needs every upload's."""
+        every = all(c is not None and len(c) == self.config.num_classes for c in counts)
+        if self.weighting == "energy" or (self.weighting == "auto" and not every):
+            return "energy"
+        if not every:  # a device that consented and sent none, or a damaged record
+            raise ValueError("counts weighting, but an upload carries no label counts")
+        return "counts"
