@@ -155,7 +155,35 @@ class ImageGeneratorConfig(BaseModel):
         return value
 
 
-class ImageGenerator(nn.Module):
+class _FromNoise(nn.Module):
+    """A generator whose first layer, ``project``, takes the noise z."""
+
+    project: nn.Linear
+    config: ImageGeneratorConfig | SampleGeneratorConfig
+
+    @property
+    def noise_dim(self) -> int:
+        """Width of the noise input z."""
+        return self.config.noise_dim
+
+    def sample(self, batch_size: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Samples for ``batch_size`` fresh noise vectors z ~ N(0, 1).
+
+        The noise is drawn on the module's device and dtype, from ``generator`` when
+        given (it must live on that device).
+        """
+        weight = self.project.weight
+        z = torch.randn(
+            batch_size,
+            self.noise_dim,
+            generator=generator,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        return self(z)  # type: ignore[no-any-return]
+
+
+class ImageGenerator(_FromNoise):
     """DCGAN-style generator: noise ``z (B, noise_dim)`` -> images ``(B, C, S, S)`` in [0, 1].
 
     ``Linear(noise, 128 * s * s)`` with ``s = S // 4`` -> reshape -> BatchNorm2d(128) ->
@@ -167,6 +195,8 @@ class ImageGenerator(nn.Module):
     buffers add 643 elements (running mean and variance of 128 + 128 + 64 channels and
     three batch counts).
     """
+
+    config: ImageGeneratorConfig
 
     def __init__(self, config: ImageGeneratorConfig | None = None) -> None:
         super().__init__()
@@ -191,11 +221,6 @@ class ImageGenerator(nn.Module):
         self.to_image = nn.Conv2d(narrow, cfg.channels, 3, padding=1)
 
     @property
-    def noise_dim(self) -> int:
-        """Width of the noise input z."""
-        return self.config.noise_dim
-
-    @property
     def output_shape(self) -> tuple[int, int, int]:
         """Shape of one generated image, ``(C, H, W)``."""
         side = self.config.image_size
@@ -214,22 +239,6 @@ class ImageGenerator(nn.Module):
         x = self.block1(self.norm0(x))  # (B, 2 * base, S/2, S/2)
         x = self.block2(x)  # (B, base, S, S)
         return torch.sigmoid(self.to_image(x))
-
-    def sample(self, batch_size: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Images for ``batch_size`` fresh noise vectors z ~ N(0, 1).
-
-        The noise is drawn on the module's device and dtype, from ``generator`` when
-        given (it must live on that device).
-        """
-        weight = self.project.weight
-        z = torch.randn(
-            batch_size,
-            self.noise_dim,
-            generator=generator,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        return self(z)  # type: ignore[no-any-return]
 
 
 class SampleGeneratorConfig(BaseModel):
@@ -253,7 +262,7 @@ class SampleGeneratorConfig(BaseModel):
         return value
 
 
-class SampleGenerator(nn.Module):
+class SampleGenerator(_FromNoise):
     """MLP generator: noise ``z (B, noise_dim)`` -> samples ``(B, *sample_shape)``.
 
     ``Linear(noise, 4w) -> BatchNorm1d -> LeakyReLU(0.2) -> Linear(4w, 2w) -> BatchNorm1d
@@ -262,6 +271,8 @@ class SampleGenerator(nn.Module):
     :class:`ImageGenerator`, in [0, 1]). Parameters with the defaults and 54 features
     (a 9 x 6 series): 66,486.
     """
+
+    config: SampleGeneratorConfig
 
     def __init__(self, config: SampleGeneratorConfig) -> None:
         super().__init__()
@@ -278,11 +289,6 @@ class SampleGenerator(nn.Module):
         )
 
     @property
-    def noise_dim(self) -> int:
-        """Width of the noise input z."""
-        return self.config.noise_dim
-
-    @property
     def output_shape(self) -> tuple[int, ...]:
         """Shape of one generated sample."""
         return self.config.sample_shape
@@ -297,19 +303,6 @@ class SampleGenerator(nn.Module):
             raise ModelInputError(f"expected z (B, {self.noise_dim}), got {tuple(z.shape)}")
         flat = self.body(self.project(z))  # (B, prod(sample_shape))
         return flat.reshape(z.shape[0], *self.output_shape)  # type: ignore[no-any-return]
-
-    def sample(self, batch_size: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Samples for ``batch_size`` fresh noise vectors z ~ N(0, 1), drawn on the
-        module's device and dtype (from ``generator`` when given, on that device)."""
-        weight = self.project.weight
-        z = torch.randn(
-            batch_size,
-            self.noise_dim,
-            generator=generator,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        return self(z)  # type: ignore[no-any-return]
 
 
 def sample_generator_config(

@@ -104,8 +104,11 @@ class _Linear(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class _Conv1d(nn.Module):
-    def __init__(self, layer: nn.Conv1d) -> None:
+class _Conv(nn.Module):
+    """What a stacked convolution keeps of its layer: the weights (replaced by
+    ``functional_call``) and the geometry."""
+
+    def __init__(self, layer: nn.Conv1d | nn.Conv2d) -> None:
         super().__init__()
         self.weight = layer.weight
         self.bias = layer.bias
@@ -114,6 +117,8 @@ class _Conv1d(nn.Module):
         self.dilation = layer.dilation
         self.groups = layer.groups
 
+
+class _Conv1d(_Conv):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """A grouped convolution of the flat ``(B * N, C, L)`` batch seen as ``(B, N * C,
         L)`` (sample-major: a view), the N models as groups; back to ``(B * N, C', L')``."""
@@ -128,16 +133,7 @@ class _Conv1d(nn.Module):
         return out.reshape(x.shape[0], out_channels, out.shape[-1])
 
 
-class _Conv2d(nn.Module):
-    def __init__(self, layer: nn.Conv2d) -> None:
-        super().__init__()
-        self.weight = layer.weight
-        self.bias = layer.bias
-        self.stride = layer.stride
-        self.padding = layer.padding
-        self.dilation = layer.dilation
-        self.groups = layer.groups
-
+class _Conv2d(_Conv):
     def _covers_input(self, x: torch.Tensor) -> bool:
         """The kernel spans the whole unpadded input once: a matrix product."""
         k = self.weight.shape[-2:]

@@ -54,6 +54,7 @@ from edge_client.errors import ConfigError as DeviceConfigError
 from edge_client.link import DeviceState, total_memory_bytes
 from edge_client.train import exchange
 from edge_client.train import session as dev
+from edge_client.train.hello import ModelDescription
 from edge_client.train.shell import DeviceShell
 from edge_client.train.trainer import build_device_model, describe_model
 from edge_client.train.transfer import TransferState
@@ -372,7 +373,7 @@ class _Emulation:
         )
         self.devices: dict[str, _Device] = {}
         specs: list[FleetDevice] = []
-        fingerprints: dict[tuple[object, ...], tuple[str, dev.ModelDescription]] = {}
+        fingerprints: dict[tuple[object, ...], tuple[str, ModelDescription]] = {}
         memory_bytes = total_memory_bytes()
         self._step("building the devices", total=len(federation.devices))
         for index, split in enumerate(federation.devices):

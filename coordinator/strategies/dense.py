@@ -322,11 +322,7 @@ class Dense(Strategy):
         round_number: int,
         context: ServerContext,
     ) -> AggregateResult:
-        teachers: list[Classifier] = []
-        for update in updates:
-            teacher = copy.deepcopy(self._templates[update.group])
-            load_arrays(teacher, update.weights)
-            teachers.append(run_weights_(teacher, update.weight_format))  # as its device runs it
+        teachers = [self._teacher(update) for update in updates]
         if not teachers:
             return NothingToAggregate(f"no on-time update in round {round_number}")
         students = {group: self._fresh(group) for group in current}
@@ -359,6 +355,13 @@ class Dense(Strategy):
                 result.kl_after[group],
             )
         return Aggregated({group: {"aca": state_arrays(s)} for group, s in students.items()})
+
+    def _teacher(self, update: Contribution) -> Classifier:
+        """The model ``update``'s device runs (its group's architecture with the
+        uploaded weights, at the device's weight format), in eval mode."""
+        teacher = copy.deepcopy(self._templates[update.group])
+        load_arrays(teacher, update.weights)
+        return run_weights_(teacher, update.weight_format).eval()
 
     def _fresh(self, group: str) -> Classifier:
         """An untrained model of ``group``'s architecture: a copy of its template, which

@@ -36,7 +36,6 @@ Devices train once and upload once, as for DENSE; their side is DENSE's.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -59,8 +58,6 @@ from coordinator.strategies.dense_settings import DenseSettings
 from coordinator.strategies.oneshot_settings import Weighting
 from coordinator.strategies.sample_generation import new_generator
 from models import Classifier, state_arrays
-from models import load_state_arrays as load_arrays
-from models.weight_formats import run_weights_
 from protocol.messages import Hello, UploadSpec
 
 __all__ = ["LabelAwareEnsemble", "OneShot", "class_shares", "held_out_accuracy"]
@@ -174,9 +171,7 @@ class OneShot(Dense):
         members: list[Classifier] = []
         counts: list[tuple[int, ...] | None] = []
         for update in updates:
-            member = copy.deepcopy(self._templates[update.group])
-            load_arrays(member, update.weights)
-            members.append(run_weights_(member, update.weight_format).eval())
+            members.append(self._teacher(update))
             counts.append(update.label_counts)
         if not members:
             return NothingToAggregate(f"no on-time update in round {round_number}")

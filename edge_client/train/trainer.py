@@ -40,8 +40,8 @@ from edge_client.train.exchange import (
     Trained,
     TrainJob,
 )
+from edge_client.train.hello import ModelDescription
 from edge_client.train.local_update import local_update, validate_task
-from edge_client.train.session import ModelDescription
 from edge_client.train.strategies import restore_learning_state
 from edge_client.train.task import LocalResult, LocalTask
 from edge_client.train.training import TrainHook

@@ -15,7 +15,8 @@ from typing import Any
 from edge_client.config import ClientConfig
 from edge_client.train.client_state import DeviceStore
 from edge_client.train.data import DeviceData
-from edge_client.train.session import DeviceSession, ModelDescription
+from edge_client.train.hello import ModelDescription
+from edge_client.train.session import DeviceSession
 from edge_client.train.trainer import build_device_model, describe_model
 from edge_client.train.transfer import TransferState
 from sim.fleet.trainer import FleetDevice

@@ -56,7 +56,8 @@ from edge_client.train.exchange import (
     Started,
     Tick,
 )
-from edge_client.train.session import DeviceSession, ModelDescription
+from edge_client.train.hello import ModelDescription
+from edge_client.train.session import DeviceSession
 from edge_client.train.shell import DeviceShell
 from models import Classifier
 from protocol.codec import Codec

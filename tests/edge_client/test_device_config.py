@@ -12,7 +12,7 @@ import pytest
 from edge_client.__main__ import CONFIGURABLE, _build_parser, _device_settings, main
 from edge_client.config import ClientConfig, DeviceSettings, load_device_file
 from edge_client.errors import ConfigError
-from edge_client.train.session import device_hello
+from edge_client.train.hello import device_hello
 from protocol.flags import ModelFlags
 from protocol.tensors import Precision
 from protocol.transport.base import MqttVersion

@@ -23,7 +23,8 @@ from edge_client.train.exchange import (
     Stop,
     Tick,
 )
-from edge_client.train.session import DeviceSession, ModelDescription, device_hello
+from edge_client.train.hello import ModelDescription, device_hello
+from edge_client.train.session import DeviceSession
 from edge_client.train.trainer import describe_model
 from models import Classifier, build_classifier
 from protocol.messages import Ack, CoordinatorStatus, Hello, Message, ReasonCode, RoundTask

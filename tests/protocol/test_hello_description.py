@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from edge_client.config import ClientConfig
-from edge_client.train.session import ModelDescription, device_hello
+from edge_client.train.hello import ModelDescription, device_hello
 from edge_client.train.trainer import describe_model
 from models import build_classifier
 from protocol.codec import Codec
