@@ -305,7 +305,15 @@ def _run_pip(args: Sequence[str], what: str) -> None:
         raise DownloadError(f"{what} failed (pip exit {done.returncode}): {tail}")
 
 
-_PACKAGES = ("protocol", "models", "edge_client", "coordinator", "sim", "deploy")
+_PACKAGES = (
+    "protocol",
+    "models",
+    "edge_client",
+    "coordinator",
+    "sim",
+    "deploy",
+    "edgefl_examples",  # the worked examples' models, which their devices build
+)
 
 
 def _build_project_wheel(source: Path, wheels: Path) -> Path:

@@ -216,6 +216,7 @@ def test_cli_default_command_writes_json_and_report(tmp_path: Path) -> None:
         "aggregate_s",
         "closed_s",
         "models",
+        "server_metrics",
     }
     assert set(data["rounds"][0]["models"]["aca"]) == {"amp", "fm", "wlp", "best", "global_acc"}
     assert (tmp_path / "report" / "rounds.csv").exists()
