@@ -10,6 +10,6 @@ Each module has a model factory for ``--model`` (``edgefl_examples.wearable:buil
 ``edgefl_examples.tabular:build_mlp``) and writes its data as an ``npz`` dataset
 (``python -m edgefl_examples.wearable --out motions.npz``) that the sim, ``python -m sim
 partition`` and the devices read. The data packages are the ``examples`` extra (``pip
-install "edgefl[examples]"``); the models need torch only. docs/examples.md walks
-through both.
+install "edgefl[examples]"``); the models need torch only. docs/examples.md gives the
+overview, and docs/example-wearable.md and docs/example-tabular.md walk through each.
 """

@@ -1,8 +1,9 @@
-"""Each worked example as docs/examples.md runs it, over a real Mosquitto: its dataset,
-partitioned into device files, keys, an ONNX template of its model, a coordinator
-process and one edge-client process per device (FedAvg), an ``edge_client follow``
-device serving the broadcast model, and ``edge_client infer`` classifying the test split
-with what it serves, to the accuracy the coordinator's final model has."""
+"""Each worked example as its page runs it (docs/example-wearable.md,
+docs/example-tabular.md), over a real Mosquitto: its dataset, partitioned into device
+files, keys, an ONNX template of its model, a coordinator process and one edge-client
+process per device (FedAvg), an ``edge_client follow`` device serving the broadcast
+model, and ``edge_client infer`` classifying the test split with what it serves, to the
+accuracy the coordinator's final model has."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ EXAMPLES = {
 
 
 def python(command: str, timeout: float = 300) -> str:
-    """``python COMMAND`` in the repository (its words split at spaces, as docs/examples.md
+    """``python COMMAND`` in the repository (its words split at spaces, as the example pages
     writes them), asserted to succeed; its stdout."""
     args = command.split()
     done = subprocess.run(
