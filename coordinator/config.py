@@ -448,18 +448,15 @@ class CoordinatorConfig(MonitorSettings, FleetSettings):
         )
 
     def _oneshot_fields(self) -> dict[str, Any]:
-        """oneshot's server step settings: its result depends on every one of them."""
-        if self.strategy != "oneshot":
-            return {}
-        return self.model_dump(
-            mode="json",
-            include={
-                "oneshot_weighting",
-                "dense_epochs",
-                "dense_generator_steps",
-                "dense_student_steps",
-            },
-        )
+        """The one-shot strategies' server step settings, which their result depends on:
+        all of oneshot's; DENSE's where they are not the defaults (so that runs persisted
+        before they counted still resume)."""
+        sizes = {"dense_epochs", "dense_generator_steps", "dense_student_steps"}
+        if self.strategy == "oneshot":
+            return self.model_dump(mode="json", include={"oneshot_weighting", *sizes})
+        if self.strategy == "dense":
+            return self.model_dump(mode="json", include=sizes, exclude_defaults=True)
+        return {}
 
     @property
     def sample_shape(self) -> tuple[int, ...]:

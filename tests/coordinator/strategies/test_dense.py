@@ -307,3 +307,13 @@ def test_dense_is_one_shot_by_default_and_refuses_more_rounds() -> None:
 
     with pytest.raises(ConfigError, match="dense is one-shot: run it with --rounds 1"):
         build_strategy(dense_config(rounds=2), build_models(cfg))
+
+
+def test_denses_server_step_sizes_are_in_the_resume_fingerprint_where_set() -> None:
+    """A resumed DENSE run with other --dense-* sizes would distil otherwise: refused.
+    At their defaults they are left out, so runs persisted before they counted resume."""
+    default = CoordinatorConfig(strategy="dense").fingerprint_fields()
+    assert not {"dense_epochs", "dense_generator_steps", "dense_student_steps"} & set(default)
+    sized = dense_config().fingerprint_fields()  # TINY_FLAGS: every size set
+    assert (sized["dense_epochs"], sized["dense_generator_steps"]) == (3, 3)
+    assert dense_config(dense_student_steps=11).fingerprint_fields() != sized
