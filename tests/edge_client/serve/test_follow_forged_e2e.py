@@ -234,10 +234,14 @@ def test_a_follower_serves_the_coordinators_broadcast_and_refuses_forgeries_and_
         # coordinator signs is served
         newer = Message(fleet=FLEET, sender="coordinator", round=1, body=body)
         Channel(attacker, auth=Keyring(), fleet_key=signing).send(topic, newer)
-        wait_until(lambda: served.read_bytes() != genuine, "the newer signed model served")
-        assert json.loads(served.with_name("model.onnx.json").read_text())["content"] == (
-            content_fingerprint(state_arrays(other))
+        # the model file is replaced before its record: wait for the record too
+        expected = content_fingerprint(state_arrays(other))
+        record = served.with_name("model.onnx.json")
+        wait_until(
+            lambda: json.loads(record.read_text())["content"] == expected,
+            "the newer signed model's record",
         )
+        assert served.read_bytes() != genuine
     finally:
         attacker.disconnect()
         recorder.transport.disconnect()
