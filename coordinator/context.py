@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from coordinator.config import ServerDevice
@@ -37,8 +39,9 @@ class ServerContext:
     proxy_data: torch.Tensor | None = None
     """Unlabeled proxy samples ``(N, *sample_shape)`` float32 for server-side
     distillation; None: the run has none."""
-    held_out: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The run's labelled held-out set ``(x, y)`` on the CPU (the coordinator's
+    held_out: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]] | None = None
+    """The run's labelled held-out set ``(x, y)``, float32 samples and int64 labels as
+    :func:`~coordinator.evaluation.evaluate_accuracy` takes them (the coordinator's
     ``--eval-data``, the sim's test set), for what a server step measures and reports
     (never trained on); None: the run has none."""
 
@@ -49,7 +52,7 @@ class ServerContext:
         seed: int,
         round_number: int,
         proxy_data: torch.Tensor | None = None,
-        held_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        held_out: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]] | None = None,
     ) -> ServerContext:
         """The context of round ``round_number``'s aggregation in a run seeded ``seed``."""
         rng = torch.Generator().manual_seed(aggregation_seed(seed, round_number))

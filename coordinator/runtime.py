@@ -265,11 +265,7 @@ class Coordinator:
         """A classifier of each architecture group, by group."""
         strategy = build_strategy(config, self._templates)
         self._proxy = server_proxy(proxy_data, strategy, config)
-        self._held_out = (
-            None
-            if held_out is None
-            else (torch.from_numpy(held_out[0]), torch.from_numpy(held_out[1]))
-        )
+        self._held_out = held_out
         self.engine = RoundEngine(
             config,
             strategy,

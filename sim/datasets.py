@@ -198,27 +198,17 @@ def dataset_names() -> list[str]:
 
 
 def load_proxy_images(
-    path: str | os.PathLike[str], *, size: int | None = None, seed: int = 0
+    folder: str | os.PathLike[str], *, size: int | None = None, seed: int = 0
 ) -> np.ndarray:
-    """The unlabeled proxy samples at ``path`` (``size`` of them, seeded, where given):
-    a ``.npy`` file of one array ``(N, *sample_shape)`` (read without unpickling: any
-    sample shape), or a folder with a release's files, whose train images
-    :func:`models.datafiles.load_proxy_images` reads.
+    """:func:`models.datafiles.load_proxy_images`: the train images of the release
+    whose files sit in ``folder`` itself, unlabeled (``size`` of them, seeded, where
+    given).
 
     Raises:
-        DatasetError: no such file, a file that is not one plain array, a folder with no
-            known dataset, or corrupt files.
+        DatasetError: ``folder`` holds no known dataset, or its files are corrupt.
     """
-    if Path(path).is_file():
-        try:
-            samples = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise DatasetError(f"{path}: not a readable .npy array: {exc}") from exc
-        if not isinstance(samples, np.ndarray):
-            raise DatasetError(f"{path}: holds several arrays; give one .npy array")
-        return datafiles.subsample(samples, size, seed)
     with _as_dataset_error():
-        return datafiles.load_proxy_images(path, size=size, seed=seed)
+        return datafiles.load_proxy_images(folder, size=size, seed=seed)
 
 
 def load_dataset(

@@ -41,6 +41,7 @@ from coordinator.config import (
 from coordinator.enrolment import FleetKeys
 from coordinator.errors import ConfigError
 from coordinator.monitor import monitoring
+from coordinator.proxy import read_proxy_data
 from coordinator.recording import peak_memory
 from coordinator.report import RunReport
 from coordinator.runtime import Coordinator, save_group_models
@@ -58,8 +59,8 @@ from protocol.tensors import Precision
 from protocol.transport import MemoryBroker, MemoryTransport, MqttConfig, MqttTransport, Transport
 from sim.arrays import ArrayDataset, DatasetSplits
 from sim.cohort.trainer import BatchedTrainer, Engine
-from sim.datasets import load_dataset, load_proxy_images
-from sim.errors import SimError
+from sim.datasets import load_dataset
+from sim.errors import DatasetError, SimError
 from sim.fleet import DEFAULT_MAX_COHORT, Fleet, FleetOptions, TrainerFactory
 from sim.fleet.pacing import DEFAULT_RATE
 from sim.partition import Federation, partition_dataset
@@ -197,7 +198,10 @@ class SimConfig(MonitorSettings, FleetSettings):
         """
         if self.proxy_data is None:
             return None
-        return load_proxy_images(self.proxy_data, size=self.proxy_size, seed=self.seed)
+        try:  # the coordinator's reader: a .npy of any sample shape, or a dataset folder
+            return read_proxy_data(self.proxy_data, size=self.proxy_size, seed=self.seed)
+        except ConfigError as exc:
+            raise DatasetError(str(exc)) from exc
 
     @field_validator("device_precisions")
     @classmethod

@@ -46,6 +46,7 @@ from torch import nn
 
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext
+from coordinator.evaluation import evaluate_accuracy
 from coordinator.groups import GroupModels
 from coordinator.strategies.base import (
     Aggregated,
@@ -60,7 +61,7 @@ from coordinator.strategies.sample_generation import new_generator
 from models import Classifier, state_arrays
 from protocol.messages import Hello, UploadSpec
 
-__all__ = ["LabelAwareEnsemble", "OneShot", "class_shares", "held_out_accuracy"]
+__all__ = ["LabelAwareEnsemble", "OneShot", "class_shares"]
 
 log = logging.getLogger(__name__)
 
@@ -112,21 +113,6 @@ class LabelAwareEnsemble(nn.Module):
             gate = logits.logsumexp(-1).softmax(0)  # (M, B): per sample, sums to 1
             weighted = gate[..., None] * probabilities
         return weighted.sum(0).clamp_min(1e-12).log()
-
-
-def held_out_accuracy(
-    model: nn.Module, held_out: tuple[torch.Tensor, torch.Tensor], device: torch.device
-) -> float:
-    """``model``'s accuracy on ``held_out`` ``(x, y)``, percent (batches of 1,024)."""
-    x, y = held_out
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for start in range(0, len(y), 1024):
-            batch = x[start : start + 1024].to(device)
-            predicted = model(batch).argmax(1).cpu()
-            correct += int((predicted == y[start : start + 1024]).sum())
-    return 100.0 * correct / max(1, len(y))
 
 
 class OneShot(Dense):
@@ -202,13 +188,11 @@ class OneShot(Dense):
         for group in students:
             metrics[f"{group}/kl_after"] = result.kl_after[group]
         if context.held_out is not None:
-            metrics["ensemble_accuracy"] = held_out_accuracy(
-                ensemble, context.held_out, context.device
-            )
-            for group, student in students.items():
-                metrics[f"{group}/student_accuracy"] = held_out_accuracy(
-                    student, context.held_out, context.device
-                )
+            x, y = context.held_out
+            accuracy = {"ensemble": ensemble} | {f"{g}/student": s for g, s in students.items()}
+            for name, model in accuracy.items():
+                score = evaluate_accuracy(model, x, y, device=context.device)
+                metrics[f"{name}_accuracy"] = 100.0 * score
             log.info(
                 "round %d: on the held-out set the ensemble scores %.2f %%, %s",
                 round_number,

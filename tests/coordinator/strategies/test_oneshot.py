@@ -12,6 +12,7 @@ from torch import nn
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
+from coordinator.evaluation import evaluate_accuracy
 from coordinator.runtime import build_models
 from coordinator.strategies.base import Aggregated, Contribution
 from coordinator.strategies.dense import hard_samples
@@ -20,7 +21,6 @@ from coordinator.strategies.oneshot import (
     LabelAwareEnsemble,
     OneShot,
     class_shares,
-    held_out_accuracy,
 )
 from coordinator.strategies.registry import build_strategy
 from models import load_state_arrays, state_arrays
@@ -111,8 +111,9 @@ def test_the_strategy_distils_and_reports_the_ensemble_beside_the_student(
     strategy = build_strategy(cfg, templates)
     assert isinstance(strategy, OneShot) and strategy.uplink().label_counts
     current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
-    x = torch.rand(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
-    y = torch.randint(10, (64,), generator=torch.Generator().manual_seed(1))
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 1, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, 64)
     context = ServerContext.for_round(CPU, 1, 1, held_out=(x, y))
 
     with caplog.at_level("INFO", "coordinator.strategies.oneshot"):
@@ -125,7 +126,7 @@ def test_the_strategy_distils_and_reports_the_ensemble_beside_the_student(
     student = templates["lenet5"]
     load_state_arrays(student, result.models["lenet5"]["aca"])
     assert metrics["lenet5/student_accuracy"] == pytest.approx(
-        held_out_accuracy(student, (x, y), CPU)
+        100 * evaluate_accuracy(student, x, y)
     )
     without = strategy.aggregate(
         current, contributions(with_counts), 1, ServerContext.for_round(CPU, 1, 1)
