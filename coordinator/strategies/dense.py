@@ -247,12 +247,13 @@ def dense_distill(
             for name, student in students.items()
         }
         log.info(
-            "dense epoch %d/%d: generator CE %.4f BN %.4f adv %.4f; student KL %s",
+            "dense epoch %d/%d: generator CE %.4f BN %.4f adv %.4f TV %.4f; student KL %s",
             epoch,
             settings.epochs,
             phase.ce,
             phase.bn,
             phase.adv,
+            phase.tv,
             ", ".join(f"{name} {kl:.4f}" for name, kl in kls.items()),
         )
     assert phase is not None

@@ -64,6 +64,12 @@ class DenseSettings:
     hard_epsilon: float = 0.1
     """How far hard samples move from their generated batch, in total (max norm; images
     stay in [0, 1])."""
+    smoothness_weight: float = 0.0
+    """Weight of the smoothness prior on generated samples
+    (:func:`~coordinator.strategies.sample_generation.total_variation`): neighbouring
+    pixels (time steps of a series) alike, as in the devices' data. Teachers without
+    BatchNorm (LeNet-5) give the generator no other prior on what their data looked
+    like. 0: none (DENSE)."""
 
 
 _DEFAULTS = DenseSettings()

@@ -27,7 +27,11 @@ architecture group distilled on its samples) and hard samples: each epoch's gene
 batch is also moved 3 sign-gradient steps (0.1 in all) up the students' KL to the
 ensemble (:func:`~coordinator.strategies.dense.hard_samples`), towards the ensemble's
 decision boundaries where the students still disagree, and kept beside it (a memory of
-20 batches, DENSE's 10). When the run has a held-out set (the
+20 batches, DENSE's 10), and the generator's loss has a smoothness prior
+(:func:`~coordinator.strategies.sample_generation.total_variation`, weight 3): the
+devices' models (LeNet-5) have no BatchNorm statistics to say what their data looked
+like, and without a prior the generator's samples drift into textures that the
+ensemble labels but no device ever saw. When the run has a held-out set (the
 coordinator's ``--eval-data``; the sim's test set) the round's server metrics say how
 well the ensemble itself scores there (the student's ceiling) beside the students.
 
@@ -126,10 +130,10 @@ class OneShot(Dense):
 
     name = "oneshot"
     defaults: ClassVar[DenseSettings] = replace(
-        Dense.defaults, hard_steps=3, hard_epsilon=0.1, memory_batches=20
+        Dense.defaults, hard_steps=3, hard_epsilon=0.1, memory_batches=20, smoothness_weight=3.0
     )
-    """DENSE's server step with hard samples beside each generated batch and twice the
-    memory for them."""
+    """DENSE's server step with hard samples beside each generated batch, twice the
+    memory for them, and the smoothness prior on the generated samples."""
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         super().__init__(config, templates)

@@ -20,6 +20,9 @@ it, for labels ``y`` sampled at the start of the phase:
   ensemble and the student, counted on the samples where both predict the same class:
   images the student has not learnt yet, on the ensemble's side of its decision
   boundary;
+- ``tv``: the smoothness prior (:func:`total_variation`), weighted by
+  ``smoothness_weight`` (0 for DENSE and FedDF; oneshot sets it), for teachers without
+  BatchNorm, whose ``bn`` term is empty;
 
 and keeps its lowest-loss batch (as DENSE does); its settings are DENSE's
 (:class:`~coordinator.strategies.dense_settings.DenseSettings`). The adversarial mask
@@ -65,6 +68,7 @@ __all__ = [
     "generator_phase",
     "new_generator",
     "run_generator",
+    "total_variation",
 ]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -77,6 +81,7 @@ class GeneratorLoss:
     ce: torch.Tensor
     bn: torch.Tensor
     adv: torch.Tensor
+    tv: torch.Tensor
 
     def total(self, settings: DenseSettings) -> torch.Tensor:
         """The weighted sum the generator minimises."""
@@ -84,7 +89,17 @@ class GeneratorLoss:
             settings.ce_weight * self.ce
             + settings.bn_weight * self.bn
             + settings.adv_weight * self.adv
+            + settings.smoothness_weight * self.tv
         )
+
+
+def total_variation(samples: torch.Tensor) -> torch.Tensor:
+    """Mean absolute difference of neighbours along each axis of ``samples`` after the
+    channel axis (``(B, C, H, W)`` images: both image axes, summed; ``(B, C, T)``
+    series: time): 0 for constant samples, large for noise. Feature vectors ``(B, F)``
+    have no neighbours: 0."""
+    terms = [samples.diff(dim=axis).abs().mean() for axis in range(2, samples.dim())]
+    return torch.stack(terms).sum() if terms else samples.new_zeros(())
 
 
 def batch_norm_loss(inputs: torch.Tensor, layer: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
@@ -174,7 +189,7 @@ def generator_loss(
     bn = matching.take(images.device)
     ce = F.cross_entropy(ensemble, labels)
     adv = torch.stack([adversarial_loss(s(images), ensemble) for s in students]).mean()
-    return GeneratorLoss(ce=ce, bn=bn, adv=adv)
+    return GeneratorLoss(ce=ce, bn=bn, adv=adv, tv=total_variation(images))
 
 
 def run_generator(
@@ -217,6 +232,7 @@ class GeneratorPhase:
     ce: float
     bn: float
     adv: float
+    tv: float
 
 
 def generator_phase(
@@ -240,7 +256,7 @@ def generator_phase(
     z, y = _draw(settings, classes, rng, device)
     z.requires_grad_(True)
     optimizer = Adam([*generator.parameters(), z], lr=settings.generator_lr, betas=(0.5, 0.999))
-    sums = torch.zeros(3)
+    sums = torch.zeros(4)
     best, best_loss = None, float("inf")
     with BatchNormMatching(teachers) as matching:
         for _ in range(settings.generator_steps):
@@ -250,12 +266,12 @@ def generator_phase(
             optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
-            sums += torch.stack([parts.ce, parts.bn, parts.adv]).detach().cpu()
+            sums += torch.stack([parts.ce, parts.bn, parts.adv, parts.tv]).detach().cpu()
             if loss.item() < best_loss or best is None:
                 best, best_loss = images.detach(), loss.item()
     assert best is not None, "generator_steps must be positive"
-    ce, bn, adv = (sums / settings.generator_steps).tolist()
-    return GeneratorPhase(best=best, labels=y, ce=ce, bn=bn, adv=adv)
+    ce, bn, adv, tv = (sums / settings.generator_steps).tolist()
+    return GeneratorPhase(best=best, labels=y, ce=ce, bn=bn, adv=adv, tv=tv)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from coordinator.strategies.sample_generation import (
     adversarial_loss,
     batch_norm_loss,
     generator_phase,
+    total_variation,
 )
 from models import ImageGenerator, ImageGeneratorConfig, build_classifier, seeded, state_arrays
 from models.optim import Adam
@@ -162,6 +163,44 @@ def test_a_generator_phase_lowers_the_ensembles_cross_entropy_to_the_sampled_lab
     before, after = best_ce(1), best_ce(30)  # one step: the untrained generator's images
 
     assert after < before - 0.5
+
+
+def test_total_variation_is_zero_for_constant_samples_and_counts_each_neighbour_axis() -> None:
+    flat = torch.full((2, 1, 4, 4), 0.3)
+    stripes = torch.zeros((2, 1, 4, 4))
+    stripes[..., 1::2, :] = 1.0  # rows alternate: every vertical neighbour differs by 1
+    series = torch.tensor([[[0.0, 1.0, 0.0, 1.0]]])  # (B, C, T)
+
+    assert float(total_variation(flat)) == 0.0
+    assert float(total_variation(stripes)) == pytest.approx(1.0)  # columns are constant
+    assert float(total_variation(stripes.transpose(-1, -2) + stripes)) == pytest.approx(2.0)
+    assert float(total_variation(series)) == pytest.approx(1.0)
+    assert float(total_variation(torch.rand(3, 7))) == 0.0  # feature vectors: no neighbours
+
+
+def test_the_smoothness_prior_makes_a_generator_phase_keep_smoother_images(
+    trained: list[nn.Module],
+) -> None:
+    teachers = [t.requires_grad_(False) for t in trained]
+    student = model("mlp", 3).eval().requires_grad_(False)
+
+    def phase(weight: float) -> tuple[float, float]:
+        settings = dataclasses.replace(TINY, generator_steps=20, smoothness_weight=weight)
+        result = generator_phase(
+            generator(),
+            teachers,
+            [student],
+            classes=10,
+            settings=settings,
+            rng=torch.Generator().manual_seed(5),
+        )
+        return float(total_variation(result.best)), result.tv
+
+    without, reported = phase(0.0)
+    smoothed, _ = phase(10.0)
+
+    assert reported == pytest.approx(without, rel=0.5)  # the phase reports its mean TV
+    assert smoothed < 0.7 * without
 
 
 def test_distillation_lowers_the_students_kl_to_the_ensemble_on_held_out_images() -> None:
