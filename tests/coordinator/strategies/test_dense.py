@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from coordinator.strategies.ensemble import ensemble_logits
 from coordinator.strategies.registry import build_strategy
 from coordinator.strategies.sample_generation import (
     BatchNormMatching,
+    GeneratorPhase,
     adversarial_loss,
     batch_norm_loss,
     generator_phase,
@@ -141,22 +143,27 @@ def test_adversarial_term_counts_only_samples_where_student_and_ensemble_agree()
     assert float(loss) < 0
 
 
+def one_phase(trained: list[nn.Module], **settings: Any) -> tuple[list[nn.Module], GeneratorPhase]:
+    """The frozen ``trained`` teachers, and a generator phase of a fresh generator against
+    them (an MLP student) at TINY with ``settings`` changed."""
+    teachers = [t.requires_grad_(False) for t in trained]
+    student = model("mlp", 3).eval().requires_grad_(False)
+    phase = generator_phase(
+        generator(),
+        teachers,
+        [student],
+        classes=10,
+        settings=dataclasses.replace(TINY, **settings),
+        rng=torch.Generator().manual_seed(5),
+    )
+    return teachers, phase
+
+
 def test_a_generator_phase_lowers_the_ensembles_cross_entropy_to_the_sampled_labels(
     trained: list[nn.Module],
 ) -> None:
-    teachers = [t.requires_grad_(False) for t in trained]
-    student = model("mlp", 3).eval().requires_grad_(False)
-
     def best_ce(steps: int) -> float:
-        settings = DenseSettings(**{**TINY.__dict__, "generator_steps": steps})
-        phase = generator_phase(
-            generator(),
-            teachers,
-            [student],
-            classes=10,
-            settings=settings,
-            rng=torch.Generator().manual_seed(5),
-        )
+        teachers, phase = one_phase(trained, generator_steps=steps)
         with torch.no_grad():
             return float(F.cross_entropy(ensemble_logits(teachers, phase.best), phase.labels))
 
@@ -181,19 +188,8 @@ def test_total_variation_is_zero_for_constant_samples_and_counts_each_neighbour_
 def test_the_smoothness_prior_makes_a_generator_phase_keep_smoother_images(
     trained: list[nn.Module],
 ) -> None:
-    teachers = [t.requires_grad_(False) for t in trained]
-    student = model("mlp", 3).eval().requires_grad_(False)
-
     def phase(weight: float) -> tuple[float, float]:
-        settings = dataclasses.replace(TINY, generator_steps=20, smoothness_weight=weight)
-        result = generator_phase(
-            generator(),
-            teachers,
-            [student],
-            classes=10,
-            settings=settings,
-            rng=torch.Generator().manual_seed(5),
-        )
+        _, result = one_phase(trained, generator_steps=20, smoothness_weight=weight)
         return float(total_variation(result.best)), result.tv
 
     without, reported = phase(0.0)
