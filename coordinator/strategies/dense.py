@@ -42,6 +42,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from coordinator.averaging import WeightedSum
 from coordinator.config import CoordinatorConfig
 from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
@@ -282,7 +283,8 @@ class Dense(Strategy):
 
     Exactly one round: every device trains once, as with FedAvg but for more local
     epochs (its one chance), and uploads once. The server then builds a fresh model per
-    architecture group (the run seed's initial weights, untrained), trains an image
+    architecture group (the run seed's initial weights, untrained; or the average of the
+    group's uploads, ``DenseSettings.start_from_average``), trains an image
     generator against the ensemble of every upload, whatever its group, and distils
     the ensemble into each group's model on the generated images: no proxy data, no
     data of the devices. Left out of the configuration, ``rounds`` is 1 and
@@ -323,10 +325,11 @@ class Dense(Strategy):
         round_number: int,
         context: ServerContext,
     ) -> AggregateResult:
-        teachers = [self._teacher(update) for update in updates]
+        received = list(updates)
+        teachers = [self._teacher(update) for update in received]
         if not teachers:
             return NothingToAggregate(f"no on-time update in round {round_number}")
-        students = {group: self._fresh(group) for group in current}
+        students = self._students(current, received)
         generator = new_generator(self._generator_config, context.rng)
         log.info(
             "round %d: DENSE distils %d teacher(s) into %s over %d epochs",
@@ -364,8 +367,20 @@ class Dense(Strategy):
         load_arrays(teacher, update.weights)
         return run_weights_(teacher, update.weight_format).eval()
 
-    def _fresh(self, group: str) -> Classifier:
-        """An untrained model of ``group``'s architecture: a copy of its template, which
-        holds the run seed's initial weights every device of the group started from (as
-        DENSE, the global model owes nothing to averaging the uploads)."""
-        return copy.deepcopy(self._templates[group])
+    def _students(
+        self, current: GroupModels, updates: Sequence[Contribution]
+    ) -> dict[str, Classifier]:
+        """Each group's student as distillation starts: an untrained copy of its template
+        (the run seed's initial weights every device of the group started from; as
+        DENSE, the global model owes nothing to averaging the uploads), or with
+        ``start_from_average`` the sample-weighted average of the group's uploads (a
+        group without one: untrained)."""
+        sums: dict[str, WeightedSum] = {}
+        if self.settings.start_from_average:
+            for update in updates:
+                sums.setdefault(update.group, WeightedSum()).add(update.weights, update.num_samples)
+        students = {group: copy.deepcopy(self._templates[group]) for group in current}
+        for group, weighted in sums.items():
+            if group in students:
+                load_arrays(students[group], weighted.mean())
+        return students

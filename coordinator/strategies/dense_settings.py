@@ -64,6 +64,11 @@ class DenseSettings:
     hard_epsilon: float = 0.1
     """How far hard samples move from their generated batch, in total (max norm; images
     stay in [0, 1])."""
+    start_from_average: bool = False
+    """Start each group's student from the sample-weighted average of the group's
+    uploads (one-shot FedAvg, as FedDF starts) instead of the run seed's untrained
+    weights (DENSE): the average already holds features of the devices' real data,
+    which samples of a generator can only approximate."""
     smoothness_weight: float = 0.0
     """Weight of the smoothness prior on generated samples
     (:func:`~coordinator.strategies.sample_generation.total_variation`): neighbouring

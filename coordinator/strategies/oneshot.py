@@ -31,7 +31,10 @@ decision boundaries where the students still disagree, and kept beside it (a mem
 (:func:`~coordinator.strategies.sample_generation.total_variation`, weight 3): the
 devices' models (LeNet-5) have no BatchNorm statistics to say what their data looked
 like, and without a prior the generator's samples drift into textures that the
-ensemble labels but no device ever saw. When the run has a held-out set (the
+ensemble labels but no device ever saw. Each group's student starts from the
+sample-weighted average of the group's uploads (one-shot FedAvg, as FedDF starts), not
+from untrained weights as DENSE's: the average holds features of the devices' real
+data. When the run has a held-out set (the
 coordinator's ``--eval-data``; the sim's test set) the round's server metrics say how
 well the ensemble itself scores there (the student's ceiling) beside the students.
 
@@ -121,7 +124,7 @@ class LabelAwareEnsemble(nn.Module):
 
 class OneShot(Dense):
     """One-shot with a label-aware ensemble (module docstring): DENSE's round and server
-    step, a better teacher.
+    step, a better teacher, students that start from the uploads' average.
 
     Devices are asked for their label counts with their upload (sent only by devices
     that consented in their hello); with ``oneshot_weighting counts`` a device that
@@ -130,10 +133,16 @@ class OneShot(Dense):
 
     name = "oneshot"
     defaults: ClassVar[DenseSettings] = replace(
-        Dense.defaults, hard_steps=3, hard_epsilon=0.1, memory_batches=20, smoothness_weight=3.0
+        Dense.defaults,
+        hard_steps=3,
+        hard_epsilon=0.1,
+        memory_batches=20,
+        smoothness_weight=3.0,
+        start_from_average=True,
     )
     """DENSE's server step with hard samples beside each generated batch, twice the
-    memory for them, and the smoothness prior on the generated samples."""
+    memory for them, the smoothness prior on the generated samples, and students that
+    start from the average of the uploads."""
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         super().__init__(config, templates)
@@ -158,17 +167,15 @@ class OneShot(Dense):
         round_number: int,
         context: ServerContext,
     ) -> AggregateResult:
-        members: list[Classifier] = []
-        counts: list[tuple[int, ...] | None] = []
-        for update in updates:
-            members.append(self._teacher(update))
-            counts.append(update.label_counts)
+        received = list(updates)
+        members = [self._teacher(update) for update in received]
+        counts = [update.label_counts for update in received]
         if not members:
             return NothingToAggregate(f"no on-time update in round {round_number}")
         weighting = self._weighting(counts)
         table = torch.tensor(counts, dtype=torch.float32) if weighting == "counts" else None
         ensemble = LabelAwareEnsemble(members, weighting, table).to(context.device)
-        students = {group: self._fresh(group) for group in current}
+        students = self._students(current, received)
         generator = new_generator(self._generator_config, context.rng)
         log.info(
             "round %d: oneshot distils the %s-weighted ensemble of %d upload(s) into %s "

@@ -310,6 +310,36 @@ def test_the_strategy_distils_a_fresh_model_per_group_and_again_the_same() -> No
     assert isinstance(nothing, NothingToAggregate)
 
 
+@pytest.mark.parametrize("from_average", [False, True])
+def test_students_start_untrained_or_from_the_average_of_their_groups_uploads(
+    monkeypatch: pytest.MonkeyPatch, from_average: bool
+) -> None:
+    """With a student learning rate of 0 the delivered models are where the students
+    started: the template, or the sample-weighted mean of the group's uploads."""
+    still = dataclasses.replace(TINY, student_lr=0.0, start_from_average=from_average)
+    monkeypatch.setattr(Dense, "defaults", still)
+    cfg = dense_config()
+    templates = build_models(cfg)
+    strategy = build_strategy(cfg, templates)
+    current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
+    received = updates(cfg)
+    received[2] = dataclasses.replace(received[2], num_samples=60)  # lenet5: 20 and 60
+
+    result = strategy.aggregate(current, received, 1, ServerContext.for_round(CPU, 1, 1))
+
+    assert isinstance(result, Aggregated)
+    lenet, mlp = result.models["lenet5"]["aca"], result.models["mlp"]["aca"]
+    for name, value in lenet.items():
+        first, second = received[0].weights[name], received[2].weights[name]
+        expected = (
+            (20 * first + 60 * second) / 80 if from_average else current["lenet5"]["aca"][name]
+        )
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+    for name, value in mlp.items():
+        expected = received[1].weights[name] if from_average else current["mlp"]["aca"][name]
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.usefixtures("tiny")
 def test_each_teacher_is_the_model_its_device_runs() -> None:
     """A binary device's upload teaches as the binarized model it runs, not as its
