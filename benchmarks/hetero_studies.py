@@ -10,10 +10,10 @@ FedDF), in-process transport, one JSON report per run and seed:
   FedAvg, FedDF (on proxy images, and on generated ones: ``feddf-gen``) and DENSE on the
   same device updates (same seed: same partition, same local training), and oneshot
   (the label-aware ensemble with hard samples; its record also holds its ensemble's
-  accuracy, the ceiling), with the devices' label counts and without them
-  (``oneshot-energy``). Accuracy of the delivered model on the MNIST test set.
+  accuracy, the ceiling), without the devices' label counts (the default) and with
+  them (``oneshot-counts``). Accuracy of the delivered model on the MNIST test set.
 - ``oneshot-letters``: the same one-shot setting on EMNIST letters (26 classes):
-  one-shot FedAvg against oneshot, with and without label counts.
+  one-shot FedAvg against oneshot, without and with label counts.
 - ``hetero``: a fleet of three architectures (a third each of resnet8, lenet5,
   fedgen_cnn); FedAvg, which can only average within an architecture group, against
   FedDF, which distils every group from the ensemble of all of them. Accuracy of each
@@ -60,17 +60,17 @@ ONESHOT_KINDS: dict[str, list[str]] = {
     "feddf-gen": ["--strategy", "feddf", "--distill-data", "generator"],
     "dense": ["--strategy", "dense"],
     "oneshot": ["--strategy", "oneshot"],
-    "oneshot-energy": ["--strategy", "oneshot", "--oneshot-weighting", "energy"],
+    "oneshot-counts": ["--strategy", "oneshot", "--oneshot-weighting", "counts"],
 }
 """The one-shot runs per alpha: the server steps compared on the same device updates
 (``feddf-gen``: FedDF distilling on images of a generator instead of proxy images;
-``oneshot-energy``: oneshot without the devices' label counts)."""
+``oneshot-counts``: oneshot weighing its ensemble by the devices' label counts)."""
 
 ONESHOT_ARGS = [
     *("--devices", "5", "--participation", "1", "--rounds", "1"),
     *("--model", "lenet5", "--local-epochs", "5"),
 ]
-LETTERS_KINDS = ("fedavg", "oneshot", "oneshot-energy")
+LETTERS_KINDS = ("fedavg", "oneshot", "oneshot-counts")
 """The one-shot runs on EMNIST letters: oneshot against the one-shot FedAvg floor."""
 
 STUDIES: dict[str, dict[str, Any]] = {
@@ -120,7 +120,7 @@ NAMES = {
     "feddf-gen": "FedDF (generator)",
     "dense": "DENSE",
     "oneshot": "oneshot",
-    "oneshot-energy": "oneshot, no label counts (energy)",
+    "oneshot-counts": "oneshot, label counts (counts)",
 }
 
 
@@ -218,7 +218,10 @@ def main() -> None:
         "--only",
         nargs="+",
         metavar="KIND",
-        help="only these runs (the end of their names: fedavg, feddf, feddf-gen, dense, oneshot, oneshot-energy)",
+        help=(
+            "only these runs (the end of their names: fedavg, feddf, feddf-gen, dense, "
+            "oneshot, oneshot-counts)"
+        ),
     )
     show = sub.add_parser("table", help="print the tables from the reports")
     show.add_argument("--out", type=Path, default=Path("studies"))

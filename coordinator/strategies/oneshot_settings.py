@@ -32,9 +32,10 @@ class OneShotOptions(StrategyOptions):
     with hard samples the student still gained from 20 to 40 on MNIST (77 to 87 % at
     alpha 0.1, one seed), not beyond (86 % at 60)."""
 
-    oneshot_weighting: Weighting = Field(default="auto")
-    """oneshot: how the ensemble weighs its members: ``counts`` (each member's vote for a
-    class by its share of the samples of that class, from the label counts devices
-    share; a device that does not consent is refused), ``energy`` (per sample, by each
-    member's log-sum-exp of its logits: no label counts needed), ``auto`` (counts where
-    every upload carries them, energy otherwise)."""
+    oneshot_weighting: Weighting = Field(default="energy")
+    """oneshot: how the ensemble weighs its members: ``energy`` (per sample, by each
+    member's log-sum-exp of its logits: no label counts needed; the better student),
+    ``counts`` (each member's vote for a class by its share of the samples of that
+    class, from the label counts devices share; a device that does not consent is
+    refused; the better ensemble), ``auto`` (counts where every upload carries them,
+    energy otherwise)."""

@@ -1,10 +1,12 @@
-"""oneshot end to end through the sim over MQTT (the embedded broker): one round, the
-label counts travel with the uploads, and the round's record reports the ensemble's
-held-out accuracy beside the student's."""
+"""oneshot end to end through the sim over MQTT (the embedded broker): one round (the
+label counts travel with the uploads where the weighting asks for them), and the round's
+record reports the ensemble's held-out accuracy beside the student's."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from coordinator.config import TrainingSettings
 from coordinator.report import RunReport
@@ -12,9 +14,12 @@ from sim.run import SimConfig, run_simulation
 from tests.coordinator.strategies.test_dense import TINY_FLAGS
 
 
-def test_a_oneshot_run_reports_its_ensemble_beside_its_student() -> None:
+@pytest.mark.parametrize("weighting", ["energy", "counts"])
+def test_a_oneshot_run_reports_its_ensemble_beside_its_student(weighting: str) -> None:
+    """``counts`` raises in the server step unless every upload carried its counts."""
     config = SimConfig(
         strategy="oneshot",
+        oneshot_weighting=weighting,
         devices=4,
         alpha=0.1,
         model="lenet5",

@@ -102,14 +102,18 @@ def contributions(with_counts: bool) -> list[Contribution]:
     return out
 
 
-@pytest.mark.parametrize(("with_counts", "weighting"), [(True, "counts"), (False, "energy")])
+@pytest.mark.parametrize(
+    ("configured", "with_counts", "weighting"),
+    [("auto", True, "counts"), ("auto", False, "energy"), ("energy", True, "energy")],
+)
 def test_the_strategy_distils_and_reports_the_ensemble_beside_the_student(
-    with_counts: bool, weighting: str, caplog: pytest.LogCaptureFixture
+    configured: str, with_counts: bool, weighting: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = oneshot_config()
+    cfg = oneshot_config(oneshot_weighting=configured)
     templates = build_models(cfg)
     strategy = build_strategy(cfg, templates)
-    assert isinstance(strategy, OneShot) and strategy.uplink().label_counts
+    assert isinstance(strategy, OneShot)
+    assert strategy.uplink().label_counts == (configured != "energy")  # asked only if used
     current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
     rng = np.random.default_rng(0)
     x = rng.random((64, 1, 28, 28), dtype=np.float32)
@@ -164,8 +168,8 @@ def test_oneshot_is_one_round_of_every_device_and_its_settings_are_fingerprinted
     with pytest.raises(ConfigError, match="oneshot is one-shot: run it with --rounds 1"):
         build_strategy(oneshot_config(rounds=2), build_models(cfg))
     fields = cfg.fingerprint_fields()
-    assert fields["oneshot_weighting"] == "auto" and fields["dense_epochs"] == 3
-    assert oneshot_config(oneshot_weighting="energy").fingerprint_fields() != fields
+    assert fields["oneshot_weighting"] == "energy" and fields["dense_epochs"] == 3
+    assert oneshot_config(oneshot_weighting="counts").fingerprint_fields() != fields
     assert "oneshot_weighting" not in oneshot_config(strategy="dense").fingerprint_fields()
 
 
