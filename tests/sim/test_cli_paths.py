@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,20 @@ def _lines(stream: queue.Queue[str | None], pattern: str, timeout: float) -> lis
             return seen
 
 
+@pytest.fixture
+def default_ctrl_c() -> Iterator[None]:
+    """Ctrl-C as a user's shell leaves it (Python's KeyboardInterrupt), for this process
+    and the children it starts: an ignored SIGINT is inherited across exec. Something
+    earlier in the full suite leaves SIGINT ignored in the pytest process (the CI
+    replica of 2026-11-27 failed these tests that way; alone they passed)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("default_ctrl_c")
 @pytest.mark.parametrize("transport", ["inproc", "mqtt"])
 def test_ctrl_c_stops_the_run_and_writes_the_finished_rounds(
     transport: str, tmp_path: Path
@@ -236,6 +251,7 @@ class _InterruptAfterRound:
             signal.pthread_kill(main_thread, signal.SIGINT)
 
 
+@pytest.mark.usefixtures("default_ctrl_c")
 def test_run_simulation_raises_run_interrupted_holding_the_finished_rounds() -> None:
     config = SimConfig(
         devices=4,
