@@ -149,6 +149,7 @@ class Hostile:
         self.captured: dict[str, list[bytes]] = {}  # topic -> message frames seen
         self.chunks: list[tuple[str, bytes]] = []  # chunk frames seen
         self.offline: list[tuple[str, bytes]] = []  # offline statuses seen past the 16
+        self._update_ids: set[str] = set()  # message ids (hex) of every honest update seen
         self._reassembler = Reassembler(  # the hostile client's own: roomy and patient
             ReassemblyLimits(
                 max_source_transfers=1024, max_pending_transfers=4096, timeout_s=86400.0
@@ -181,6 +182,10 @@ class Hostile:
                 frame = self._reassembler.feed(inbound.topic, payload)
             except DecodeError:
                 return
+            if frame is not None and inbound.topic.endswith("/update"):
+                env = envelope(frame)
+                if env is not None and isinstance(env.get("id"), bytes):
+                    self._update_ids.add(env["id"].hex())
             frames = self.captured.setdefault(inbound.topic, []) if frame is not None else []
             if frame is not None and len(frames) < 16:
                 frames.append(frame)
@@ -205,6 +210,13 @@ class Hostile:
             self.tasks[inbound.topic.split("/")[3]] = (int(env["round"]), env["id"].hex())
             if len(self.task_frames) < 64:
                 self.task_frames.append((inbound.topic, bytes(inbound.payload)))
+
+    def honest_update(self, message_id: str) -> bool:
+        """Whether ``message_id`` (hex) is one of an honest device's own updates: the
+        coordinator's "a duplicate" line about it answers that device's retry, not an
+        attack (the hostile client's updates all carry ids of its own)."""
+        with self._lock:
+            return message_id in self._update_ids
 
     def ready(self) -> bool:
         """Whether a hello and an update of some honest device were seen."""
