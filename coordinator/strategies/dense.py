@@ -110,6 +110,7 @@ class GeneratedMemory:
         self.capacity = capacity
         self._batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._next = 0
+        self._joined: tuple[torch.Tensor, torch.Tensor] | None = None  # until the next add
 
     def __len__(self) -> int:
         """Images held."""
@@ -123,11 +124,16 @@ class GeneratedMemory:
         else:
             self._batches[self._next] = (images, logits)
         self._next = (self._next + 1) % self.capacity
+        self._joined = None
 
     def sample(self, count: int, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` (image, logits) pairs drawn uniformly with replacement from all held."""
-        images = torch.cat([b for b, _ in self._batches])
-        logits = torch.cat([t for _, t in self._batches])
+        if self._joined is None:  # joined once per change, not once per student step
+            self._joined = (
+                torch.cat([b for b, _ in self._batches]),
+                torch.cat([t for _, t in self._batches]),
+            )
+        images, logits = self._joined
         pick = torch.randint(len(images), (count,), generator=rng).to(images.device)
         return images[pick], logits[pick]
 
