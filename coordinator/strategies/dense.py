@@ -190,6 +190,24 @@ def hard_samples(
     return hard.detach()
 
 
+def draw_batches(
+    generator: ImageGenerator | SampleGenerator,
+    settings: DenseSettings,
+    rng: torch.Generator,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """``settings.extra_batches`` batches of the generator as it stands, each from fresh
+    noise drawn from ``rng`` (in eval mode, no gradient; left in train mode)."""
+    batches = []
+    generator.eval()
+    with torch.no_grad():
+        for _ in range(settings.extra_batches):
+            z = torch.randn((settings.batch_size, settings.noise_dim), generator=rng)
+            batches.append(generator(z.to(device)))
+    generator.train()
+    return batches
+
+
 def dense_distill(
     students: Mapping[str, nn.Module],
     teachers: Sequence[nn.Module],
@@ -210,12 +228,20 @@ def dense_distill(
     logged at INFO (the loss parts and each student's KL), as the whole takes minutes.
 
     Raises:
-        ValueError: no teacher, no student, or a setting below 1.
+        ValueError: no teacher, no student, a setting below 1, or a memory too small
+            for one epoch's batches.
     """
     if not teachers or not students:
         raise ValueError("DENSE needs at least one teacher and one student")
     if min(settings.epochs, settings.generator_steps, settings.student_steps) < 1:
         raise ValueError(f"epochs and steps must be positive: {settings}")
+    per_epoch = 1 + settings.extra_batches + (settings.hard_steps > 0)
+    if settings.extra_batches < 0 or settings.memory_batches < per_epoch:
+        raise ValueError(
+            f"the memory ({settings.memory_batches} batches) must hold an epoch's "
+            f"{per_epoch} (1 optimised, {settings.extra_batches} extra, hard samples "
+            f"{'1' if settings.hard_steps else '0'}): {settings}"
+        )
     generator.to(device)
     for model in (*teachers, *students.values()):
         model.to(device)
@@ -238,6 +264,8 @@ def dense_distill(
             )
         with torch.no_grad():
             memory.add(phase.best, ensemble_logits(teachers, phase.best))
+            for batch in draw_batches(generator, settings, rng, device):
+                memory.add(batch, ensemble_logits(teachers, batch))
         if settings.hard_steps:
             hard = hard_samples(
                 phase.best,

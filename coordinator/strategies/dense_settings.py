@@ -55,6 +55,11 @@ class DenseSettings:
     """Softmax temperature of the student's distillation loss."""
     memory_batches: int = 10
     """Generated batches kept for the student (the oldest goes first)."""
+    extra_batches: int = 0
+    """Batches drawn from the generator each epoch beside its optimised one, from fresh
+    noise and without a step, labelled by the ensemble and kept in the memory (which
+    must then be larger): more varied samples for the student at the cost of the
+    ensemble's forward passes only. 0: none (DENSE)."""
     eval_size: int = 256
     """Held-out generated images on which the result's KL is measured."""
     hard_steps: int = 0

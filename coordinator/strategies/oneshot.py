@@ -32,8 +32,11 @@ ensemble as its one teacher (a generator trained against it, a fresh model per
 architecture group distilled on its samples) and hard samples: each epoch's generated
 batch is also moved 3 sign-gradient steps (0.1 in all) up the students' KL to the
 ensemble (:func:`~coordinator.strategies.dense.hard_samples`), towards the ensemble's
-decision boundaries where the students still disagree, and kept beside it (a memory of
-20 batches, DENSE's 10), and the generator's loss has a smoothness prior
+decision boundaries where the students still disagree, and kept beside it; 8 more
+batches drawn from the generator each epoch without a step (fresh noise: varied samples
+for the cost of the ensemble's forward passes) join them in a memory of 200 batches
+(DENSE's 10), on which the students take 40 steps an epoch at 3e-4 (DENSE: 20 at
+1e-3); and the generator's loss has a smoothness prior
 (:func:`~coordinator.strategies.sample_generation.total_variation`, weight 3): the
 devices' models (LeNet-5) have no BatchNorm statistics to say what their data looked
 like, and without a prior the generator's samples drift into textures that the
@@ -143,13 +146,17 @@ class OneShot(Dense):
         Dense.defaults,
         hard_steps=3,
         hard_epsilon=0.1,
-        memory_batches=20,
+        memory_batches=200,
+        extra_batches=8,
+        student_lr=3e-4,
         smoothness_weight=3.0,
         start_from_average=True,
     )
-    """DENSE's server step with hard samples beside each generated batch, twice the
-    memory for them, the smoothness prior on the generated samples, and students that
-    start from the average of the uploads."""
+    """DENSE's server step with hard samples beside each generated batch, 8 more batches
+    of the generator drawn each epoch, a memory of 200 batches (20 epochs' worth), the
+    smoothness prior on the generated samples, and students that start from the average
+    of the uploads and learn at 3e-4 (DENSE: 1e-3), 40 steps an epoch (the fleet
+    default of ``dense_student_steps``)."""
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
         super().__init__(config, templates)

@@ -16,7 +16,7 @@ from coordinator.context import ServerContext
 from coordinator.errors import ConfigError
 from coordinator.runtime import build_models
 from coordinator.strategies.base import Aggregated, Contribution, NothingToAggregate
-from coordinator.strategies.dense import Dense, dense_distill
+from coordinator.strategies.dense import Dense, dense_distill, draw_batches
 from coordinator.strategies.dense_settings import DenseSettings
 from coordinator.strategies.ensemble import ensemble_logits
 from coordinator.strategies.registry import build_strategy
@@ -217,6 +217,36 @@ def test_distillation_lowers_the_students_kl_to_the_ensemble_on_held_out_images(
     assert result.generator_steps == 9 and result.student_steps == 30
     assert result.bn == 0.0  # no teacher has BatchNorm
     assert not student.training
+
+
+def test_extra_batches_are_fresh_draws_of_the_generator_without_a_step() -> None:
+    gen = generator()
+    before = state_arrays(gen)
+    settings = dataclasses.replace(TINY, extra_batches=3)
+
+    batches = draw_batches(gen, settings, torch.Generator().manual_seed(0), CPU)
+
+    assert len(batches) == 3 and all(b.shape == (32, 1, 28, 28) for b in batches)
+    assert not any(b.requires_grad for b in batches)
+    assert not torch.allclose(batches[0], batches[1])  # each its own noise
+    after = state_arrays(gen)
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # no step taken
+    assert gen.training
+    assert draw_batches(gen, TINY, torch.Generator(), CPU) == []
+
+
+def test_a_memory_smaller_than_one_epochs_batches_is_refused() -> None:
+    settings = dataclasses.replace(TINY, extra_batches=2, hard_steps=1, memory_batches=3)
+    with pytest.raises(ValueError, match=r"must hold an epoch's 4"):
+        dense_distill(
+            {"mlp": model("mlp", 4)},
+            [model("mlp", 2)],
+            generator(),
+            classes=10,
+            settings=settings,
+            rng=torch.Generator(),
+            device=CPU,
+        )
 
 
 def test_the_same_seed_gives_the_same_students() -> None:

@@ -173,6 +173,17 @@ def test_oneshot_is_one_round_of_every_device_and_its_settings_are_fingerprinted
     assert "oneshot_weighting" not in oneshot_config(strategy="dense").fingerprint_fields()
 
 
+def test_oneshot_distils_longer_than_dense_by_default() -> None:
+    bare = {"fleet": "test", "model": "lenet5"}
+    ours = CoordinatorConfig.model_validate(bare | {"strategy": "oneshot"})
+    dense = CoordinatorConfig.model_validate(bare | {"strategy": "dense"})
+    assert (ours.dense_epochs, ours.dense_student_steps) == (40, 40)
+    assert (dense.dense_epochs, dense.dense_student_steps) == (20, 20)
+    settings = build_strategy(ours, build_models(ours)).settings
+    assert (settings.extra_batches, settings.memory_batches, settings.student_lr) == (8, 200, 3e-4)
+    assert settings.student_steps == 40 and settings.start_from_average
+
+
 def test_hard_samples_move_towards_disagreement_and_stay_images() -> None:
     teacher, student = model("lenet5", 3).eval(), model("lenet5", 4).train()
     samples = torch.rand(32, 1, 28, 28, generator=torch.Generator().manual_seed(2))
