@@ -92,9 +92,10 @@ class DenseOptions(StrategyOptions):
     fleet_defaults: ClassVar[Mapping[str, Scalar]] = {"rounds": 1, "participation": 1.0}
 
     dense_epochs: int = Field(default=_DEFAULTS.epochs, ge=1)
-    """dense: alternations of a generator phase and a student phase on the server (more:
-    closer students, proportionally more server time)."""
+    """dense, oneshot: alternations of a generator phase and a student phase on the
+    server (more: closer students, proportionally more server time); oneshot's default
+    is 40."""
     dense_generator_steps: int = Field(default=_DEFAULTS.generator_steps, ge=1)
-    """dense: generator Adam steps per epoch."""
+    """dense, oneshot: generator Adam steps per epoch."""
     dense_student_steps: int = Field(default=_DEFAULTS.student_steps, ge=1)
-    """dense: student Adam steps per epoch."""
+    """dense, oneshot: student Adam steps per epoch; oneshot's default is 40."""
