@@ -228,15 +228,17 @@ def dense_distill(
     logged at INFO (the loss parts and each student's KL), as the whole takes minutes.
 
     Raises:
-        ValueError: no teacher, no student, a setting below 1, or a memory too small
-            for one epoch's batches.
+        ValueError: no teacher, no student, a setting below 1 (``extra_batches``:
+            below 0), or a memory too small for one epoch's batches.
     """
     if not teachers or not students:
         raise ValueError("DENSE needs at least one teacher and one student")
     if min(settings.epochs, settings.generator_steps, settings.student_steps) < 1:
         raise ValueError(f"epochs and steps must be positive: {settings}")
+    if settings.extra_batches < 0:
+        raise ValueError(f"extra_batches must be 0 or more: {settings}")
     per_epoch = 1 + settings.extra_batches + (settings.hard_steps > 0)
-    if settings.extra_batches < 0 or settings.memory_batches < per_epoch:
+    if settings.memory_batches < per_epoch:
         raise ValueError(
             f"the memory ({settings.memory_batches} batches) must hold an epoch's "
             f"{per_epoch} (1 optimised, {settings.extra_batches} extra, hard samples "

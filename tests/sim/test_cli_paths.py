@@ -167,9 +167,9 @@ def _lines(stream: queue.Queue[str | None], pattern: str, timeout: float) -> lis
 @pytest.fixture
 def default_ctrl_c() -> Iterator[None]:
     """Ctrl-C as a user's shell leaves it (Python's KeyboardInterrupt), for this process
-    and the children it starts: an ignored SIGINT is inherited across exec. Something
-    earlier in the full suite leaves SIGINT ignored in the pytest process (the CI
-    replica of 2026-11-27 failed these tests that way; alone they passed)."""
+    and the children it starts: a shell starts a background command with SIGINT
+    ignored (as CI's runs are started), and an ignored SIGINT is inherited across exec,
+    so pytest and every child would ignore the tests' Ctrl-C."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
