@@ -25,7 +25,7 @@ seconds per round and the ratio to ``fedavg`` (issue 29's target: <= 3x); ``--js
 prints the rows as JSON.
 
 Run from the repository root: ``python -m benchmarks.fedkf_cost [--repeat 3]
-[--settings fedavg,paper,every-4_reuse-4_batch-32_width-8]``.
+[--settings fedavg,paper,default,every-4_reuse-4_batch-32_width-8]``.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class LocalTraining(BaseModel):
     generator_width: int = Field(default=8, ge=1)
     """FedKF: base channels of the device's image generator (64 is the DCGAN size, as
     the paper's)."""
-    generator_every: int = Field(default=4, ge=1)
+    generator_every: int = Field(default=2, ge=1)
     """FedKF: the image generator takes one Adam step every this many local batches (1:
     before every batch, as the paper)."""
     sample_reuse: int = Field(default=4, ge=1)
@@ -100,7 +100,7 @@ class Hyperparameters(LocalTraining):
     generator_batch_size: int = Field(default=0, ge=0)
     """FedKF and FedGen: generated samples per generator step and per distillation (or
     generative) step; 0: ``batch_size``, as the papers (the coordinator sends FedKF's
-    own default, 32)."""
+    own default, 24)."""
     generative_alpha: _NonNegFloat = 0.0
     """FedGen: this round's weight alpha_t of CE(head(G(eps, y)), y) (the coordinator
     applies the decay schedule; 0: plain cross-entropy)."""
