@@ -71,7 +71,7 @@ class TrainingSettings(LocalTraining):
     devices validate their tasks with. ``local_epochs``, ``local_steps`` and
     ``batch_size`` left unset (None) take the strategy's defaults
     (:attr:`coordinator.strategies.base.Strategy.training_defaults`: E = 5, B = 32 for FedAvg;
-    E = 10, B = 64 and 24 generated samples per step for FedKF; 20 steps of B = 32 for
+    E = 10, B = 64 and 16 generated samples per step for FedKF; 20 steps of B = 32 for
     FedGen).
     """
 
@@ -86,7 +86,7 @@ class TrainingSettings(LocalTraining):
     generator_batch_size: int | None = Field(default=None, ge=0)
     """FedKF and FedGen: generated samples per generator step and per distillation (or
     generative) step; 0: ``batch_size``, as the papers; unset: the strategy's default
-    (FedKF 24, FedGen 0)."""
+    (FedKF 16, FedGen 0)."""
     generative_alpha: float = Field(default=10.0, ge=0, allow_inf_nan=False)
     """FedGen: weight of the generator term in round 1; round t sends alpha_t =
     generative_alpha * generative_alpha_decay ** (t - 1)."""

@@ -63,7 +63,7 @@ class LocalTraining(BaseModel):
     """FedKF: weight of the activation loss in the generator objective L_G."""
     generator_lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     """FedKF: Adam learning rate of the device's image generator."""
-    generator_width: int = Field(default=8, ge=1)
+    generator_width: int = Field(default=16, ge=1)
     """FedKF: base channels of the device's image generator (64 is the DCGAN size, as
     the paper's)."""
     generator_every: int = Field(default=2, ge=1)
@@ -100,7 +100,7 @@ class Hyperparameters(LocalTraining):
     generator_batch_size: int = Field(default=0, ge=0)
     """FedKF and FedGen: generated samples per generator step and per distillation (or
     generative) step; 0: ``batch_size``, as the papers (the coordinator sends FedKF's
-    own default, 24)."""
+    own default, 16)."""
     generative_alpha: _NonNegFloat = 0.0
     """FedGen: this round's weight alpha_t of CE(head(G(eps, y)), y) (the coordinator
     applies the decay schedule; 0: plain cross-entropy)."""

@@ -23,7 +23,7 @@ class FedKF(Strategy):
     downlink bytes at the same precision; the teacher travels as a delta against the
     student within ``teacher_budget``). ``single`` (FedKF-): ``student`` only, which
     devices also use as the teacher. Defaults from the paper: E = 10, B = 64; the
-    device's cost settings (``generator_every``, ``sample_reuse``, 24 generated samples
+    device's cost settings (``generator_every``, ``sample_reuse``, 16 generated samples
     per step) are the runtime's, cheaper than the paper's (docs/modes.md, "FedKF's cost").
     """
 
@@ -32,7 +32,7 @@ class FedKF(Strategy):
     training_defaults: ClassVar[Mapping[str, int]] = {
         "local_epochs": 10,
         "batch_size": 64,
-        "generator_batch_size": 24,
+        "generator_batch_size": 16,
     }
     delta_sets: ClassVar[Mapping[str, str]] = {TEACHER_SET: STUDENT_SET}
 

@@ -76,7 +76,7 @@ def test_fedkf_sends_its_cost_settings_and_the_paper_s_stay_selectable() -> None
     ).hyperparameters(1)
 
     wanted = ("generator_every", "sample_reuse", "generator_batch_size")
-    assert [default[k] for k in wanted] == [2, 4, 24]
+    assert [default[k] for k in wanted] == [2, 4, 16]
     assert [published[k] for k in wanted] == [1, 1, 0]
     received = TrainConfig.from_hyperparameters(published)
     assert (received.generator_batch_size or received.batch_size) == 64  # B, as the paper

@@ -17,9 +17,9 @@ copy of the student as received) and, for its local mini-batches ``(x, y)``:
 
 Bg is ``generator_batch_size`` (0: the local batch size). The paper's values are
 ``generator_every`` 1, ``sample_reuse`` 1 and Bg = B (a generator step and a fresh
-generated batch before every batch); the runtime's defaults, 2, 4 and 24 (with B = 64)
-and ``generator_width`` 8, cost a device about 2.7x FedAvg's training time per round
-instead of 15x, 0.5 AMP points under the published settings on the FedKF study
+generated batch before every batch); the runtime's defaults, 2, 4 and 16 (with B = 64)
+and ``generator_width`` 16, cost a device about 2.7x FedAvg's training time per round
+instead of 15x, and reach the published settings' AMP and WLP on the FedKF study
 (docs/results.md, ``python -m benchmarks.fedkf_cost``).
 
 Step 1 runs in :meth:`FedKFHook.before_batch`, step 2's distillation term in

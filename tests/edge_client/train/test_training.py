@@ -164,7 +164,7 @@ def test_defaults_and_valid_hyperparameters() -> None:
     assert TrainConfig.from_hyperparameters({}) == TrainConfig()
     defaults = TrainConfig()
     assert (defaults.gamma, defaults.lambda1, defaults.lambda2) == (1.0, 0.1, 0.1)
-    assert (defaults.generator_lr, defaults.generator_width) == (1e-3, 8)
+    assert (defaults.generator_lr, defaults.generator_width) == (1e-3, 16)
     assert (defaults.generator_noise_dim, defaults.generator_hidden) == (0, 256)
     assert (defaults.generative_alpha, defaults.generator_batch_size) == (0.0, 0)
     assert (defaults.momentum, defaults.mu) == (0.9, 0.01)  # protocol.hyperparams' defaults
