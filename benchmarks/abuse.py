@@ -33,8 +33,9 @@ ack, which the coordinator answers as a duplicate), ``logged`` (those at WARNING
 an operator sees at the default level). The refusal lines are what this benchmark
 measures, so it reads them in the coordinator's log; the honest figures come from the
 coordinator's status file (``STATE_DIR/status.json``) and are compared with an
-abuse-free reference run of the same seed: rounds, honest updates on time, ``lost`` (expected minus on time), round durations,
-the coordinator's peak RSS, and whether the final models are bit-identical.
+abuse-free reference run of the same seed: rounds, honest updates on time, ``lost``
+(expected minus on time), round durations, the coordinator's peak RSS, and whether the
+final models are bit-identical.
 
 Run::
 
