@@ -212,7 +212,8 @@ def table(args: argparse.Namespace) -> None:
             continue
         first_label = next(iter(rows))
         base_run, base_model = rows[first_label]
-        targets = [_curve(r, base_model)[-1] for r in reports[base_run]]
+        # each seed's FedAvg final AMP, for the same seed's runs (a run may lack seeds)
+        targets = {r["config"]["seed"]: _curve(r, base_model)[-1] for r in reports[base_run]}
         rounds = len(reports[base_run][0]["rounds"])
         seeds = len(reports[base_run])
         print(f"\n{name}: {rounds} rounds, {seeds} seed(s); AMP / WLP in %, FM in %²\n")
@@ -224,7 +225,12 @@ def table(args: argparse.Namespace) -> None:
         for label, (run, model) in rows.items():
             finals = [r["rounds"][-1]["models"][model] for r in reports[run]]
             curves = [_curve(r, model) for r in reports[run]]
-            reach = [_first_reach(c, t) for c, t in zip(curves, targets, strict=False)]
+            reach = [
+                _first_reach(c, targets[r["config"]["seed"]])
+                if r["config"]["seed"] in targets
+                else None
+                for c, r in zip(curves, reports[run], strict=True)
+            ]
             reached = "/".join("-" if x is None else str(x) for x in reach)
             print(
                 f"| {label} | {spread([f['amp'] for f in finals])} | "
