@@ -10,8 +10,9 @@ FedDF), in-process transport, one JSON report per run and seed:
   FedAvg, FedDF (on proxy images, and on generated ones: ``feddf-gen``) and DENSE on the
   same device updates (same seed: same partition, same local training), and oneshot
   (the label-aware ensemble with hard samples; its record also holds its ensemble's
-  accuracy, the ceiling), without the devices' label counts (the default) and with
-  them (``oneshot-counts``). Accuracy of the delivered model on the MNIST test set.
+  accuracy, the ceiling), without the devices' label counts (the default, and the
+  energy gate alone: ``oneshot-energy``) and with them (``oneshot-counts``). Accuracy
+  of the delivered model on the MNIST test set.
 - ``oneshot-letters``: the same one-shot setting on EMNIST letters (26 classes):
   one-shot FedAvg against oneshot, without and with label counts.
 - ``hetero``: a fleet of three architectures (a third each of resnet8, lenet5,
@@ -60,17 +61,20 @@ ONESHOT_KINDS: dict[str, list[str]] = {
     "feddf-gen": ["--strategy", "feddf", "--distill-data", "generator"],
     "dense": ["--strategy", "dense"],
     "oneshot": ["--strategy", "oneshot"],
+    "oneshot-energy": ["--strategy", "oneshot", "--oneshot-weighting", "energy"],
     "oneshot-counts": ["--strategy", "oneshot", "--oneshot-weighting", "counts"],
 }
 """The one-shot runs per alpha: the server steps compared on the same device updates
 (``feddf-gen``: FedDF distilling on images of a generator instead of proxy images;
-``oneshot-counts``: oneshot weighing its ensemble by the devices' label counts)."""
+``oneshot-energy``: oneshot's ensemble gated by the members' energies alone, without the
+class shares it estimates; ``oneshot-counts``: oneshot weighing its ensemble by the
+devices' label counts)."""
 
 ONESHOT_ARGS = [
     *("--devices", "5", "--participation", "1", "--rounds", "1"),
     *("--model", "lenet5", "--local-epochs", "5"),
 ]
-LETTERS_KINDS = ("fedavg", "oneshot", "oneshot-counts")
+LETTERS_KINDS = ("fedavg", "oneshot", "oneshot-energy", "oneshot-counts")
 """The one-shot runs on EMNIST letters: oneshot against the one-shot FedAvg floor."""
 
 STUDIES: dict[str, dict[str, Any]] = {
@@ -120,6 +124,7 @@ NAMES = {
     "feddf-gen": "FedDF (generator)",
     "dense": "DENSE",
     "oneshot": "oneshot",
+    "oneshot-energy": "oneshot, energy gate only (energy)",
     "oneshot-counts": "oneshot, label counts (counts)",
 }
 
@@ -220,7 +225,7 @@ def main() -> None:
         metavar="KIND",
         help=(
             "only these runs (the end of their names: fedavg, feddf, feddf-gen, dense, "
-            "oneshot, oneshot-counts)"
+            "oneshot, oneshot-energy, oneshot-counts)"
         ),
     )
     show = sub.add_parser("table", help="print the tables from the reports")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -217,6 +217,7 @@ def dense_distill(
     settings: DenseSettings,
     rng: torch.Generator,
     device: torch.device,
+    observe: Callable[[torch.Tensor], None] | None = None,
 ) -> DenseResult:
     """Distil the ensemble of ``teachers`` into each of ``students`` (name -> model,
     trained in place, left in eval mode) on images of ``generator`` (trained in place),
@@ -226,6 +227,8 @@ def dense_distill(
     parameters frozen (they are only read). ``classes`` is the width of every model's
     logits; ``generator`` must make images of the models' input shape. Each epoch is
     logged at INFO (the loss parts and each student's KL), as the whole takes minutes.
+    ``observe``, when given, is called with each epoch's optimised batch (its labels were
+    drawn uniformly) before the teachers label it.
 
     Raises:
         ValueError: no teacher, no student, a setting below 1 (``extra_batches``:
@@ -264,6 +267,8 @@ def dense_distill(
                 settings=settings,
                 rng=rng,
             )
+        if observe is not None:
+            observe(phase.best)
         with torch.no_grad():
             memory.add(phase.best, ensemble_logits(teachers, phase.best))
             for batch in draw_batches(generator, settings, rng, device):

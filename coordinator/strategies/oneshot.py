@@ -83,6 +83,10 @@ __all__ = ["LabelAwareEnsemble", "OneShot", "class_shares"]
 
 log = logging.getLogger(__name__)
 
+ESTIMATE_WARMUP = 5
+"""Generated batches the ``estimated`` weighting observes before it uses its estimate
+(the first epochs' batches come from a generator that has barely started)."""
+
 
 def class_shares(counts: torch.Tensor) -> torch.Tensor:
     """Each member's share of each class's samples, ``(M, K)`` from counts ``(M, K)``:
@@ -93,13 +97,24 @@ def class_shares(counts: torch.Tensor) -> torch.Tensor:
 
 
 class LabelAwareEnsemble(nn.Module):
-    """Members' probabilities weighed per class (``counts``) or per sample (``energy``):
-    ``forward(x)`` is ``log(sum_i w_i(x, k) softmax(members[i](x))_k)``, ``(B, K)``.
+    """Members' probabilities weighed per class (``counts``), per sample (``energy``), or
+    both (``estimated``): ``forward(x)`` is ``log(sum_i w_i(x, k) softmax(members[i](x))_k)``,
+    ``(B, K)``.
+
+    Under ``estimated`` each member's class shares are estimated from its own predictions:
+    :meth:`observe` takes a batch of samples whose classes are balanced (the generator's
+    optimised batch, which it makes for labels drawn uniformly), and member ``i``'s mean
+    probability of class ``k`` over every batch observed, times its sample count, stands
+    for its count of class ``k``: a member that never saw a class rarely predicts it. Until
+    ``warmup`` batches were observed it weighs as ``energy``; after, member ``i`` weighs
+    ``gate_i(x) * share_i(k)``, normalised over the members per sample and class.
 
     Args:
         members: the uploads as their devices run them, in eval mode.
+        weighting: ``counts``, ``energy`` or ``estimated``.
         counts: samples per member and class ``(M, K)``; required for ``counts``.
-        weighting: ``counts`` or ``energy``.
+        sizes: samples per member ``(M,)``; required for ``estimated``.
+        warmup: batches :meth:`observe` takes before the estimate is used.
     """
 
     def __init__(
@@ -107,6 +122,9 @@ class LabelAwareEnsemble(nn.Module):
         members: Sequence[nn.Module],
         weighting: Weighting,
         counts: torch.Tensor | None = None,
+        *,
+        sizes: torch.Tensor | None = None,
+        warmup: int = ESTIMATE_WARMUP,
     ) -> None:
         super().__init__()
         if not members:
@@ -114,12 +132,38 @@ class LabelAwareEnsemble(nn.Module):
         if weighting == "counts":
             if counts is None or counts.shape[0] != len(members):
                 raise ValueError("counts weighting needs every member's label counts")
+        elif weighting == "estimated":
+            if sizes is None or sizes.shape != (len(members),):
+                raise ValueError("estimated weighting needs every member's sample count")
         elif weighting != "energy":
-            raise ValueError(f"weighting is counts or energy, not {weighting!r}")
+            raise ValueError(f"weighting is counts, energy or estimated, not {weighting!r}")
         self.members = nn.ModuleList(members)
         self.weighting = weighting
+        self.warmup = warmup
+        self.observed = 0
         shares = class_shares(counts.float()) if counts is not None else torch.zeros(0)
         self.register_buffer("shares", shares)
+        self.register_buffer("sizes", sizes.float() if sizes is not None else torch.zeros(0))
+        self.register_buffer("predicted", torch.zeros(0))
+
+    @torch.no_grad()
+    def observe(self, images: torch.Tensor) -> None:
+        """Add each member's mean probabilities over ``images`` (class-balanced samples)
+        to the estimate of its class shares (``estimated`` only)."""
+        if self.weighting != "estimated":
+            raise ValueError(f"observe is for estimated weighting, not {self.weighting!r}")
+        mean = torch.stack([member(images) for member in self.members]).softmax(-1).mean(1)
+        predicted = self.get_buffer("predicted")
+        self.predicted = mean if predicted.numel() == 0 else predicted + mean
+        self.observed += 1
+
+    def estimated_shares(self) -> torch.Tensor | None:
+        """Each member's estimated share of each class ``(M, K)`` (columns sum to 1), or
+        None before ``warmup`` batches were observed."""
+        if self.weighting != "estimated" or self.observed < max(self.warmup, 1):
+            return None
+        mean = self.get_buffer("predicted") / self.observed
+        return class_shares(mean * self.get_buffer("sizes")[:, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = torch.stack([member(x) for member in self.members])  # (M, B, K)
@@ -128,8 +172,12 @@ class LabelAwareEnsemble(nn.Module):
             shares = self.get_buffer("shares")  # (M, K)
             weighted = shares[:, None, :] * probabilities
         else:
-            gate = logits.logsumexp(-1).softmax(0)  # (M, B): per sample, sums to 1
-            weighted = gate[..., None] * probabilities
+            weight = logits.logsumexp(-1).softmax(0)[..., None]  # (M, B, 1): sums to 1
+            estimated = self.estimated_shares()
+            if estimated is not None:
+                weight = weight * estimated[:, None, :]  # (M, B, K)
+                weight = weight / weight.sum(0, keepdim=True).clamp_min(1e-12)
+            weighted = weight * probabilities
         return weighted.sum(0).clamp_min(1e-12).log()
 
 
@@ -165,7 +213,8 @@ class OneShot(Dense):
         self.weighting: Weighting = config.oneshot_weighting
 
     def uplink(self) -> UploadSpec:
-        return super().uplink().model_copy(update={"label_counts": self.weighting != "energy"})
+        asks = self.weighting in ("auto", "counts")
+        return super().uplink().model_copy(update={"label_counts": asks})
 
     def refuse(self, hello: Hello) -> str | None:
         if self.weighting != "counts" or hello.share_label_counts:
@@ -190,7 +239,8 @@ class OneShot(Dense):
             return NothingToAggregate(f"no on-time update in round {round_number}")
         weighting = self._weighting(counts)
         table = torch.tensor(counts, dtype=torch.float32) if weighting == "counts" else None
-        ensemble = LabelAwareEnsemble(members, weighting, table).to(context.device)
+        sizes = torch.tensor([update.num_samples for update in received], dtype=torch.float32)
+        ensemble = LabelAwareEnsemble(members, weighting, table, sizes=sizes).to(context.device)
         students = self._students(current, received)
         generator = new_generator(self._generator_config, context.rng)
         log.info(
@@ -210,6 +260,7 @@ class OneShot(Dense):
             settings=self.settings,
             rng=context.rng,
             device=context.device,
+            observe=ensemble.observe if weighting == "estimated" else None,
         )
         metrics: dict[str, float] = {}
         for group in students:
@@ -236,8 +287,10 @@ class OneShot(Dense):
     def _weighting(self, counts: Sequence[tuple[int, ...] | None]) -> Weighting:
         """The weighting this round's uploads allow: ``counts`` needs every upload's."""
         every = all(c is not None and len(c) == self.config.num_classes for c in counts)
-        if self.weighting == "energy" or (self.weighting == "auto" and not every):
-            return "energy"
+        if self.weighting in ("energy", "estimated"):
+            return self.weighting
+        if self.weighting == "auto" and not every:
+            return "estimated"
         if not every:  # a device that consented and sent none, or a damaged record
             raise ValueError("counts weighting, but an upload carries no label counts")
         return "counts"

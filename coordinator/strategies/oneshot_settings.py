@@ -14,7 +14,7 @@ from coordinator.strategies.options import Scalar, StrategyOptions
 
 __all__ = ["OneShotOptions", "Weighting"]
 
-Weighting = Literal["auto", "counts", "energy"]
+Weighting = Literal["auto", "counts", "energy", "estimated"]
 """How the one-shot ensemble weighs its members per class and sample."""
 
 
@@ -34,10 +34,11 @@ class OneShotOptions(StrategyOptions):
     alpha 0.1, one seed), not beyond (86 % at 60); 40 student steps an epoch (DENSE's
     20), over a memory ten times DENSE's."""
 
-    oneshot_weighting: Weighting = Field(default="energy")
-    """oneshot: how the ensemble weighs its members: ``energy`` (per sample, by each
-    member's log-sum-exp of its logits: no label counts needed; the better student),
-    ``counts`` (each member's vote for a class by its share of the samples of that
-    class, from the label counts devices share; a device that does not consent is
-    refused; the better ensemble), ``auto`` (counts where every upload carries them,
-    energy otherwise)."""
+    oneshot_weighting: Weighting = Field(default="estimated")
+    """oneshot: how the ensemble weighs its members: ``estimated`` (per sample by each
+    member's log-sum-exp of its logits, times per class its share of the class estimated
+    from its own predictions on the generator's class-balanced samples: no label counts
+    needed; the best student measured), ``energy`` (the log-sum-exp gate alone),
+    ``counts`` (each member's vote for a class by its share of the samples of that class,
+    from the label counts devices share; a device that does not consent is refused),
+    ``auto`` (counts where every upload carries them, estimated otherwise)."""

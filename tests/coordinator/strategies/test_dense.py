@@ -199,9 +199,10 @@ def test_the_smoothness_prior_makes_a_generator_phase_keep_smoother_images(
     assert smoothed < 0.7 * without
 
 
-def test_distillation_lowers_the_students_kl_to_the_ensemble_on_held_out_images() -> None:
+def test_distillation_lowers_the_students_kl_to_the_ensemble_and_shows_each_epochs_batch() -> None:
     teachers = [model("lenet5", 1), model("lenet5", 2), model("mlp", 3)]
     student = model("lenet5", 4)
+    observed: list[torch.Tensor] = []
 
     result = dense_distill(
         {"lenet5": student},
@@ -211,9 +212,12 @@ def test_distillation_lowers_the_students_kl_to_the_ensemble_on_held_out_images(
         settings=TINY,
         rng=torch.Generator().manual_seed(0),
         device=CPU,
+        observe=observed.append,
     )
 
     assert result.kl_after["lenet5"] < 0.5 * result.kl_before["lenet5"]
+    assert [b.shape for b in observed] == [(32, 1, 28, 28)] * 3  # each epoch's optimised batch
+    assert not any(b.requires_grad for b in observed)
     assert result.generator_steps == 9 and result.student_steps == 30
     assert result.bn == 0.0  # no teacher has BatchNorm
     assert not student.training

@@ -1,4 +1,4 @@
-"""oneshot: the label-aware ensemble (counts and energy weighting), the strategy's
+"""oneshot: the label-aware ensemble (counts, energy and estimated weighting), the strategy's
 server step with its held-out report, consent, one-shot rounds and the resume
 fingerprint."""
 
@@ -79,11 +79,72 @@ def test_energy_weighting_follows_the_member_with_larger_logits_per_sample() -> 
     assert out.argmax(1).tolist() == [0, 0, 0] and bool((gate[0] > 0.99).all())
 
 
+class Knows(nn.Module):
+    """A member on one-hot "images" of 4 classes that recognises the classes it saw and
+    calls every other one its first class, confidently."""
+
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        table = torch.full((4, 4), -4.0)
+        for k in range(4):
+            table[k, k if k in seen else seen[0]] = 4.0
+        self.register_buffer("table", table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.get_buffer("table")
+
+
+def test_estimated_weighting_finds_who_saw_each_class_from_predictions_alone() -> None:
+    """Member 0 saw classes 0 and 1, member 1 classes 2 and 3, and each is as loud on
+    every sample (energy cannot tell them apart). After observing class-balanced samples
+    the estimate gives each class to the member that saw it, and the ensemble weighs each
+    member's vote for a class by the gate times that share."""
+    members = [Knows([0, 1]), Knows([2, 3])]
+    balanced = torch.eye(4).repeat(8, 1)  # 8 samples of each class
+    ensemble = LabelAwareEnsemble(
+        members, "estimated", sizes=torch.tensor([100.0, 100.0]), warmup=2
+    )
+    energy = LabelAwareEnsemble(members, "energy")
+
+    torch.testing.assert_close(ensemble(torch.eye(4)), energy(torch.eye(4)))  # warming up
+    ensemble.observe(balanced)
+    assert ensemble.estimated_shares() is None
+    ensemble.observe(balanced)
+
+    shares = ensemble.estimated_shares()
+    assert shares is not None
+    torch.testing.assert_close(shares.sum(0), torch.ones(4))
+    assert shares.argmax(0).tolist() == [0, 0, 1, 1]
+    assert bool((shares.max(0).values > 0.6).all())
+    x = torch.eye(4)
+    logits = torch.stack([member(x) for member in members])  # (2, 4, 4)
+    weight = logits.logsumexp(-1).softmax(0)[..., None] * shares[:, None, :]
+    expected = (weight / weight.sum(0) * logits.softmax(-1)).sum(0).log()
+    torch.testing.assert_close(ensemble(x), expected)
+    # a class's sample: the member that saw it counts with its share (~1), not half
+    assert bool((ensemble(x).exp().diagonal() > energy(x).exp().diagonal() + 0.4).all())
+
+
+def test_estimated_shares_scale_with_the_members_sample_counts() -> None:
+    """Two members that predict alike: the estimate splits each class by sample count."""
+    members = [Knows([0, 1, 2, 3]), Knows([0, 1, 2, 3])]
+    ensemble = LabelAwareEnsemble(members, "estimated", sizes=torch.tensor([30.0, 10.0]))
+    for _ in range(ensemble.warmup):
+        ensemble.observe(torch.eye(4))
+    shares = ensemble.estimated_shares()
+    assert shares is not None
+    torch.testing.assert_close(shares, torch.tensor([[0.75] * 4, [0.25] * 4]))
+
+
 def test_an_ensemble_refuses_what_it_cannot_weigh() -> None:
     with pytest.raises(ValueError, match="needs every member's label counts"):
         LabelAwareEnsemble([Fixed([0.0, 1.0])], "counts")
     with pytest.raises(ValueError, match="at least one member"):
         LabelAwareEnsemble([], "energy")
+    with pytest.raises(ValueError, match="needs every member's sample count"):
+        LabelAwareEnsemble([Fixed([0.0, 1.0])], "estimated", sizes=torch.ones(2))
+    with pytest.raises(ValueError, match="observe is for estimated weighting"):
+        LabelAwareEnsemble([Fixed([0.0, 1.0])], "energy").observe(torch.zeros(2, 1))
 
 
 def oneshot_config(**overrides: object) -> CoordinatorConfig:
@@ -104,7 +165,12 @@ def contributions(with_counts: bool) -> list[Contribution]:
 
 @pytest.mark.parametrize(
     ("configured", "with_counts", "weighting"),
-    [("auto", True, "counts"), ("auto", False, "energy"), ("energy", True, "energy")],
+    [
+        ("auto", True, "counts"),
+        ("auto", False, "estimated"),
+        ("energy", True, "energy"),
+        ("estimated", True, "estimated"),
+    ],
 )
 def test_the_strategy_distils_and_reports_the_ensemble_beside_the_student(
     configured: str, with_counts: bool, weighting: str, caplog: pytest.LogCaptureFixture
@@ -113,7 +179,8 @@ def test_the_strategy_distils_and_reports_the_ensemble_beside_the_student(
     templates = build_models(cfg)
     strategy = build_strategy(cfg, templates)
     assert isinstance(strategy, OneShot)
-    assert strategy.uplink().label_counts == (configured != "energy")  # asked only if used
+    asked = configured in ("auto", "counts")
+    assert strategy.uplink().label_counts == asked  # asked only if used
     current = {name: {"aca": state_arrays(t)} for name, t in templates.items()}
     rng = np.random.default_rng(0)
     x = rng.random((64, 1, 28, 28), dtype=np.float32)
@@ -152,8 +219,13 @@ def hello(consents: bool) -> Hello:
     )
 
 
-def test_counts_weighting_needs_consent_and_auto_or_energy_do_not() -> None:
-    for weighting, refused in (("counts", True), ("auto", False), ("energy", False)):
+def test_counts_weighting_needs_consent_and_the_others_do_not() -> None:
+    for weighting, refused in (
+        ("counts", True),
+        ("auto", False),
+        ("energy", False),
+        ("estimated", False),
+    ):
         cfg = oneshot_config(oneshot_weighting=weighting)
         strategy = build_strategy(cfg, build_models(cfg))
         assert strategy.refuse(hello(consents=True)) is None
@@ -168,7 +240,7 @@ def test_oneshot_is_one_round_of_every_device_and_its_settings_are_fingerprinted
     with pytest.raises(ConfigError, match="oneshot is one-shot: run it with --rounds 1"):
         build_strategy(oneshot_config(rounds=2), build_models(cfg))
     fields = cfg.fingerprint_fields()
-    assert fields["oneshot_weighting"] == "energy" and fields["dense_epochs"] == 3
+    assert fields["oneshot_weighting"] == "estimated" and fields["dense_epochs"] == 3
     assert oneshot_config(oneshot_weighting="counts").fingerprint_fields() != fields
     assert "oneshot_weighting" not in oneshot_config(strategy="dense").fingerprint_fields()
 
