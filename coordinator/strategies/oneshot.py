@@ -8,24 +8,30 @@ accuracy goes (on MNIST at alpha 0.1 the mean of five LeNet-5 scores 63-77 %,
 docs/results.md). This strategy's ensemble weighs the members instead
 (:class:`LabelAwareEnsemble`), in probability space:
 
-- ``energy`` (the default): per sample, member ``i`` counts with
+- ``estimated`` (the default): per sample and class, member ``i`` counts with
+  ``gate_i(x) * share_i(k)``, normalised over the members. The gate is
   ``softmax_i(logsumexp_k logits[i])``, the members' energies: a model's logits are
   larger on the kind of data it was trained on, so the member that knows a sample's
-  class tends to speak for it. It needs no label counts (the consent-free estimate);
+  class tends to speak for it. The share is member ``i``'s share of class ``k``,
+  estimated from its own predictions (:meth:`LabelAwareEnsemble.observe`): the
+  generator's optimised batch of each epoch is made for labels drawn uniformly, so its
+  classes are balanced, and a member's mean probability of class ``k`` over those
+  batches, times its sample count, stands for its count of class ``k`` (a member that
+  never saw a class rarely predicts it). Until 5 batches were observed the gate alone
+  weighs. It needs no label counts: the consent-free estimate;
+- ``energy``: the gate alone;
 - ``counts``: member ``i``'s probability of class ``k`` counts with its share of the
   samples of class ``k``, ``n[i, k] / sum_j n[j, k]`` (a class no member saw: equal
   shares), from the label counts devices upload when they consent (``share_label_counts``
   in their hello, as for FedGen): a member's vote for a class it did not see weighs 0;
-- ``auto``: ``counts`` where every upload carries its counts, else ``energy``.
+- ``auto``: ``counts`` where every upload carries its counts, else ``estimated``.
 
-``counts`` makes the better ensemble on real data (on MNIST at alpha 0.1, 94.5 % against
-92.1 %), but where the devices' data are very skewed ``energy`` makes the better student
-(alpha 0.1: 91.9 % against 86.7 %; at alpha 0.5 ``counts`` does, 96.2 % against
-95.6 %; 3 seeds, docs/results.md): energy-gated targets are softer on generated
-samples, where no member knows the class, and the student started from the average
-learns them without losing what the average holds. So ``energy``, which needs no
-consent, is the default, and devices are asked for their label counts only under
-``counts`` or ``auto``.
+Measured on MNIST (5 devices, 3 seeds, docs/results.md) ``estimated`` makes the best
+student at both skews measured, so it is the default, and devices are asked for their
+label counts only under ``counts`` or ``auto``. ``counts`` makes a sharper ensemble,
+but where the devices' data are very skewed (alpha 0.1) a weaker student: its targets
+on generated samples, where no member knows the class, are as sharp as one member's
+guess.
 
 The ensemble's output is the log of the weighted probabilities, which the generator
 phase and the student's KL take as logits. The server step is then DENSE's
