@@ -252,7 +252,7 @@ def test_oneshot_distils_longer_than_dense_by_default() -> None:
     assert (ours.dense_epochs, ours.dense_student_steps) == (40, 40)
     assert (dense.dense_epochs, dense.dense_student_steps) == (20, 20)
     settings = build_strategy(ours, build_models(ours)).settings
-    assert (settings.extra_batches, settings.memory_batches, settings.student_lr) == (8, 200, 3e-4)
+    assert (settings.extra_batches, settings.memory_batches, settings.student_lr) == (8, 200, 1e-3)
     assert settings.student_steps == 40 and settings.start_from_average
 
 
