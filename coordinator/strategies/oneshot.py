@@ -47,7 +47,8 @@ decision boundaries where the students still disagree, and kept beside it; 8 mor
 batches drawn from the generator each epoch without a step (fresh noise: varied samples
 for the cost of the ensemble's forward passes) join them in a memory of 200 batches
 (DENSE's 10), on which the students take 40 steps an epoch (DENSE: 20) at DENSE's
-learning rate, 1e-3; and the generator's loss has a smoothness prior
+learning rate, 1e-3 (3e-4 under ``counts``, whose sharper targets distil better
+slower); and the generator's loss has a smoothness prior
 (:func:`~coordinator.strategies.sample_generation.total_variation`, weight 3): the
 devices' models (LeNet-5) have no BatchNorm statistics to say what their data looked
 like, and without a prior the generator's samples drift into textures that the
@@ -88,9 +89,15 @@ from coordinator.strategies.sample_generation import new_generator
 from models import Classifier, state_arrays
 from protocol.messages import Hello, UploadSpec
 
-__all__ = ["LabelAwareEnsemble", "OneShot", "class_shares"]
+__all__ = ["COUNTS_STUDENT_LR", "LabelAwareEnsemble", "OneShot", "class_shares"]
 
 log = logging.getLogger(__name__)
+
+COUNTS_STUDENT_LR = 3e-4
+"""The students' learning rate under the ``counts`` weighting: its targets are sharper
+than the energy-gated ones, and on MNIST (3 seeds) its students scored better at 3e-4
+than at the other weightings' 1e-3 at both skews measured (alpha 0.5: 96.16 against
+95.97 %; alpha 0.1: 86.69 against 85.22 %)."""
 
 ESTIMATE_WARMUP = 5
 """Generated batches the ``estimated`` weighting observes before it uses its estimate
@@ -213,7 +220,8 @@ class OneShot(Dense):
     """DENSE's server step with hard samples beside each generated batch, 8 more batches
     of the generator drawn each epoch, a memory of 200 batches (20 epochs' worth), the
     smoothness prior on the generated samples, and students that start from the average
-    of the uploads and learn at DENSE's 1e-3, 40 steps an epoch (the fleet default of
+    of the uploads and learn at DENSE's 1e-3 (3e-4 under the ``counts`` weighting:
+    :meth:`settings_for`), 40 steps an epoch (the fleet default of
     ``dense_student_steps``)."""
 
     def __init__(self, config: CoordinatorConfig, templates: Mapping[str, Classifier]) -> None:
@@ -249,6 +257,7 @@ class OneShot(Dense):
         table = torch.tensor(counts, dtype=torch.float32) if weighting == "counts" else None
         sizes = torch.tensor([update.num_samples for update in received], dtype=torch.float32)
         ensemble = LabelAwareEnsemble(members, weighting, table, sizes=sizes).to(context.device)
+        settings = self.settings_for(weighting)
         students = self._students(current, received)
         generator = new_generator(self._generator_config, context.rng)
         log.info(
@@ -265,7 +274,7 @@ class OneShot(Dense):
             [ensemble],
             generator,
             classes=self.config.num_classes,
-            settings=self.settings,
+            settings=settings,
             rng=context.rng,
             device=context.device,
             observe=ensemble.observe if weighting == "estimated" else None,
@@ -291,6 +300,13 @@ class OneShot(Dense):
         return Aggregated(
             {group: {"aca": state_arrays(s)} for group, s in students.items()}, metrics
         )
+
+    def settings_for(self, weighting: Weighting) -> DenseSettings:
+        """The server step's settings for a round weighed by ``weighting``: the
+        strategy's, with the students at :data:`COUNTS_STUDENT_LR` under ``counts``."""
+        if weighting == "counts":
+            return replace(self.settings, student_lr=COUNTS_STUDENT_LR)
+        return self.settings
 
     def _weighting(self, counts: Sequence[tuple[int, ...] | None]) -> Weighting:
         """The weighting this round's uploads allow: ``counts`` needs every upload's."""

@@ -18,6 +18,7 @@ from coordinator.strategies.base import Aggregated, Contribution
 from coordinator.strategies.dense import hard_samples
 from coordinator.strategies.ensemble import ensemble_logits, kl_to_ensemble
 from coordinator.strategies.oneshot import (
+    COUNTS_STUDENT_LR,
     LabelAwareEnsemble,
     OneShot,
     class_shares,
@@ -254,6 +255,18 @@ def test_oneshot_distils_longer_than_dense_by_default() -> None:
     settings = build_strategy(ours, build_models(ours)).settings
     assert (settings.extra_batches, settings.memory_batches, settings.student_lr) == (8, 200, 1e-3)
     assert settings.student_steps == 40 and settings.start_from_average
+
+
+def test_counts_weighting_distils_at_its_own_learning_rate() -> None:
+    config = CoordinatorConfig.model_validate(
+        {"fleet": "test", "model": "lenet5", "strategy": "oneshot"}
+    )
+    strategy = build_strategy(config, build_models(config))
+    assert isinstance(strategy, OneShot)
+    assert strategy.settings_for("counts").student_lr == COUNTS_STUDENT_LR
+    assert strategy.settings_for("counts").student_lr != strategy.settings.student_lr
+    for weighting in ("estimated", "energy"):
+        assert strategy.settings_for(weighting) == strategy.settings
 
 
 def test_hard_samples_move_towards_disagreement_and_stay_images() -> None:
