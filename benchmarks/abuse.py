@@ -29,8 +29,10 @@ devices they named: refused by the devices, counted in their logs).
 Counts per category: ``tried`` (publishes), ``rejected`` (refusal lines the coordinator
 wrote while the burst was processed: lines saying refused / rejected / dropped /
 ignored, at any level, except an honest device's own update sent again after a late
-ack, which the coordinator answers as a duplicate), ``logged`` (those at WARNING, what
-an operator sees at the default level). The refusal lines are what this benchmark
+ack, which the coordinator answers as a duplicate; for the categories the devices
+refuse, the lines the devices' logs gained during the burst), ``logged`` (those at
+WARNING, what an operator sees at the default level). A burst the coordinator's exit cut
+off before its fence counts nowhere. The refusal lines are what this benchmark
 measures, so it reads them in the coordinator's log; the honest figures come from the
 coordinator's status file (``STATE_DIR/status.json``) and are compared with an
 abuse-free reference run of the same seed: rounds, honest updates on time, ``lost``
@@ -103,8 +105,11 @@ DEVICE_SIDE: dict[str, tuple[str, Callable[[list[int]], int]]] = {
     "stale_task": ("ignored task ", sum),
 }
 """Categories the devices refuse: the refusal line each device's log holds, and how the
-devices' counts add up (a forged fleet-wide frame reaches, and is refused by, every
-device: the fewest lines of any; a replayed task only the device it names: the sum)."""
+devices' new lines of a burst add up (a forged fleet-wide frame reaches, and is refused
+by, every device: the fewest lines of any; a replayed task only the device it names: the
+sum)."""
+DEVICE_WAIT_S = 30.0
+"""How long after its fence a device-side burst's refusal lines may take to appear."""
 # the refusal lines of the coordinator's log (``-v``), the thing this benchmark counts
 _REFUSAL = re.compile(
     r"^\S+ \S+ (WARNING|DEBUG) (?:coordinator|protocol)[\w.]*: "
@@ -274,11 +279,15 @@ def _attack(
     server: Any,
     old: list[tuple[str, bytes]],
     report: AbuseReport,
+    devices: DeviceLogs,
     journal: TextIO | None = None,
 ) -> None:
     """Bursts of one category at a time, each closed by a fence, until the coordinator
     exits; unfinished transfers dropped later are credited to the category that started
-    them."""
+    them. A burst whose fence the coordinator did not log before it exited counts
+    nowhere (neither tried nor rejected). A burst the devices refuse is counted in the
+    lines their logs gained from before it until they hold one per message (or
+    :data:`DEVICE_WAIT_S` passed)."""
     deadline = time.monotonic() + 120
     while not hostile.ready() and server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -298,6 +307,8 @@ def _attack(
                     messages.append(hostile.oversize_frame())
                     big_sent += 1
                 nacks_before = len(hostile.nacks)
+                device_side = DEVICE_SIDE.get(category)
+                before = devices.refusals(device_side[0]) if device_side else None
                 sent, transfers = 0, []
                 for topic, payload in messages:
                     try:
@@ -318,6 +329,8 @@ def _attack(
                     if server.poll() is None:
                         report.problems.append(f"fence {k} ({category}) not seen in the log")
                     return  # the run ended meanwhile: this burst did not meet a coordinator
+                if device_side is not None and before is not None:
+                    total, warned = devices.wait_for(device_side, before, sent)
                 for tid in transfers:
                     started.setdefault(tid, category)
                 if journal is not None:
@@ -372,9 +385,10 @@ def one_run(
             if abuse:
                 reader = LogReader(log, hostile.honest_update)
                 journal = stack.enter_context((work / "bursts.jsonl").open("w"))
+                logs = DeviceLogs(work / "devices", honest)
                 attacker = threading.Thread(
                     target=_attack,
-                    args=(hostile, cfg, reader, server, old, report, journal),
+                    args=(hostile, cfg, reader, server, old, report, logs, journal),
                     daemon=True,
                 )
                 attacker.start()
@@ -436,15 +450,6 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     report.reference_peak_rss_mb = reference.coordinator_peak_rss_mb
     report.reference_wall_s = reference.wall_s
     report.held_at_end = _held_at_end(report)
-    for name, (needle, combine) in DEVICE_SIDE.items():
-        entry = report.categories.get(name)
-        if entry is None:
-            continue
-        refused, warned = _device_refusals(
-            work / "abuse" / "devices", [f.stem for f in files], needle
-        )
-        entry.rejected = combine(refused) if refused else 0
-        entry.logged = combine(warned) if warned else 0
     report.categories = {n: report.categories[n] for n in CATEGORIES if n in report.categories}
     for entry in report.categories.values():
         report.tried += entry.tried
@@ -457,21 +462,47 @@ def run_benchmark(cfg: AbuseConfig, work: Path) -> AbuseReport:
     return report
 
 
-def _device_refusals(root: Path, devices: list[str], needle: str) -> tuple[list[int], list[int]]:
-    """Per device, its log's refusal lines holding ``needle`` (lines that no honest frame
-    causes: an honest status never fails its signature, an honest task is never older
-    than the newest taken), all of them (the devices run with ``-v``: a refusal of a kind
-    logged at WARNING in the last minute is at DEBUG) and those at WARNING."""
-    counts, warned = [], []
-    for device in devices:
-        try:
-            text = (root / f"{device}.log").read_text(errors="replace")
-        except OSError:
-            text = ""
-        lines = [line for line in text.splitlines() if needle in line]
-        counts.append(len(lines))
-        warned.append(sum(" WARNING " in line for line in lines))
-    return counts, warned
+class DeviceLogs:
+    """The honest devices' logs (``root/{device}.log``), read for the refusal lines of the
+    categories the devices refuse. Lines that no honest frame causes: an honest status
+    never fails its signature, an honest task is never older than the newest taken. The
+    devices run with ``-v``: a refusal of a kind logged at WARNING in the last minute is
+    at DEBUG, so every refusal leaves a line."""
+
+    def __init__(self, root: Path, devices: list[str]) -> None:
+        self.root = root
+        self.devices = devices
+
+    def refusals(self, needle: str) -> tuple[list[int], list[int]]:
+        """Per device, its lines holding ``needle``: all of them and those at WARNING."""
+        counts, warned = [], []
+        for device in self.devices:
+            try:
+                text = (self.root / f"{device}.log").read_text(errors="replace")
+            except OSError:
+                text = ""
+            lines = [line for line in text.splitlines() if needle in line]
+            counts.append(len(lines))
+            warned.append(sum(" WARNING " in line for line in lines))
+        return counts, warned
+
+    def wait_for(
+        self,
+        side: tuple[str, Callable[[list[int]], int]],
+        before: tuple[list[int], list[int]],
+        sent: int,
+        timeout_s: float = DEVICE_WAIT_S,
+    ) -> tuple[int, int]:
+        """The refusal lines (all, at WARNING) the devices wrote since ``before``, as
+        ``side`` adds them up, once they reach ``sent`` or ``timeout_s`` passed."""
+        needle, combine = side
+        deadline = time.monotonic() + timeout_s
+        while True:
+            counts, warned = self.refusals(needle)
+            total = combine([a - b for a, b in zip(counts, before[0], strict=True)])
+            if total >= sent or time.monotonic() >= deadline:
+                return total, combine([a - b for a, b in zip(warned, before[1], strict=True)])
+            time.sleep(0.1)
 
 
 def _held_at_end(report: AbuseReport) -> int:
