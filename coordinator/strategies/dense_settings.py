@@ -94,7 +94,7 @@ class DenseOptions(StrategyOptions):
     dense_epochs: int = Field(default=_DEFAULTS.epochs, ge=1)
     """dense, oneshot: alternations of a generator phase and a student phase on the
     server (more: closer students, proportionally more server time); oneshot's default
-    is 40."""
+    is 80."""
     dense_generator_steps: int = Field(default=_DEFAULTS.generator_steps, ge=1)
     """dense, oneshot: generator Adam steps per epoch."""
     dense_student_steps: int = Field(default=_DEFAULTS.student_steps, ge=1)

@@ -250,7 +250,7 @@ def test_oneshot_distils_longer_than_dense_by_default() -> None:
     bare = {"fleet": "test", "model": "lenet5"}
     ours = CoordinatorConfig.model_validate(bare | {"strategy": "oneshot"})
     dense = CoordinatorConfig.model_validate(bare | {"strategy": "dense"})
-    assert (ours.dense_epochs, ours.dense_student_steps) == (40, 40)
+    assert (ours.dense_epochs, ours.dense_student_steps) == (80, 40)
     assert (dense.dense_epochs, dense.dense_student_steps) == (20, 20)
     settings = build_strategy(ours, build_models(ours)).settings
     assert (settings.extra_batches, settings.memory_batches, settings.student_lr) == (8, 200, 1e-3)
