@@ -33,9 +33,8 @@ at 3e-4: 92.6 % against 91.9 %; at alpha 0.5 the two are level, 95.8 % and 95.6 
 today's 1e-3 and 80 epochs ``estimated`` scores 92.8 % and 96.1 %), so it is the
 default, and devices are asked for their label counts only under ``counts`` or
 ``auto``. ``counts`` makes a student as good at alpha 0.5 (96.3 %) but a weak one at
-alpha 0.1 (85.7 %): its
-targets on generated samples, where no member knows the class, are as sharp as one
-member's guess.
+alpha 0.1 (85.7 %): its targets on generated samples, where no member knows the class,
+are as sharp as one member's guess.
 
 The ensemble's output is the log of the weighted probabilities, which the generator
 phase and the student's KL take as logits. The server step is then DENSE's
@@ -48,18 +47,17 @@ decision boundaries where the students still disagree, and kept beside it; 8 mor
 batches drawn from the generator each epoch without a step (fresh noise: varied samples
 for the cost of the ensemble's forward passes) join them in a memory of 200 batches
 (DENSE's 10), on which the students take 40 steps an epoch (DENSE: 20), over 80
-epochs (DENSE: 20; ``OneShotOptions``), at DENSE's
-learning rate, 1e-3 (3e-4 under ``counts``, whose sharper targets distil better
-slower); and the generator's loss has a smoothness prior
-(:func:`~coordinator.strategies.sample_generation.total_variation`, weight 3): the
-devices' models (LeNet-5) have no BatchNorm statistics to say what their data looked
-like, and without a prior the generator's samples drift into textures that the
-ensemble labels but no device ever saw. Each group's student starts from the
+epochs (DENSE: 20; ``OneShotOptions``), at DENSE's learning rate, 1e-3 (3e-4 under
+``counts``, whose sharper targets distil better slower); and the generator's loss has a
+smoothness prior (:func:`~coordinator.strategies.sample_generation.total_variation`,
+weight 3): the devices' models (LeNet-5) have no BatchNorm statistics to say what their
+data looked like, and without a prior the generator's samples drift into textures that
+the ensemble labels but no device ever saw. Each group's student starts from the
 sample-weighted average of the group's uploads (one-shot FedAvg, as FedDF starts), not
 from untrained weights as DENSE's: the average holds features of the devices' real
-data. When the run has a held-out set (the
-coordinator's ``--eval-data``; the sim's test set) the round's server metrics say how
-well the ensemble itself scores there (the student's ceiling) beside the students.
+data. When the run has a held-out set (the coordinator's ``--eval-data``; the sim's
+test set) the round's server metrics say how well the ensemble itself scores there (the
+student's ceiling) beside the students.
 
 Devices train once and upload once, as for DENSE; their side is DENSE's.
 """
