@@ -267,7 +267,7 @@ class OneShot(Dense):
             weighting,
             len(members),
             ", ".join(students),
-            self.settings.epochs,
+            settings.epochs,
         )
         result = dense_distill(
             students,
