@@ -120,6 +120,91 @@ def test_a_chain_hands_grouped_tensors_only_to_layers_that_act_on_each_plane() -
     assert [n for n, _ in twin.named_parameters()] == [n for n, _ in chain.named_parameters()]
 
 
+def _run_order(chain: nn.Sequential) -> list[str]:
+    """The kinds of the steps the stacked twin of ``chain`` runs, in order."""
+    steps: list[object] = vars(StackedModule(chain).twin)["_order"]
+    return [type(step).__name__ for step in steps]
+
+
+def test_a_relu_before_a_max_pooling_runs_after_it_with_the_same_values() -> None:
+    # Prepare: ReLU then max pooling (LeNet-5's stages), once with padding and ceil mode
+    torch.manual_seed(5)
+    chain = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 3),
+    )
+
+    # Execute / Assert: each row is its own model, and the pooling runs first
+    for train in (True, False):
+        _check(_distinct(chain, ROWS), [torch.randn(ROWS, BATCH, 2, 12, 12)], train)
+    order = _run_order(chain)
+    assert order[:6] == ["_Conv2d", "MaxPool2d", "ReLU", "_Conv2d", "MaxPool2d", "ReLU"]
+
+
+@pytest.mark.parametrize(("groups", "bias"), [(1, True), (2, False)])
+def test_an_upsampling_before_a_3x3_convolution_runs_as_one_transposed_convolution(
+    groups: int, bias: bool
+) -> None:
+    # Prepare: nearest x2 upsamplings each before a 3x3 convolution (an image generator's
+    # blocks), on images that are not square; then one that is not fused (x3)
+    torch.manual_seed(6)
+    chain = nn.Sequential(
+        nn.Upsample(scale_factor=2),
+        nn.Conv2d(4, 6, 3, padding=1, groups=groups, bias=bias),
+        nn.BatchNorm2d(6),
+        nn.LeakyReLU(0.2),
+        nn.Upsample(scale_factor=(2, 2)),
+        nn.Conv2d(6, 2, 3, padding=1),
+        nn.Upsample(scale_factor=3),
+        nn.Conv2d(2, 2, 3, padding=1),
+    )
+
+    # Execute / Assert
+    for train in (True, False):
+        _check(_distinct(chain, ROWS), [torch.randn(ROWS, BATCH, 4, 3, 5)], train)
+    order = _run_order(chain)
+    assert order == [
+        "_UpsampledConv",
+        "_BatchNorm",
+        "LeakyReLU",
+        "_UpsampledConv",
+        "Upsample",
+        "_Conv2d",
+    ]
+
+
+class _TwoChains(nn.Module):
+    """Two chains one after the other in ``forward``, the first one's output changed in
+    place or not in between."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.first = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1))
+        self.second = nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(4, 3, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        if self.in_place:
+            x.mul_(3.0)
+        return self.second(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_chain_takes_the_grouped_output_of_the_chain_before_unless_it_was_changed(
+    in_place: bool,
+) -> None:
+    torch.manual_seed(7)
+    model = _TwoChains(in_place)
+    _check(_distinct(model, ROWS), [torch.randn(ROWS, BATCH, 2, 6, 6)], True)
+
+
 def test_each_row_is_its_own_1d_convolutional_network() -> None:
     """Series models (the wearable example's kind): Conv1d with padding, stride,
     dilation and groups, BatchNorm1d and the 1-D pooling between them."""
