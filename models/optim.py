@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["SGD", "Adam", "adam_update_", "sgd_update_"]
+__all__ = ["SGD", "Adam", "adam_corrections", "adam_step_", "adam_update_", "sgd_update_"]
 
 
 def sgd_update_(
@@ -76,14 +76,55 @@ def adam_update_(
             number's).
         lr, betas, eps: as ``torch.optim.Adam``'s.
     """
+    correction1, correction2_sqrt = adam_corrections(step, betas, param.dtype)
+    adam_step_(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        correction1=correction1,
+        correction2_sqrt=correction2_sqrt,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+    )
+
+
+Correction = float | torch.Tensor
+
+
+def adam_corrections(
+    step: float | torch.Tensor, betas: tuple[float, float], dtype: torch.dtype
+) -> tuple[Correction, Correction]:
+    """Adam's bias corrections at ``step`` (see :func:`adam_update_`):
+    ``1 - beta1 ** step`` and ``sqrt(1 - beta2 ** step)``; for a tensor ``step``, computed
+    in its dtype and cast to ``dtype``, the parameters' (a cohort computes them once a
+    step for all its stacked parameters)."""
     beta1, beta2 = betas
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     correction1 = 1 - beta1**step
     correction2_sqrt = (1 - beta2**step) ** 0.5
     if isinstance(correction1, torch.Tensor):  # counted in float64: cast once computed
-        correction1 = correction1.to(param.dtype)
-        correction2_sqrt = torch.as_tensor(correction2_sqrt).to(param.dtype)
+        return correction1.to(dtype), torch.as_tensor(correction2_sqrt).to(dtype)
+    return correction1, correction2_sqrt
+
+
+def adam_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    correction1: Correction,
+    correction2_sqrt: Correction,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> None:
+    """:func:`adam_update_` with the step's :func:`adam_corrections` given (tensors
+    broadcastable to ``param``)."""
+    beta1, beta2 = betas
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(eps)
     param.sub_((lr / correction1) * exp_avg / denom)
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from edge_client.train.training import TrainHook
-from models.optim import Adam, adam_update_
+from models.optim import Adam, adam_corrections, adam_step_
 from models.stacked import StackedModule
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; devices may run 3.10
@@ -214,13 +214,29 @@ class StackedAdam:
             else:
                 self.step[index] += 1
                 step = self.step[index]
+            if not self.names:
+                return
+            # the rows' corrections once, for all parameters (one dtype: the module's)
+            correction1, correction2_sqrt = adam_corrections(
+                step, self.betas, params[self.names[0]].dtype
+            )
+            assert isinstance(correction1, torch.Tensor)  # a tensor step gives tensors
+            assert isinstance(correction2_sqrt, torch.Tensor)
             for name in self.names:
                 p = params[name]
                 m = self.exp_avg[name] if index is None else self.exp_avg[name][index]
                 v = self.exp_avg_sq[name] if index is None else self.exp_avg_sq[name][index]
-                count = step.view((-1,) + (1,) * (p.ndim - 1))
-                adam_update_(
-                    p, grads[name], m, v, count, lr=self.lr, betas=self.betas, eps=self.eps
+                shape = (-1,) + (1,) * (p.ndim - 1)
+                adam_step_(
+                    p,
+                    grads[name],
+                    m,
+                    v,
+                    correction1=correction1.view(shape),
+                    correction2_sqrt=correction2_sqrt.view(shape),
+                    lr=self.lr,
+                    betas=self.betas,
+                    eps=self.eps,
                 )
                 if index is not None:
                     self.exp_avg[name][index] = m
