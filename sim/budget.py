@@ -76,6 +76,7 @@ from protocol.transport.wire import MqttVersion, publish_packet_size
 from sim.cohort.trainer import BatchedTrainer, Engine
 from sim.errors import SimError
 from sim.fleet import FleetDevice
+from sim.partition import Federation
 from sim.progress import Detailed, Progress
 from sim.run import SimConfig, build_federation, device_data
 
@@ -88,6 +89,7 @@ __all__ = [
     "TransferTime",
     "budget_engine",
     "estimate",
+    "estimate_with_reference",
     "link_profile",
     "reference_config",
     "transfer_time",
@@ -328,11 +330,40 @@ def estimate(
             dataset that cannot be loaded or partitioned, or a device that cannot run
             its task.
     """
+    return _estimate(config, progress, label, None)[0]
+
+
+def estimate_with_reference(
+    config: SimConfig, *, progress: Progress | None = None
+) -> tuple[Budget, Budget]:
+    """The budget of ``config`` and that of its fp32 FedAvg reference
+    (:func:`reference_config`; the budget itself when ``config`` is the reference),
+    both on the same partitioned dataset, loaded once.
+
+    Raises:
+        SimError: as :func:`estimate`.
+    """
+    budget, federation = _estimate(config, progress, "budget", None)
+    settings = reference_config(config)
+    if settings == config:
+        return budget, budget
+    # the reference differs in strategy and precisions only: the same data
+    return budget, _estimate(settings, progress, "fp32 reference", federation)[0]
+
+
+_Data = tuple[Federation, tuple[int, ...]]
+"""A run's partitioned dataset and the shape of one sample (:func:`build_federation`)."""
+
+
+def _estimate(
+    config: SimConfig, progress: Progress | None, label: str, data: _Data | None
+) -> tuple[Budget, _Data]:
     try:
         device = resolve_device(config.device)
     except ValueError as exc:
         raise SimError(str(exc)) from exc
-    return _Emulation(config, progress, label, device).run()
+    emulation = _Emulation(config, progress, label, device, data)
+    return emulation.run(), emulation.data
 
 
 def budget_engine(engine: Engine) -> Literal["batched", "loop"]:
@@ -348,15 +379,23 @@ class _Emulation:
     """One run: the engine, the emulated devices and the byte counters."""
 
     def __init__(
-        self, config: SimConfig, progress: Progress | None, label: str, device: torch.device
+        self,
+        config: SimConfig,
+        progress: Progress | None,
+        label: str,
+        device: torch.device,
+        shared: _Data | None,
     ) -> None:
         self.config = config
         self._progress = progress
         self._label = label
         self.codec = Codec()
         self.topics = Topics(config.fleet)
-        self._step(f"loading {config.dataset} and partitioning it across the devices")
-        federation, shape = build_federation(config)
+        if shared is None:
+            self._step(f"loading {config.dataset} and partitioning it across the devices")
+            shared = build_federation(config)
+        self.data = shared
+        federation, shape = shared
         coordinator = config.coordinator_config(federation.num_classes, shape)
         try:  # as coordinator.runtime.Coordinator builds its engine
             templates = build_models(coordinator)

@@ -14,9 +14,8 @@ from sim.budget import (
     RATE_SYNTAX,
     Budget,
     LinkProfile,
-    estimate,
+    estimate_with_reference,
     link_profile,
-    reference_config,
     transfer_time,
 )
 from sim.progress import TerminalProgress
@@ -99,11 +98,7 @@ def budget_from_args(args: argparse.Namespace) -> int:
     link = None if args.link is None else link_profile(args.link)  # bad links fail first
     config = sim_config(args)
     with TerminalProgress(config.rounds, every_s=args.progress_every) as progress:
-        budget = estimate(config, progress=progress)
-        settings = reference_config(config)
-        reference = budget
-        if settings != config:
-            reference = estimate(settings, progress=progress, label="fp32 reference")
+        budget, reference = estimate_with_reference(config, progress=progress)
     if args.json:
         print(json.dumps(budget_json(budget, reference, link), indent=1))
     else:

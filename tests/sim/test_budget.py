@@ -16,6 +16,7 @@ from sim.budget import (
     Bytes,
     budget_engine,
     estimate,
+    estimate_with_reference,
     link_profile,
     reference_config,
     transfer_time,
@@ -117,6 +118,29 @@ def sim_totals(final: dict[str, Any]) -> dict[str, int]:
         "wire_up": final["wire_bytes_up"],
         "wire_down": final["wire_bytes_down"],
     }
+
+
+def test_the_reference_is_estimated_on_the_budgets_own_data() -> None:
+    # Prepare: an int8 FedKF budget, whose reference is fp32 FedAvg
+    config = small(strategy="fedkf", downlink_precision="int8", uplink_precision="int8")
+    settings = reference_config(config)
+
+    # Execute
+    budget, reference = estimate_with_reference(config)
+    alone = estimate(settings)
+    same_budget, same_reference = estimate_with_reference(settings)
+
+    # Assert: the reference is that of its own settings, on the same partition (the
+    # hellos carry each device's sample and label counts: equal bytes), and a budget of
+    # the reference settings is its own reference
+    assert budget.config == config and reference.config == settings
+    assert reference.by_kind["hello"] == alone.by_kind["hello"]
+    assert reference.device_rounds == alone.device_rounds == budget.device_rounds
+    for field in FIELDS:
+        assert math.isclose(
+            getattr(reference.total, field), getattr(alone.total, field), rel_tol=0.01
+        )
+    assert same_budget is same_reference
 
 
 def test_counts_add_up_and_name_every_message_kind() -> None:
