@@ -9,6 +9,7 @@ from typing import Any
 from coordinator.cli_flags import add_fleet_flags, add_training_flags
 from coordinator.report import human_bytes
 from protocol.flags import ModelFlags
+from sim.allocator import keep_freed_memory
 from sim.budget import (
     LINK_PROFILES,
     RATE_SYNTAX,
@@ -97,6 +98,7 @@ def budget_from_args(args: argparse.Namespace) -> int:
     """Handler of ``python -m sim budget``."""
     link = None if args.link is None else link_profile(args.link)  # bad links fail first
     config = sim_config(args)
+    keep_freed_memory()  # this process trains on the CPU: no page faults every step
     with TerminalProgress(config.rounds, every_s=args.progress_every) as progress:
         budget, reference = estimate_with_reference(config, progress=progress)
     if args.json:
