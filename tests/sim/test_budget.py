@@ -130,16 +130,15 @@ def test_the_reference_is_estimated_on_the_budgets_own_data() -> None:
     alone = estimate(settings)
     same_budget, same_reference = estimate_with_reference(settings)
 
-    # Assert: the reference is that of its own settings, on the same partition (the
-    # hellos carry each device's sample and label counts: equal bytes), and a budget of
-    # the reference settings is its own reference
+    # Assert: the reference is that of its own settings, and counts what a separate
+    # estimate of them counts (message ids and timings compress a few bytes apart); a
+    # budget of the reference settings is its own reference
     assert budget.config == config and reference.config == settings
-    assert reference.by_kind["hello"] == alone.by_kind["hello"]
     assert reference.device_rounds == alone.device_rounds == budget.device_rounds
+    assert set(reference.by_kind) == set(alone.by_kind)
     for field in FIELDS:
-        assert math.isclose(
-            getattr(reference.total, field), getattr(alone.total, field), rel_tol=0.01
-        )
+        expected = getattr(alone.total, field)
+        assert math.isclose(getattr(reference.total, field), expected, rel_tol=0.01)
     assert same_budget is same_reference
 
 
