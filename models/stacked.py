@@ -168,10 +168,7 @@ class _Conv2d(_Conv):
         W)``, as a grouped ``(B, N * C_out, H', W')`` channels-last tensor."""
         n = _rows(self.weight)
         out_channels = int(self.weight.shape[1])
-        if grouped:
-            x = x.contiguous(memory_format=torch.channels_last)
-        else:
-            x = _grouped_channels_last(x, n)
+        x = _grouped_input(x, n, grouped=grouped)
         weight = self.weight.reshape(n * out_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(n * out_channels)
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups * n)
@@ -226,12 +223,7 @@ class _GroupedSequential(nn.Sequential):
         layers = self._order
         for i, layer in enumerate(layers):
             if isinstance(layer, _UpsampledConv):
-                rows = _rows(layer.conv.weight)
-                if n:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                else:
-                    x = _grouped_channels_last(x, rows)
-                x, n = layer(x), rows
+                x, n = layer.grouped(x, grouped=n > 0), _rows(layer.conv.weight)
             elif isinstance(layer, _Conv2d) and not layer._covers_input(x):
                 x, n = layer.grouped(x, grouped=n > 0), _rows(layer.weight)
             elif n and isinstance(layer, PLANE_WISE_LAYERS):
@@ -302,11 +294,14 @@ class _UpsampledConv:
             and conv.dilation == (1, 1)
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The grouped ``(B, N * C, H, W)`` input's grouped ``(B, N * C', 2H, 2W)``
-        output."""
+    def grouped(self, x: torch.Tensor, *, grouped: bool) -> torch.Tensor:
+        """The output of ``x``, flat ``(B * N, C, H, W)`` or grouped ``(B, N * C, H, W)``,
+        as a grouped ``(B, N * C', 2H, 2W)`` channels-last tensor (as
+        :meth:`_Conv2d.grouped`)."""
         conv = self.conv
-        groups = conv.groups * _rows(conv.weight)
+        n = _rows(conv.weight)
+        x = _grouped_input(x, n, grouped=grouped)
+        groups = conv.groups * n
         weight = conv.weight.reshape(-1, *conv.weight.shape[2:])  # (N * C', C / g, 3, 3)
         mix = _UP_MIX.to(weight)
         kernel = torch.einsum("ta,oiab,sb->oits", mix, weight, mix)
@@ -346,6 +341,14 @@ def _grouped_ahead(layers: list[nn.Module | _UpsampledConv]) -> int:
         if not isinstance(layer, PLANE_WISE_LAYERS):
             return 0
     return 0
+
+
+def _grouped_input(x: torch.Tensor, n: int, *, grouped: bool) -> torch.Tensor:
+    """A convolution's input ``x``, already grouped or flat, as the grouped channels-last
+    tensor of ``n`` models."""
+    if grouped:
+        return x.contiguous(memory_format=torch.channels_last)
+    return _grouped_channels_last(x, n)
 
 
 def _grouped_channels_last(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -41,8 +41,9 @@ def keep_freed_memory() -> bool:
     256 MiB of freed memory (see the module's docstring).
 
     Returns:
-        True when set; False where the C library is not glibc (musl, macOS, Windows), or
-        it refused a setting: nothing is changed there.
+        True when set; False where the C library is not glibc (musl, macOS, Windows):
+        nothing is changed there; or where glibc refused a setting (the ones before it
+        stay set).
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
